@@ -1,0 +1,170 @@
+"""Side-by-side engine benchmark: every variant on the same batch plan of the same model, in one process.
+
+For each variant the batch is re-planned from the same seed (same prompts, initial noise, step noise), so all
+engines see identical trajectories; the rollout runs with the variant's own hooks (recompute-free engines
+work during sampling). Measured per variant (median over ``repeats``): rollout, train-phase and iteration
+seconds, peak memory over the iteration, the counters, and the gradient's cosine / relative error against
+``recompute`` on that same rollout.
+
+Cost model (sample-forward units, backward ≈ 2 forwards): cost = F_nograd + F_grad + 2·B_samples, from the
+counters. The ideal speedup of a variant is cost(recompute) / cost(variant); efficiency = measured / ideal.
+This reproduces the design's ideals: JAGG K/(#sample-backwards), Retain/Reweight (T+3K)/(T+2K),
+Flash (T+3K)/(T+3).
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from .config import RunConfig
+from .engines.base import MemoryMeter
+from .engines.recompute import RecomputeEngine
+from .trainer import Trainer
+
+
+def parse_variant(spec: str) -> tuple[str, list[str]]:
+    """``name[:key=value,...]`` → (label, overrides); bare keys mean ``engine.<key>``."""
+    spec = spec.strip()
+    name, _, rest = spec.partition(":")
+    overrides = [f"engine.name={name}"]
+    for kv in filter(None, (p.strip() for p in rest.split(","))):
+        key, _, val = kv.partition("=")
+        overrides.append(f"{key if '.' in key else 'engine.' + key}={val}")
+    return spec, overrides
+
+
+def _grads(params) -> torch.Tensor:
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().flatten().double()
+                      for p in params])
+
+
+def _cost(c: dict) -> float:
+    return c["forwards_nograd"] + c["forwards_grad"] + 2 * c["sample_backwards"]
+
+
+def _run_variant(trainer: Trainer, base_state: dict, seed: int) -> dict:
+    """One iteration (rollout + first-update backward) of ``trainer``'s engine from a fixed seed."""
+    trainer.policy.load_state_dict(base_state)
+    trainer.gen_prompts.manual_seed(seed)
+    trainer.gen_noise.manual_seed(seed + 1)
+    trainer.gen_steps.manual_seed(seed + 2)
+    c0 = dict(trainer.policy.counters)
+    trainer.optimizer.zero_grad(set_to_none=True)
+    t0 = time.perf_counter()
+    with MemoryMeter(trainer.device) as mem:
+        ro = trainer.rollout()
+        c_roll = {k: trainer.policy.counters[k] - c0[k] for k in c0}
+        stats = trainer.engine.backward(trainer.ctx, ro, 0)
+    t_iter = time.perf_counter() - t0
+    grad = _grads(trainer.params)
+    counters = {"forwards_nograd": stats.forwards_nograd + c_roll["forwards_nograd"],
+                "forwards_grad": stats.forwards_grad + c_roll["forwards_grad"],
+                "sample_backwards": stats.sample_backwards,
+                "train_forwards_grad": stats.forwards_grad, "train_forwards_nograd": stats.forwards_nograd,
+                "backward_calls": stats.backward_calls, "retained_graphs": stats.retained_graphs,
+                "grad_buffers": stats.grad_buffers, "allreduce_calls": stats.allreduce_calls}
+    rollout_extra = stats.seconds.get("rollout_extra", 0.0)
+    return {"ro": ro, "grad": grad, "t_iter": t_iter, "t_rollout": ro.timings["rollout"],
+            "t_train": stats.seconds.get("train", 0.0) + rollout_extra, "peak": max(mem.peak, stats.peak_memory_bytes),
+            "counters": counters, "metrics": stats.metrics}
+
+
+def bench_engines(cfg: RunConfig, variants: list[str], *, repeats: int = 3, out_dir: str | Path | None = None,
+                  log=print) -> dict:
+    """Run every variant side by side; write ``engines.json`` and ``engines.md`` to ``out_dir``."""
+    cfg = RunConfig.from_overrides(["log.progress=false"], base=cfg)
+    base = Trainer(RunConfig.from_overrides(["engine.name=recompute"], base=cfg), log=log)
+    base_state = {k: v.clone() for k, v in base.policy.state_dict().items()}
+    seed = cfg.seed + 1000
+    trainers = {}
+    for spec in variants:
+        label, ov = parse_variant(spec)
+        vcfg = RunConfig.from_overrides(ov, base=cfg)
+        t = Trainer(vcfg, policy=base.policy, log=log)
+        trainers[label] = t
+    results = {label: [] for label in trainers}
+    ref_grads = {}
+    for r in range(repeats + 1):  # first round is warm-up
+        order = list(trainers) if r % 2 == 0 else list(reversed(trainers))
+        for label in order:
+            res = _run_variant(trainers[label], base_state, seed)
+            if r == 0:
+                # exact reference: recompute on this variant's own rollout (same selected steps)
+                ro = res["ro"]
+                base.optimizer.zero_grad(set_to_none=True)
+                RecomputeEngine().backward(trainers[label].ctx, ro, 0)
+                ref_grads[label] = _grads(base.params)
+                res["ref_cos"] = float(torch.nn.functional.cosine_similarity(res["grad"], ref_grads[label], dim=0))
+                res["ref_relerr"] = float((res["grad"] - ref_grads[label]).norm() / ref_grads[label].norm().clamp(min=1e-30))
+                results[label].append(res)
+            else:
+                results[label].append(res)
+            res.pop("ro", None)
+            res.pop("grad", None)
+    base.policy.load_state_dict(base_state)
+    rows = []
+    labels = list(trainers)
+    base_label = next((lab for lab in labels if lab == "recompute"), None)
+    for label in labels:
+        runs = results[label]
+        timed = runs[1:] if len(runs) > 1 else runs
+        row = {
+            "variant": label,
+            "rollout_s": statistics.median(x["t_rollout"] for x in timed),
+            "train_s": statistics.median(x["t_train"] for x in timed),
+            "iteration_s": statistics.median(x["t_iter"] for x in timed),
+            "peak_memory_bytes": max(x["peak"] for x in timed),
+            "counters": runs[0]["counters"],
+            "grad_cos_vs_recompute": runs[0]["ref_cos"],
+            "grad_relerr_vs_recompute": runs[0]["ref_relerr"],
+            "metrics": runs[0]["metrics"],
+        }
+        rows.append(row)
+    if base_label is not None:
+        b = next(r for r in rows if r["variant"] == base_label)
+        for row in rows:
+            row["train_speedup"] = b["train_s"] / max(row["train_s"], 1e-12)
+            row["iteration_speedup"] = b["iteration_s"] / max(row["iteration_s"], 1e-12)
+            bc, rc = b["counters"], row["counters"]
+            tb = bc["train_forwards_grad"] + bc["train_forwards_nograd"] + 2 * bc["sample_backwards"]
+            tr = rc["train_forwards_grad"] + rc["train_forwards_nograd"] + 2 * rc["sample_backwards"]
+            row["ideal_train_speedup"] = tb / max(tr, 1e-12)
+            row["ideal_iteration_speedup"] = _cost(bc) / max(_cost(rc), 1e-12)
+            row["train_efficiency"] = row["train_speedup"] / row["ideal_train_speedup"]
+            row["iteration_efficiency"] = row["iteration_speedup"] / row["ideal_iteration_speedup"]
+            row["memory_vs_recompute"] = row["peak_memory_bytes"] / max(b["peak_memory_bytes"], 1)
+    report = {
+        "config": cfg.to_dict(), "repeats": repeats, "device": str(base.device),
+        "torch_threads": torch.get_num_threads(), "batch": len(base.sample_prompts()[0]),
+        "num_steps": cfg.sampler.num_steps, "rows": rows,
+    }
+    md = to_markdown(report)
+    if out_dir:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "engines.json").write_text(json.dumps(report, indent=2))
+        (out / "engines.md").write_text(md)
+    log(md)
+    return report
+
+
+def to_markdown(report: dict) -> str:
+    hdr = ("| variant | train s | iter s | train × | ideal × | eff | iter × | ideal × | grad cos | rel err | "
+           "peak mem | F grad | F nograd | sample bwd |")
+    lines = [f"Engines on {report['device']} ({report['torch_threads']} threads), batch {report['batch']}, "
+             f"T = {report['num_steps']}, median of {report['repeats']} runs.", "", hdr,
+             "|" + "---|" * (hdr.count("|") - 1)]
+    for r in report["rows"]:
+        c = r["counters"]
+        lines.append(
+            f"| {r['variant']} | {r['train_s']:.3f} | {r['iteration_s']:.3f} | {r.get('train_speedup', 1):.2f} | "
+            f"{r.get('ideal_train_speedup', 1):.2f} | {r.get('train_efficiency', 1):.2f} | "
+            f"{r.get('iteration_speedup', 1):.2f} | {r.get('ideal_iteration_speedup', 1):.2f} | "
+            f"{r['grad_cos_vs_recompute']:.5f} | {r['grad_relerr_vs_recompute']:.1e} | "
+            f"{r['peak_memory_bytes'] / 2**20:.1f} MiB | {c['forwards_grad']} | {c['forwards_nograd']} | "
+            f"{c['sample_backwards']} |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,303 @@
+"""Run configuration: one dataclass per component, composed into :class:`RunConfig`.
+
+Sources, applied in order: defaults → YAML file → dotted overrides (``engine.name=jagg``). Every value is
+checked against its field's type, allowed values and range; unknown keys fail with a did-you-mean hint.
+Errors are :class:`ConfigError` with a one-line message naming the key, the value and what is allowed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration value, key or combination is not acceptable."""
+
+
+def _f(default, *, choices=None, lo=None, hi=None, doc="", **kw):
+    """A dataclass field carrying validation metadata (choices, inclusive bounds) and a doc string."""
+    meta = {"choices": choices, "lo": lo, "hi": hi, "doc": doc}
+    if isinstance(default, (dict, list)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta, **kw)
+    return field(default=default, metadata=meta, **kw)
+
+
+@dataclass
+class ModelConfig:
+    name: str = _f("tiny", choices=("tiny",), doc="policy adapter (registry key or module:attr)")
+    guidance_scale: float = _f(1.0, lo=0.0, doc="classifier-free guidance scale; 1 = no CFG (one forward)")
+    device: str = _f("cpu", doc="torch device for the policy")
+    cache_dir: str = _f("", doc="where pretrained built-in models live (default $DIFFGRPO_CACHE or ~/.cache/diffgrpo)")
+    # built-in tiny model architecture (a real diffusers SD3Transformer2DModel at tiny size)
+    image_size: int = _f(16, choices=(8, 16, 32), doc="tiny model: image side in pixels")
+    patch_size: int = _f(2, choices=(1, 2, 4), doc="tiny model: transformer patch size")
+    num_layers: int = _f(2, lo=1, hi=24, doc="tiny model: transformer blocks")
+    num_heads: int = _f(4, lo=1, hi=32, doc="tiny model: attention heads")
+    head_dim: int = _f(16, lo=4, hi=256, doc="tiny model: channels per head")
+    text_dim: int = _f(32, lo=4, hi=1024, doc="tiny model: prompt-encoder width")
+
+
+@dataclass
+class PretrainConfig:
+    steps: int = _f(800, lo=1, doc="flow-matching pretraining steps for the built-in model")
+    batch_size: int = _f(128, lo=1)
+    lr: float = _f(2e-3, lo=0.0)
+    cond_dropout: float = _f(0.1, lo=0.0, hi=1.0, doc="probability of the null prompt (enables CFG)")
+    seed: int = _f(0)
+
+
+@dataclass
+class SamplerConfig:
+    sde_type: str = _f("flow_sde", choices=("flow_sde", "dance_sde", "cps", "ode"))
+    noise_level: float = _f(0.7, lo=0.0, doc="a (flow_sde, cps) or eta (dance_sde)")
+    num_steps: int = _f(10, lo=1, hi=1000, doc="sampling steps T")
+    shift: float = _f(3.0, lo=1e-3, doc="sigma-grid shift s: σ' = sσ/(1+(s−1)σ)")
+    logprob_reduce: str = _f("mean", choices=("mean", "sum"), doc="reduction of the Gaussian log-density")
+    cps_flowgrpo_compat: bool = _f(False, doc="FlowGRPO's CPS pseudo log-prob (not a likelihood)")
+    share_noise_in_group: bool = _f(False, doc="same initial noise for every sample of a prompt group")
+
+
+@dataclass
+class RewardConfig:
+    weights: dict = _f({"digit_alignment": 1.0}, doc="reward name (or module:function) -> weight")
+
+
+@dataclass
+class AdvantageConfig:
+    std_mode: str = _f("group", choices=("group", "global", "none"))
+    baseline: str = _f("mean", choices=("mean", "leave_one_out"))
+    clip: float = _f(5.0, lo=0.0)
+    eps: float = _f(1e-4, lo=0.0)
+    filter_zero_std: bool = _f(False, doc="drop groups whose rewards are all equal from the loss")
+
+
+@dataclass
+class LossConfig:
+    clip_range: float = _f(1e-4, lo=0.0, doc="PPO clip ε on the step ratio")
+    beta: float = _f(0.0, lo=0.0, doc="KL coefficient")
+    kl_flowgrpo_compat: bool = _f(False, doc="FlowGRPO's KL scaling (omits Δ)")
+    aggregation: str = _f("mean", choices=("mean", "sample_mean", "sum"))
+
+
+@dataclass
+class StepsConfig:
+    mode: str = _f("all", choices=("all", "first_fraction", "random", "window"),
+                   doc="which steps get gradients (the final deterministic step never does)")
+    fraction: float = _f(1.0, lo=0.0, hi=1.0, doc="first_fraction / random: share of trainable steps")
+    window_start: int = _f(-1, lo=-1, doc="window: first step, -1 = random per sample")
+    window_size: int = _f(4, lo=1)
+
+
+@dataclass
+class EngineConfig:
+    name: str = _f("recompute", doc="gradient engine (registry key in diffgrpo.engines.ENGINES)")
+    micro_batch_size: int = _f(0, lo=0, doc="samples per forward/backward chunk; 0 = all at once")
+    # engine-specific knobs (documented with each engine)
+    window: int = _f(4, lo=2, doc="jagg: steps per window W")
+    jagg_frac: float = _f(1.0, lo=0.0, hi=1.0, doc="jagg: share of windows routed to JAGG")
+    jagg_min_score: float = _f(-1.0, lo=-1.0, hi=1.0, doc="jagg: windows scoring below stay exact")
+    evaluation: str = _f("recompute", choices=("recompute", "retain"), doc="jagg: how endpoints get graphs")
+    wave_size: int = _f(0, lo=0, doc="retain: groups per rollout wave; 0 = whole batch")
+    candidate_steps: str = _f("first_half", doc="single_step: 'first_half', 'all' or a list like 0,1,2")
+    rectify: bool = _f(True, doc="single_step: temporal gradient rectification")
+
+
+@dataclass
+class TrainConfig:
+    num_iterations: int = _f(40, lo=0)
+    prompts_per_batch: int = _f(8, lo=1)
+    group_size: int = _f(8, lo=2, doc="samples per prompt (GRPO group)")
+    lr: float = _f(1e-4, lo=0.0)
+    weight_decay: float = _f(0.0, lo=0.0)
+    adam_beta1: float = _f(0.9, lo=0.0, hi=1.0)
+    adam_beta2: float = _f(0.999, lo=0.0, hi=1.0)
+    max_grad_norm: float = _f(1.0, lo=0.0, doc="0 disables clipping")
+    num_inner_epochs: int = _f(1, lo=1, doc="optimizer updates per rollout")
+    digits: list = _f([0, 1, 2, 3, 4, 5, 6, 7, 8, 9], doc="training prompt digits")
+
+
+@dataclass
+class EvalConfig:
+    every: int = _f(10, lo=0, doc="evaluate every N iterations (0: only at start and end)")
+    seeds_per_prompt: int = _f(4, lo=1)
+    seed: int = _f(1234)
+    sde_type: str = _f("ode", choices=("ode", "flow_sde", "dance_sde", "cps"))
+
+
+@dataclass
+class LogConfig:
+    output_dir: str = _f("", doc="run directory; default runs/<timestamp>")
+    progress: bool = _f(True, doc="progress bar")
+    tensorboard: bool = _f(False)
+    save_images: bool = _f(True, doc="sample grids and reward curve PNGs")
+
+
+@dataclass
+class RunConfig:
+    seed: int = _f(0)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    pretrain: PretrainConfig = field(default_factory=PretrainConfig)
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    steps: StepsConfig = field(default_factory=StepsConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_overrides(cls, overrides: list[str] | None = None, base: "RunConfig | None" = None) -> "RunConfig":
+        """Defaults (or ``base``) with ``key=value`` overrides; values are parsed as YAML scalars/lists."""
+        cfg = from_dict(cls, to_dict(base)) if base is not None else cls()  # deep copy
+        for item in overrides or []:
+            if "=" not in item:
+                raise ConfigError(f"override {item!r} must look like key=value (e.g. engine.name=recompute)")
+            key, raw = item.split("=", 1)
+            set_path(cfg, key.strip(), yaml.safe_load(raw) if raw.strip() else "")
+        validate(cfg)
+        return cfg
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, overrides: list[str] | None = None) -> "RunConfig":
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"--config: file {str(p)!r} does not exist")
+        data = yaml.safe_load(p.read_text()) or {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"--config: {str(p)!r} must hold a mapping of sections, got {type(data).__name__}")
+        return cls.from_overrides(overrides, base=from_dict(cls, data))
+
+    def to_dict(self) -> dict[str, Any]:
+        return to_dict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+# ---------------------------------------------------------------------- generic helpers
+def to_dict(obj) -> dict[str, Any]:
+    return dataclasses.asdict(obj)
+
+
+def _suggest(name: str, options: list[str]) -> str:
+    close = difflib.get_close_matches(name, options, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _coerce(key: str, value, tp, meta):
+    """Check ``value`` against the annotated type ``tp`` and the field's metadata; return the coerced value."""
+    origin = typing.get_origin(tp) or tp
+    try:
+        if origin is bool:
+            if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+                value = value.lower() in ("true", "1", "yes")
+            if not isinstance(value, bool):
+                raise TypeError
+        elif origin is int:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise TypeError
+            value = int(value)
+        elif origin is float:
+            if isinstance(value, bool):
+                raise TypeError
+            value = float(value)
+        elif origin is str:
+            if value is None:
+                value = ""
+            if isinstance(value, (list, tuple)):
+                value = ",".join(str(v) for v in value)
+            value = str(value)
+        elif origin is dict:
+            if not isinstance(value, dict):
+                raise TypeError
+        elif origin is list:
+            if isinstance(value, (int, float, str)) and not isinstance(value, bool):
+                value = [value]
+            if not isinstance(value, (list, tuple)):
+                raise TypeError
+            value = list(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{key}: value {value!r} is not a valid {origin.__name__}") from None
+    choices, lo, hi = meta.get("choices"), meta.get("lo"), meta.get("hi")
+    if choices is not None and value not in choices:
+        raise ConfigError(f"{key}: value {value!r} is not allowed; choose one of {list(choices)}")
+    if lo is not None and value < lo:
+        raise ConfigError(f"{key}: value {value!r} is out of range; must be >= {lo}")
+    if hi is not None and value > hi:
+        raise ConfigError(f"{key}: value {value!r} is out of range; must be <= {hi}")
+    return value
+
+
+def set_path(cfg, dotted: str, value) -> None:
+    """Set ``a.b=value`` on nested dataclasses, with type/range checks and did-you-mean on unknown keys."""
+    parts = dotted.split(".")
+    obj, path = cfg, []
+    for i, part in enumerate(parts):
+        names = [f.name for f in dataclasses.fields(obj)]
+        if part not in names:
+            where = ".".join(path) or "the top level"
+            full = ".".join(path + [part])
+            raise ConfigError(f"unknown config key {full!r}{_suggest(part, names)}; keys under {where}: {names}")
+        path.append(part)
+        hints = typing.get_type_hints(type(obj))
+        fld = next(f for f in dataclasses.fields(obj) if f.name == part)
+        if i == len(parts) - 1:
+            if dataclasses.is_dataclass(hints[part]):
+                if not isinstance(value, dict):
+                    raise ConfigError(f"{dotted}: is a section; set its keys (e.g. {dotted}.<key>=...)")
+                for k, v in value.items():
+                    set_path(getattr(obj, part), str(k), v)
+                return
+            setattr(obj, part, _coerce(".".join(path), value, hints[part], fld.metadata))
+        else:
+            child = getattr(obj, part)
+            if isinstance(child, dict) and i == len(parts) - 2:  # reward.weights.<name>=value
+                child[parts[-1]] = value
+                return
+            obj = child
+            if not dataclasses.is_dataclass(obj):
+                raise ConfigError(f"unknown config key {dotted!r}: {'.'.join(path)} is not a section")
+
+
+def from_dict(cls, data: dict):
+    """Build ``cls`` from a nested mapping with the same checks as overrides."""
+    cfg = cls()
+    for k, v in (data or {}).items():
+        set_path(cfg, str(k), v)
+    return cfg
+
+
+def validate(cfg: RunConfig) -> None:
+    """Cross-field checks that no single field can express. Raises ConfigError."""
+    from .engines import ENGINES  # local import: engines import config-free modules only
+    from .rewards import resolve_reward
+
+    if cfg.engine.name not in ENGINES and ":" not in cfg.engine.name:
+        raise ConfigError(
+            f"engine.name: value {cfg.engine.name!r} is not a registered engine{_suggest(cfg.engine.name, list(ENGINES))}; "
+            f"choose one of {sorted(ENGINES)} or module:Class")
+    if not cfg.reward.weights:
+        raise ConfigError("reward.weights: at least one reward is required, e.g. reward.weights={digit_alignment: 1.0}")
+    for name, w in cfg.reward.weights.items():
+        resolve_reward(str(name))  # raises ConfigError for unknown names
+        if not isinstance(w, (int, float)) or isinstance(w, bool):
+            raise ConfigError(f"reward.weights.{name}: weight {w!r} must be a number")
+    bad = [d for d in cfg.train.digits if not (isinstance(d, int) and 0 <= d <= 9)]
+    if bad or not cfg.train.digits:
+        raise ConfigError(f"train.digits: value {cfg.train.digits!r} must be a non-empty list of digits 0..9")
+    if cfg.sampler.sde_type == "ode":
+        raise ConfigError("sampler.sde_type: 'ode' has no exploration noise and cannot be trained; "
+                          "choose one of ['flow_sde', 'dance_sde', 'cps'] (eval.sde_type may be 'ode')")
+    if cfg.sampler.num_steps < 2:
+        raise ConfigError("sampler.num_steps: must be >= 2 (the final step is deterministic and never trained)")
+    if cfg.model.image_size % cfg.model.patch_size:
+        raise ConfigError(f"model.patch_size: {cfg.model.patch_size} must divide model.image_size={cfg.model.image_size}")

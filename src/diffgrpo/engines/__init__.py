@@ -1,0 +1,28 @@
+"""Gradient engines: interchangeable strategies that turn a rollout into ``.grad``.
+
+``ENGINES`` maps a config name to a class constructed with the :class:`~diffgrpo.config.EngineConfig`.
+A config value may also be ``module:Class`` for user engines.
+"""
+from __future__ import annotations
+
+import importlib
+
+from ._steps import SELECTION_MODES, select_steps
+from .base import Engine, EngineContext
+from .recompute import RecomputeEngine
+
+ENGINES: dict[str, type] = {
+    "recompute": RecomputeEngine,
+}
+
+
+def build_engine(cfg) -> Engine:
+    """Engine instance for ``cfg.name`` (registry key or ``module:Class``)."""
+    name = cfg.name
+    if name in ENGINES:
+        return ENGINES[name](cfg)
+    mod, _, attr = name.partition(":")
+    return getattr(importlib.import_module(mod), attr)(cfg)
+
+
+__all__ = ["ENGINES", "Engine", "EngineContext", "build_engine", "select_steps", "SELECTION_MODES"]

@@ -1,0 +1,190 @@
+"""What every gradient engine shares: the context it runs in, the per-step GRPO loss, counters, memory.
+
+An engine turns a finished :class:`~diffgrpo.types.Rollout` (rewards and advantages filled) into ``.grad``
+of the policy's trainable parameters. It decides which forwards run with grad, how graphs are kept and when
+``backward()`` runs; it never steps the optimizer and never rescales the loss (the aggregation weights in
+``rollout.loss_weights`` own all normalisation).
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from ..losses import aggregate, ppo_clip_loss
+from ..samplers import flow_sde
+from ..types import EngineStats, Rollout
+
+
+@dataclass
+class EngineContext:
+    """Everything an engine may use besides the rollout. Built by the trainer once per run."""
+
+    policy: Any  # adapter: velocity(x, sigma, cond), reference(), trainable_parameters(), counters
+    kernel: dict  # keyword arguments of flow_sde.step: sde_type, noise_level, reduce, cps_flowgrpo_compat
+    clip_range: float = 1e-4
+    beta: float = 0.0
+    kl_flowgrpo_compat: bool = False
+    micro_batch_size: int = 0  # 0: one chunk per step
+    no_sync: Any = field(default=contextlib.nullcontext)  # callable → context suppressing gradient all-reduce
+
+
+class Engine(Protocol):
+    name: str
+
+    def backward(self, ctx: EngineContext, rollout: Rollout, epoch: int = 0) -> EngineStats:
+        """Accumulate ∇ of Σ w·L into ``.grad``; ``epoch`` is the inner update index (0 = first after rollout)."""
+        ...
+
+
+def take_cond(cond: dict[str, torch.Tensor], idx: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Rows ``idx`` of every conditioning tensor."""
+    return {k: v[idx] for k, v in cond.items()}
+
+
+def chunks(idx: torch.Tensor, size: int) -> list[torch.Tensor]:
+    """Split a 1-D index tensor into pieces of at most ``size`` (0: one piece)."""
+    if idx.numel() == 0:
+        return []
+    return [idx] if size <= 0 else list(idx.split(size))
+
+
+def reference_velocity(ctx: EngineContext, rollout: Rollout, idx: torch.Tensor, k: int) -> torch.Tensor | None:
+    """v_ref (n, *S) at the stored (x_k, σ_k) under the reference policy, or None when β = 0. No grad."""
+    if ctx.beta <= 0:
+        return None
+    with torch.no_grad(), ctx.policy.reference():
+        sig = rollout.sigmas[k].expand(len(idx))
+        return ctx.policy.velocity(rollout.xs[idx, k], sig, take_cond(rollout.cond, idx))
+
+
+def step_loss(ctx: EngineContext, rollout: Rollout, idx: torch.Tensor, k: int, v: torch.Tensor,
+              v_ref: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Weighted GRPO loss Σ_i w_ik·L_ik over trajectories ``idx`` at step k, as a function of v (n, *S).
+
+    Returns (scalar loss, per-sample terms {"ratio", "clipped", "kl", "log_prob"} each (n,) detached).
+    Differentiable w.r.t. ``v`` only through the closed-form step density, so engines can take
+    ∂L/∂v cheaply (JAGG) or back-propagate into the network (recompute).
+    """
+    sig, sig_next = rollout.sigmas[k], rollout.sigmas[k + 1]
+    out = flow_sde.step(v, sig, sig_next, rollout.xs[idx, k], prev_sample=rollout.xs[idx, k + 1], **ctx.kernel)
+    adv = rollout.advantages[idx]
+    loss, ratio, clipped = ppo_clip_loss(out.log_prob, rollout.log_probs[idx, k], adv, ctx.clip_range)
+    kl = torch.zeros_like(loss)
+    if ctx.beta > 0:
+        if v_ref is None:
+            raise ValueError("beta > 0 needs the reference velocity")
+        ref_mean = flow_sde.step(v_ref, sig, sig_next, rollout.xs[idx, k], prev_sample=rollout.xs[idx, k + 1],
+                                 **ctx.kernel).mean
+        kl = flow_sde.gaussian_kl(out.mean, ref_mean.detach(), out.std, flowgrpo_compat=ctx.kl_flowgrpo_compat,
+                                  sigma=sig, sigma_next=sig_next)
+        loss = loss + ctx.beta * kl
+    total = aggregate(loss, rollout.loss_weights[idx, k])
+    terms = {"ratio": ratio.detach(), "clipped": clipped, "kl": kl.detach(), "log_prob": out.log_prob.detach()}
+    return total, terms
+
+
+class StatsAccumulator:
+    """Collects per-sample terms into the usual GRPO metrics (clip_ratio, kl, ratio_mean, ratio_max_dev)."""
+
+    def __init__(self):
+        self.n = 0
+        self.clipped = 0.0
+        self.kl = 0.0
+        self.ratio = 0.0
+        self.ratio_dev = 0.0
+
+    def add(self, terms: dict[str, torch.Tensor]) -> None:
+        r = terms["ratio"]
+        self.n += r.numel()
+        self.clipped += float(terms["clipped"].float().sum())
+        self.kl += float(terms["kl"].sum())
+        self.ratio += float(r.sum())
+        self.ratio_dev = max(self.ratio_dev, float((r - 1).abs().max())) if r.numel() else self.ratio_dev
+
+    def metrics(self) -> dict[str, float]:
+        n = max(self.n, 1)
+        return {"clip_ratio": self.clipped / n, "kl": self.kl / n, "ratio_mean": self.ratio / n,
+                "ratio_max_dev": self.ratio_dev, "trained_pairs": float(self.n)}
+
+
+class MemoryMeter:
+    """Peak memory during a block.
+
+    CUDA: ``torch.cuda.max_memory_allocated`` (reset at entry). CPU: peak bytes of tensors saved for
+    backward and still alive (the activation memory that engines trade), tracked with saved-tensor hooks;
+    parameters saved by layers are not counted.
+    """
+
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        self.live = 0
+        self.peak = 0
+        self._ctx = None
+
+    def __enter__(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return self
+        meter = self
+        refs: dict[int, list[int]] = {}  # storage pointer -> [holders, bytes]; views of one storage count once
+
+        class _Held:
+            __slots__ = ("t", "key")
+
+            def __init__(self, t, key):
+                self.t, self.key = t, key
+
+            def __del__(self):
+                if self.key is not None:
+                    ent = refs[self.key]
+                    ent[0] -= 1
+                    if ent[0] == 0:
+                        meter.live -= ent[1]
+                        del refs[self.key]
+
+        def pack(t):
+            base = t._base if t._base is not None else t
+            if isinstance(base, torch.nn.Parameter) or t.device.type != "cpu":
+                return _Held(t, None)
+            key = t.untyped_storage().data_ptr()
+            if key in refs:
+                refs[key][0] += 1
+            else:
+                refs[key] = [1, t.untyped_storage().nbytes()]
+                meter.live += refs[key][1]
+                meter.peak = max(meter.peak, meter.live)
+            return _Held(t, key)
+
+        self._ctx = torch.autograd.graph.saved_tensors_hooks(pack, lambda h: h.t)
+        self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peak = int(torch.cuda.max_memory_allocated(self.device))
+        elif self._ctx is not None:
+            self._ctx.__exit__(*exc)
+        return False
+
+
+@contextlib.contextmanager
+def engine_run(ctx: EngineContext, name: str, phase: str = "train"):
+    """Times the block, measures peak memory and converts the policy's forward counters into EngineStats."""
+    stats = EngineStats(engine=name)
+    before = dict(ctx.policy.counters)
+    device = getattr(ctx.policy, "device", torch.device("cpu"))
+    t0 = time.perf_counter()
+    with MemoryMeter(device) as mem:
+        yield stats
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    stats.seconds[phase] = stats.seconds.get(phase, 0.0) + time.perf_counter() - t0
+    stats.peak_memory_bytes = max(stats.peak_memory_bytes, mem.peak)
+    stats.forwards_grad += ctx.policy.counters["forwards_grad"] - before["forwards_grad"]
+    stats.forwards_nograd += ctx.policy.counters["forwards_nograd"] - before["forwards_nograd"]

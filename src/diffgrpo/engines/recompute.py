@@ -1,0 +1,58 @@
+"""``recompute``: the FlowGRPO / DanceGRPO baseline.
+
+Estimator: for every selected (i, k), re-run the network forward **with grad** at the stored (x_k, σ_k),
+score the stored x_{k+1} with the step density, and back-propagate w_ik·L_ik:
+    ∇ = Σ_ik w_ik ∇_θ L_ik(v_θ(x_k, σ_k)).
+Exact: this is the reference gradient every other engine is compared against. On the first update after a
+rollout θ = θ_old, so the recomputed log-prob equals the rollout's and r ≡ 1.
+Cost per selected step: 1 forward + 1 backward (≈ 3F) per sample (+1 no-grad reference forward when β > 0),
+on top of the rollout's T no-grad forwards. Steps are processed one at a time, in chunks of
+``micro_batch_size`` samples, so peak activation memory is one chunk's forward.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from ..types import EngineStats, Rollout
+from .base import EngineContext, StatsAccumulator, chunks, engine_run, reference_velocity, step_loss, take_cond
+
+
+def recompute_pairs(ctx: EngineContext, rollout: Rollout, stats: EngineStats, acc: StatsAccumulator,
+                    pairs: torch.Tensor, *, last_backward: bool = True) -> None:
+    """Exact per-step backward for the (trajectory, step) pairs in the boolean mask ``pairs`` (B, T).
+
+    Shared by engines that fall back to exact treatment for some steps. Gradient sync is suppressed on every
+    backward but the last one when ``last_backward`` (otherwise on all of them).
+    """
+    work = []
+    for k in range(rollout.num_steps):
+        for idx in chunks(pairs[:, k].nonzero().flatten(), ctx.micro_batch_size):
+            work.append((k, idx))
+    mult = 2 if getattr(ctx.policy, "uses_cfg", False) else 1
+    for j, (k, idx) in enumerate(work):
+        v_ref = reference_velocity(ctx, rollout, idx, k)
+        sig = rollout.sigmas[k].expand(len(idx))
+        final = last_backward and j == len(work) - 1
+        with (torch.enable_grad(), (contextlib.nullcontext() if final else ctx.no_sync())):
+            v = ctx.policy.velocity(rollout.xs[idx, k], sig, take_cond(rollout.cond, idx))  # (n, *S) with graph
+            loss, terms = step_loss(ctx, rollout, idx, k, v, v_ref)
+            loss.backward()
+        stats.backward_calls += 1
+        stats.sample_backwards += len(idx) * mult
+        acc.add(terms)
+
+
+class RecomputeEngine:
+    name = "recompute"
+
+    def __init__(self, cfg=None):
+        self.cfg = cfg
+
+    def backward(self, ctx: EngineContext, rollout: Rollout, epoch: int = 0) -> EngineStats:
+        acc = StatsAccumulator()
+        with engine_run(ctx, self.name) as stats:
+            recompute_pairs(ctx, rollout, stats, acc, rollout.selected)
+        stats.metrics.update(acc.metrics())
+        return stats

@@ -1,0 +1,87 @@
+"""Run outputs: metrics.jsonl (+ optional TensorBoard), sample grids and the reward-curve plot."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+
+
+class MetricsWriter:
+    """Appends one JSON object per line to ``metrics.jsonl``; mirrors scalars to TensorBoard when asked."""
+
+    def __init__(self, run_dir: Path, tensorboard: bool = False):
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as e:  # pragma: no cover - depends on the environment
+                raise RuntimeError("log.tensorboard=true needs the tensorboard package "
+                                   "(pip install 'diffgrpo[tensorboard]')") from e
+            self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+
+    def write(self, row: dict) -> None:
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(clean) + "\n")
+        if self.tb is not None and "iteration" in row:
+            for k, v in row.items():
+                if isinstance(v, (int, float)) and k != "iteration" and math.isfinite(float(v)):
+                    self.tb.add_scalar(k, v, row["iteration"])
+
+    def close(self):
+        if self.tb is not None:
+            self.tb.close()
+
+
+def read_metrics(path: Path) -> list[dict]:
+    p = Path(path)
+    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()] if p.exists() else []
+
+
+def save_grid(images: torch.Tensor, path: Path, nrow: int, scale: int = 4) -> None:
+    """images (N, C, H, W) in [0, 1] → one PNG, ``nrow`` images per row, upscaled ``scale``× (nearest)."""
+    from PIL import Image
+
+    n, c, h, w = images.shape
+    ncol = nrow
+    nr = math.ceil(n / ncol)
+    pad = 1
+    grid = torch.ones(c, nr * (h + pad) + pad, ncol * (w + pad) + pad)
+    for i in range(n):
+        r, q = divmod(i, ncol)
+        grid[:, pad + r * (h + pad): pad + r * (h + pad) + h, pad + q * (w + pad): pad + q * (w + pad) + w] = images[i]
+    arr = (grid.clamp(0, 1) * 255).round().to(torch.uint8)
+    arr = arr[0].numpy() if c == 1 else arr.permute(1, 2, 0).numpy()
+    img = Image.fromarray(arr)
+    img = img.resize((img.width * scale, img.height * scale), Image.NEAREST)
+    img.save(path)
+
+
+def plot_curves(rows: list[dict], path: Path, keys: tuple[str, ...], title: str = "") -> bool:
+    """Line plot of ``keys`` against iteration for the rows that have them. Returns False if nothing to plot."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    drew = False
+    for key in keys:
+        pts = [(r["iteration"], r[key]) for r in rows if r.get(key) is not None and "iteration" in r]
+        if pts:
+            xs, ys = zip(*pts)
+            ax.plot(xs, ys, marker="o" if len(pts) < 20 else None, label=key)
+            drew = True
+    if drew:
+        ax.set_xlabel("iteration")
+        ax.set_title(title)
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return drew
