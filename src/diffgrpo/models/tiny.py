@@ -14,6 +14,7 @@ import contextlib
 import copy
 import hashlib
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -94,7 +95,7 @@ def arch_kwargs(mcfg) -> dict:
 
 def _recipe_key(arch: dict, pcfg) -> str:
     blob = json.dumps({"arch": arch, "steps": pcfg.steps, "bs": pcfg.batch_size, "lr": pcfg.lr,
-                       "drop": pcfg.cond_dropout, "seed": pcfg.seed, "v": 1}, sort_keys=True)
+                       "drop": pcfg.cond_dropout, "seed": pcfg.seed, "v": 2}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
@@ -116,7 +117,9 @@ def pretrain(mcfg, pcfg, *, progress: bool = True) -> TinyFlowNet:
     x_tr = x_tr * 2 - 1  # data in [-1, 1]
     net = TinyFlowNet(**arch_kwargs(mcfg))
     opt = torch.optim.AdamW(net.parameters(), lr=pcfg.lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=pcfg.lr, total_steps=pcfg.steps, pct_start=0.05)
+    warm = max(1, pcfg.steps // 20)
+    sched = torch.optim.lr_scheduler.LambdaLR(  # linear warm-up, cosine decay to 0
+        opt, lambda i: min(1.0, (i + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(i, pcfg.steps) / pcfg.steps)))
     bar = tqdm(range(pcfg.steps), desc="pretraining built-in model", disable=not progress, leave=False)
     ema = None
     for _ in bar:
@@ -163,18 +166,32 @@ def load_or_pretrain(mcfg, pcfg, *, progress: bool = True, log=print) -> TinyFlo
     arch = arch_kwargs(mcfg)
     path = cache_root(mcfg.cache_dir) / f"tiny-flow-{_recipe_key(arch, pcfg)}"
     net = TinyFlowNet(**arch)
-    if (path / "model.safetensors").is_file():
-        net.load_state_dict(load_file(str(path / "model.safetensors")))
-        return net.eval()
-    log(f"no cached built-in model at {path}; pretraining it ({pcfg.steps} steps, runs once)")
-    net = pretrain(mcfg, pcfg, progress=progress)
+    with cache_lock(path):  # concurrent runs (or torchrun ranks) pretrain once and share the result
+        if not (path / "model.safetensors").is_file():
+            log(f"no cached built-in model at {path}; pretraining it ({pcfg.steps} steps, runs once)")
+            trained = pretrain(mcfg, pcfg, progress=progress)
 
-    def write(tmp: Path):
-        save_file({k: v.contiguous() for k, v in net.state_dict().items()}, str(tmp / "model.safetensors"))
-        (tmp / "config.json").write_text(json.dumps({"arch": arch, "pretrain": vars(pcfg)}, indent=2))
+            def write(tmp: Path):
+                save_file({k: v.contiguous() for k, v in trained.state_dict().items()}, str(tmp / "model.safetensors"))
+                (tmp / "config.json").write_text(json.dumps({"arch": arch, "pretrain": vars(pcfg)}, indent=2))
 
-    save_dir_atomic(path, write)
-    return net
+            save_dir_atomic(path, write)
+    net.load_state_dict(load_file(str(path / "model.safetensors")))
+    return net.eval()
+
+
+@contextlib.contextmanager
+def cache_lock(path: Path):
+    """Exclusive advisory lock on ``<path>.lock`` (POSIX flock) while a cache entry is checked or built."""
+    import fcntl
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(str(path) + ".lock", "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 class TinyFlowPolicy:

@@ -32,8 +32,13 @@ class DigitClassifier(nn.Module):
         return self.fc(self.conv(x))
 
 
-def train_classifier(image_size: int = 16, epochs: int = 15, seed: int = 0) -> tuple[DigitClassifier, float]:
+def train_classifier(image_size: int = 16, epochs: int = 25, seed: int = 0) -> tuple[DigitClassifier, float]:
     """Train on the digits train split (with shift/noise augmentation); return (model, held-out accuracy)."""
+    with torch.enable_grad():  # callers may sit inside no_grad (evaluation)
+        return _train_classifier(image_size, epochs, seed)
+
+
+def _train_classifier(image_size: int, epochs: int, seed: int) -> tuple[DigitClassifier, float]:
     g = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     (x_tr, y_tr), (x_te, y_te) = digits_split(image_size)
@@ -61,30 +66,30 @@ def train_classifier(image_size: int = 16, epochs: int = 15, seed: int = 0) -> t
 _CLASSIFIERS: dict[tuple, tuple[DigitClassifier, float]] = {}
 
 
-def load_classifier(image_size: int = 16, cache_dir: str = "", epochs: int = 15, log=print):
+def load_classifier(image_size: int = 16, cache_dir: str = "", epochs: int = 25, log=print):
     """Cached classifier for ``image_size``: (model, held-out accuracy)."""
     from safetensors.torch import load_file, save_file
 
-    from ..models.tiny import cache_root, save_dir_atomic
+    from ..models.tiny import cache_lock, cache_root, save_dir_atomic
 
     key = (image_size, str(cache_root(cache_dir)), epochs)
     if key in _CLASSIFIERS:
         return _CLASSIFIERS[key]
     path = cache_root(cache_dir) / f"digit-classifier-{image_size}px-e{epochs}-v1"
+    with cache_lock(path):
+        if not (path / "model.safetensors").is_file():
+            log(f"training the digit_alignment reward classifier ({image_size}px, runs once)")
+            trained, acc = train_classifier(image_size, epochs)
+
+            def write(tmp):
+                save_file(trained.state_dict(), str(tmp / "model.safetensors"))
+                (tmp / "info.json").write_text(json.dumps({"test_accuracy": acc}))
+
+            save_dir_atomic(path, write)
     clf = DigitClassifier()
-    if (path / "model.safetensors").is_file():
-        clf.load_state_dict(load_file(str(path / "model.safetensors")))
-        acc = json.loads((path / "info.json").read_text())["test_accuracy"]
-        clf.eval()
-    else:
-        log(f"training the digit_alignment reward classifier ({image_size}px, runs once)")
-        clf, acc = train_classifier(image_size, epochs)
-
-        def write(tmp):
-            save_file(clf.state_dict(), str(tmp / "model.safetensors"))
-            (tmp / "info.json").write_text(json.dumps({"test_accuracy": acc}))
-
-        save_dir_atomic(path, write)
+    clf.load_state_dict(load_file(str(path / "model.safetensors")))
+    acc = json.loads((path / "info.json").read_text())["test_accuracy"]
+    clf.eval()
     clf.requires_grad_(False)
     _CLASSIFIERS[key] = (clf, acc)
     return clf, acc
