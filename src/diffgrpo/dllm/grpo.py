@@ -1,0 +1,264 @@
+"""GRPO for masked diffusion LMs: the dLLM "family" that :class:`~diffgrpo.trainer.Trainer` delegates to.
+
+The trainer stays the one training loop; when ``model.name`` is a masked LM (``tiny_mlm``, ``hf_masked_lm``)
+its ``rollout``, ``backward`` and ``evaluate`` call :class:`DLLMFamily`. A base method is a likelihood
+estimator (:mod:`diffgrpo.dllm.likelihood`) plus an advantage baseline, on one shared GRPO loss:
+
+  diffu_grpo    (d1)          mean-field estimate, A = r − mean(group) (no std)
+  coupled_grpo  (DiffuCoder)  complementary mask pair, leave-one-out baseline (no std)
+  random_mask   (UniGRPO)     m random mask ratios with ELBO weights, A = (r − mean) / std
+
+Per completion token j of sample i (tokens up to and including the first <eos>), with ℓ the estimated
+per-token log-prob under masks drawn once per rollout (stored in ``rollout.extras["masks"]``):
+
+    L_ij = u_ij · max(−A_i·ρ_ij, −A_i·clip(ρ_ij, 1−ε, 1+ε)) + β·(exp(ℓ_ref − ℓ) − (ℓ_ref − ℓ) − 1),  ρ = exp(ℓ − ℓ_old)
+
+(k3 KL), with ℓ scored under the rollout's sampling distribution softmax(logits / dllm.temperature), and ε =
+``loss.clip_range`` except that the untouched flow-model default (1e-4) becomes :data:`DLLM_CLIP_RANGE` = 0.2;
+aggregated by :func:`diffgrpo.losses.aggregation_weights` ("mean" = token mean over the batch).
+u_ij are optional per-token weights (``token_weights`` hook; None = 1) for credit-assignment plug-ins; they
+multiply the policy term only. ``draw_masks`` is the hook for further estimators (e.g. stratified, K forwards).
+
+Rollout mapping: ``xs`` (B, 1, P+L) final token ids, ``log_probs`` (B, L) old per-token estimates,
+``selected`` (B, L) trained tokens, ``loss_weights`` (B, L); sampler records in ``extras["sampler"]``.
+Cost per update: B·M forwards with grad and B·M sample-backwards (M = forwards per estimate), plus B·M
+no-grad forwards per rollout for ℓ_old (and B·M for ℓ_ref when β > 0).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..advantages import group_advantages
+from ..engines.base import EngineContext, chunks, engine_run
+from ..losses import aggregate, aggregation_weights, ppo_clip_loss
+from ..samplers import masked
+from ..types import EngineStats, Rollout
+from . import likelihood
+from .tasks import Example, get_task
+
+METHODS = {
+    "diffu_grpo": dict(estimator="mean_field", baseline="mean", std_mode="none"),
+    "coupled_grpo": dict(estimator="coupled", baseline="leave_one_out", std_mode="none"),
+    "random_mask": dict(estimator="random_mask", baseline="mean", std_mode="group"),
+}
+DLLM_MODELS = ("tiny_mlm", "hf_masked_lm")
+
+
+DLLM_CLIP_RANGE = 0.2  # PPO ε on per-token ratios (d1, TRL); the flow default (1e-4) suits per-step Gaussian ratios
+
+
+def dllm_clip_range(clip_range: float) -> float:
+    """ε used on token ratios: the configured ``loss.clip_range``, except that the untouched flow-model default
+    (``LossConfig.clip_range``) maps to :data:`DLLM_CLIP_RANGE`."""
+    from ..config import LossConfig
+
+    return DLLM_CLIP_RANGE if clip_range == LossConfig().clip_range else clip_range
+
+
+def k3_kl(log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tensor:
+    """Schulman's k3 estimator of KL(π‖π_ref) per element: exp(d) − d − 1 with d = ℓ_ref − ℓ. (N,) → (N,)."""
+    d = ref_log_prob - log_prob
+    return torch.exp(d) - d - 1
+
+
+def completion_mask(completions: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """(B, L) ids → (B, L) bool: tokens up to and including the first <eos> (all if there is none)."""
+    is_eos = completions == eos_id
+    before = torch.cumsum(is_eos.long(), 1) - is_eos.long()  # number of eos strictly before j
+    return before == 0
+
+
+def grpo_token_loss(log_prob, old_log_prob, advantages, clip_range, *, ref_log_prob=None, beta=0.0,
+                    token_weights=None):
+    """Per-token GRPO loss. log_prob/old/ref (n, L), advantages (n,), token_weights (n, L) or None.
+
+    → (loss (n, L), terms {"ratio", "clipped", "kl"} each (n, L) detached)."""
+    n, L = log_prob.shape
+    adv = advantages.unsqueeze(1).expand(n, L).reshape(-1)
+    pg, ratio, clipped = ppo_clip_loss(log_prob.reshape(-1), old_log_prob.reshape(-1), adv, clip_range)
+    pg = pg.view(n, L)
+    if token_weights is not None:
+        pg = pg * token_weights.detach()
+    kl = torch.zeros_like(pg)
+    if beta > 0:
+        kl = k3_kl(log_prob, ref_log_prob.detach())
+        pg = pg + beta * kl
+    return pg, {"ratio": ratio.view(n, L).detach(), "clipped": clipped.view(n, L), "kl": kl.detach()}
+
+
+class DLLMFamily:
+    """Rollout / backward / evaluate for masked diffusion LMs on the shared trainer."""
+
+    def __init__(self, trainer):
+        cfg = trainer.cfg
+        self.cfg, self.d = cfg, cfg.dllm
+        self.policy = trainer.policy
+        self.vocab = self.policy.vocab
+        self.task = get_task(self.d.task)
+        self.gen_length = self.d.gen_length or self.task.gen_length
+        self.block_length = self.d.block_length or self.gen_length
+        self.steps = self.d.diffusion_steps or self.gen_length
+        masked.schedule(self.gen_length, self.block_length, self.steps)  # validates the sizes
+        self.method = METHODS[self.d.method]
+        a = cfg.advantage
+        self.baseline = self.method["baseline"] if self.d.method_defaults else a.baseline
+        self.std_mode = self.method["std_mode"] if self.d.method_defaults else a.std_mode
+        self.ctx = EngineContext(policy=self.policy, kernel={}, clip_range=dllm_clip_range(cfg.loss.clip_range),
+                                 beta=cfg.loss.beta, micro_batch_size=cfg.engine.micro_batch_size)
+        self.gen_prompts = trainer.gen_prompts
+        self.gen_sample = torch.Generator(device=trainer.device).manual_seed(cfg.seed + 11)
+        self.gen_masks = torch.Generator(device=trainer.device).manual_seed(cfg.seed + 12)
+        self.token_weights = None  # optional hook: (family, rollout) -> (B, L) per-token policy-loss weights
+        self.device = trainer.device
+        if self.ctx.clip_range != cfg.loss.clip_range:
+            trainer.log(f"dLLM: loss.clip_range left at the flow-model default {cfg.loss.clip_range}; using the "
+                        f"token-ratio default {DLLM_CLIP_RANGE}")
+        elif cfg.train.num_inner_epochs > 1 and cfg.loss.clip_range < 1e-2:
+            trainer.log(f"warning: loss.clip_range={cfg.loss.clip_range} is very small for token ratios of dLLMs "
+                        f"(usually {DLLM_CLIP_RANGE})")
+
+    # ------------------------------------------------------------------ pieces
+    def draw_masks(self, B: int, P: int, L: int, records: masked.MaskedSample | None = None):
+        """Masks and weights of the configured estimator, drawn from this family's generator."""
+        name, dev, g = self.method["estimator"], self.device, self.gen_masks
+        if name == "mean_field":
+            return likelihood.mean_field(B, P, L, p_mask_prompt=self.d.p_mask_prompt, generator=g, device=dev)
+        if name == "coupled":
+            return likelihood.coupled(B, P, L, generator=g, device=dev)
+        return likelihood.random_mask(B, P, L, num_samples=self.d.num_mask_samples, generator=g, device=dev)
+
+    def log_probs(self, ids, masks, weights):
+        """Per-token estimates (n, L) for rows of a rollout (grad follows the caller's mode), under the rollout's
+        sampling distribution softmax(logits / dllm.temperature)."""
+        return likelihood.token_log_probs(self.policy, ids, masks, weights, self.vocab.mask_id,
+                                          temperature=self.d.temperature)
+
+    def generate(self, examples: list[Example], *, temperature: float, generator=None) -> masked.MaskedSample:
+        ids = self.vocab.encode_prompts([e.prompt for e in examples], self.task.prompt_length).to(self.device)
+        return masked.sample(self.policy, ids, mask_id=self.vocab.mask_id, gen_length=self.gen_length,
+                             block_length=self.block_length, steps=self.steps, temperature=temperature,
+                             remasking=self.d.remasking, generator=generator)
+
+    def _examples(self, prompts):
+        if prompts is None:
+            t = self.cfg.train
+            ex = self.task.sample("train", t.prompts_per_batch, self.gen_prompts)
+            return [e for e in ex for _ in range(t.group_size)], \
+                torch.arange(t.prompts_per_batch).repeat_interleave(t.group_size)
+        lookup = {e.prompt: e for s in ("train", "test") for e in self.task.instances(s)}
+        ex = [p if isinstance(p, Example) else lookup[p] for p in prompts]
+        return ex, torch.arange(len(ex)) // self.cfg.train.group_size
+
+    # ------------------------------------------------------------------ trainer hooks
+    def rollout(self, trainer, prompts=None, group_ids=None) -> Rollout:
+        """Sample a group per prompt, score, compute advantages, draw masks, store ℓ_old (and ℓ_ref)."""
+        t0 = time.perf_counter()
+        examples, gids = self._examples(prompts)
+        group_ids = gids if group_ids is None else group_ids
+        smp = self.generate(examples, temperature=self.d.temperature, generator=self.gen_sample)
+        t_sample = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        comps = smp.completions
+        texts = [self.vocab.decode(c) for c in comps]
+        scored = self.task.rewards(texts, examples)
+        rewards = scored.pop("reward")
+        t_reward = time.perf_counter() - t1
+        a = self.cfg.advantage
+        valid = torch.isfinite(rewards)
+        adv, stats = group_advantages(rewards, group_ids, valid=valid, std_mode=self.std_mode,
+                                      baseline=self.baseline, clip=a.clip, eps=a.eps)
+        keep = valid.clone()
+        if a.filter_zero_std:
+            keep &= adv != 0
+        B, N = smp.sequences.shape
+        L = self.gen_length
+        P = N - L
+        selected = completion_mask(comps, self.vocab.eos_id) & keep.to(self.device).unsqueeze(1)  # (B, L)
+        masks, mweights = self.draw_masks(B, P, L, smp)
+        with torch.no_grad():
+            old = torch.cat([self.log_probs(smp.sequences[i], masks[i], mweights[i])
+                             for i in chunks(torch.arange(B, device=self.device), self.ctx.micro_batch_size)])
+            ref = None
+            if self.ctx.beta > 0:
+                with self.policy.reference():
+                    ref = torch.cat([self.log_probs(smp.sequences[i], masks[i], mweights[i])
+                                     for i in chunks(torch.arange(B, device=self.device), self.ctx.micro_batch_size)])
+        records = {k: getattr(smp, k) for k in ("commit_step", "confidence", "entropy", "margin", "block_rank",
+                                                  "order", "step_log_prob")}
+        comp_stats = {k: v for k, v in scored.items()}
+        ro = Rollout(prompts=[e.prompt for e in examples], group_ids=group_ids.to(self.device),
+                     cond={"prompt_ids": smp.sequences[:, :P]}, sigmas=torch.zeros(0, device=self.device),
+                     xs=smp.sequences.unsqueeze(1), velocities=torch.zeros(B, 0, device=self.device),
+                     log_probs=old, noise=torch.zeros(B, 0, device=self.device), selected=selected,
+                     rewards=rewards, reward_components={"task": rewards.clone(), **comp_stats}, valid=valid.to(self.device),
+                     advantages=adv.to(self.device), metadata=[{"completion": t} for t in texts],
+                     timings={"sample": t_sample, "reward": t_reward},
+                     extras={"masks": masks, "mask_weights": mweights, "ref_log_probs": ref, "sampler": records,
+                             "examples": examples, "advantage_stats": stats, "completions": texts})
+        sw = None
+        ro.loss_weights = aggregation_weights(selected, self.cfg.loss.aggregation, sw)
+        if self.token_weights is not None:
+            ro.extras["token_weights"] = self.token_weights(self, ro)
+        ro.timings["rollout"] = time.perf_counter() - t0
+        return ro
+
+    def backward(self, trainer, ro: Rollout, epoch: int = 0) -> EngineStats:
+        """Accumulate ∇ Σ w·L into ``.grad`` (the caller zeroed it). Masks come from the rollout."""
+        ctx = self.ctx
+        ids = ro.xs[:, 0]
+        masks, mw = ro.extras["masks"], ro.extras["mask_weights"]
+        ref, tw = ro.extras.get("ref_log_probs"), ro.extras.get("token_weights")
+        n_clip = n_tok = 0.0
+        kl_sum = ratio_sum = 0.0
+        ratio_dev = 0.0
+        with engine_run(ctx, f"dllm/{self.d.method}") as stats:
+            rows = torch.nonzero(ro.selected.any(1)).flatten()
+            for idx in chunks(rows, ctx.micro_batch_size):
+                lp = self.log_probs(ids[idx], masks[idx], mw[idx])  # (n, L) with grad
+                loss, terms = grpo_token_loss(lp, ro.log_probs[idx], ro.advantages[idx], ctx.clip_range,
+                                              ref_log_prob=None if ref is None else ref[idx], beta=ctx.beta,
+                                              token_weights=None if tw is None else tw[idx])
+                total = aggregate(loss, ro.loss_weights[idx])
+                total.backward()
+                stats.backward_calls += 1
+                stats.sample_backwards += len(idx) * masks.shape[1]
+                sel = ro.selected[idx]
+                n_tok += float(sel.sum())
+                n_clip += float((terms["clipped"] & sel).sum())
+                kl_sum += float((terms["kl"] * sel).sum())
+                ratio_sum += float((terms["ratio"] * sel).sum())
+                if sel.any():
+                    ratio_dev = max(ratio_dev, float((terms["ratio"][sel] - 1).abs().max()))
+        n = max(n_tok, 1.0)
+        stats.metrics.update({"clip_ratio": n_clip / n, "kl": kl_sum / n, "ratio_mean": ratio_sum / n,
+                              "ratio_max_dev": ratio_dev, "trained_tokens": n_tok})
+        return stats
+
+    @torch.no_grad()
+    def evaluate(self, trainer):
+        """Held-out test split (first ``dllm.eval_size`` instances), ``dllm.eval_temperature`` decoding."""
+        pool = self.task.instances("test")
+        ex = pool[: self.d.eval_size] if self.d.eval_size else pool
+        saved = dict(self.policy.counters)
+        g = torch.Generator(device=self.device).manual_seed(self.cfg.eval.seed)
+        outs = []
+        for i in range(0, len(ex), 256):
+            smp = self.generate(ex[i:i + 256], temperature=self.d.eval_temperature, generator=g)
+            outs += [self.vocab.decode(c) for c in smp.completions]
+        self.policy.counters.update(saved)  # evaluation is not training cost
+        scored = self.task.rewards(outs, ex)
+        row = {"eval/reward": float(scored["reward"].mean()), "eval/accuracy": float(scored["correct"].mean())}
+        for k, v in scored.items():
+            row[f"eval/rewards/{k}/mean"] = float(v.mean())
+        return row, None
+
+
+def family_for(trainer):
+    """The dLLM family when the policy is a masked diffusion LM, else None (flow models)."""
+    return DLLMFamily(trainer) if trainer.cfg.model.name in DLLM_MODELS else None
+
+
+__all__ = ["DLLMFamily", "DLLM_CLIP_RANGE", "METHODS", "dllm_clip_range", "family_for", "grpo_token_loss", "k3_kl",
+           "completion_mask"]

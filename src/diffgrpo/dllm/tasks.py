@@ -1,0 +1,400 @@
+"""Text tasks with verifiable rewards for masked diffusion language models, and their shared vocabulary.
+
+Every task has a seeded instance generator with a fixed train/test split, a reference completion (used to
+pretrain the built-in model) and a reward computed from the completion text alone:
+
+  arithmetic   "12+7="            → "<answer>19</answer>"     reward 0.1·format + 0.9·correct
+  sudoku       4×4, "." = blank    → 16 digits (row-major)     reward 0.5·cell_accuracy + 0.5·solved
+  countdown    "3,5,2:13"          → "<answer>3*5-2</answer>"  reward 1.0 correct / 0.1 well-formed / 0
+  json_schema  "a:int,b:str"       → '{"a":3,"b":"x"}'         reward 1/(1+#jsonschema errors), 0 if not JSON
+
+Splits: arithmetic, countdown and json_schema split by a seeded hash of the instance; sudoku splits by the
+*solution grid* (no test solution is ever seen in training, whatever its blanks).
+
+The vocabulary is character level plus the special tokens <pad>, <mask>, <eos> and the two tag tokens
+<answer>, </answer> (kept whole so that completions stay short). Completions are padded with <eos> to
+``gen_length`` (LLaDA convention); prompts are left-padded with <pad> to the task's ``prompt_length``.
+"""
+from __future__ import annotations
+
+import ast
+import hashlib
+import itertools
+import json
+import random
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+# ---------------------------------------------------------------------------------------------- vocabulary
+SPECIALS = ["<pad>", "<mask>", "<eos>", "<answer>", "</answer>"]
+CHARS = list("0123456789abcdefghijklmnopqrstuvwxyz+-*/=()[]{}<>:,.\"' _|?")
+
+
+class CharVocab:
+    """Character vocabulary shared by every task. ``encode`` matches special tokens greedily first."""
+
+    def __init__(self):
+        self.tokens = SPECIALS + CHARS
+        self.index = {t: i for i, t in enumerate(self.tokens)}
+        self.pad_id, self.mask_id, self.eos_id = self.index["<pad>"], self.index["<mask>"], self.index["<eos>"]
+        self._special_re = re.compile("|".join(re.escape(s) for s in SPECIALS))
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def encode(self, text: str) -> list[int]:
+        """Text → ids; specials first, then characters; unknown characters raise ValueError."""
+        out, pos = [], 0
+        for m in self._special_re.finditer(text):
+            out += [self._char(c) for c in text[pos:m.start()]]
+            out.append(self.index[m.group(0)])
+            pos = m.end()
+        return out + [self._char(c) for c in text[pos:]]
+
+    def _char(self, c: str) -> int:
+        if c not in self.index:
+            raise ValueError(f"character {c!r} is not in the vocabulary")
+        return self.index[c]
+
+    def decode(self, ids, *, stop_at_eos: bool = True) -> str:
+        """Ids → text; stops at the first <eos> (else drops it); <pad> is dropped; <mask> stays "<mask>"."""
+        out = []
+        for i in (ids.tolist() if torch.is_tensor(ids) else ids):
+            if i == self.eos_id and stop_at_eos:
+                break
+            if i == self.pad_id or i == self.eos_id:
+                continue
+            out.append(self.tokens[i])
+        return "".join(out)
+
+    def encode_prompts(self, prompts: list[str], length: int) -> torch.Tensor:
+        """Left-padded prompt ids (B, length) long."""
+        out = torch.full((len(prompts), length), self.pad_id, dtype=torch.long)
+        for b, p in enumerate(prompts):
+            ids = self.encode(p)
+            if len(ids) > length:
+                raise ValueError(f"prompt {p!r} has {len(ids)} tokens > prompt_length {length}")
+            if ids:
+                out[b, length - len(ids):] = torch.tensor(ids)
+        return out
+
+    def encode_completions(self, completions: list[str], length: int) -> torch.Tensor:
+        """Completion ids (B, length) long, <eos>-padded (truncated if longer)."""
+        out = torch.full((len(completions), length), self.eos_id, dtype=torch.long)
+        for b, c in enumerate(completions):
+            ids = self.encode(c)[:length]
+            if ids:
+                out[b, : len(ids)] = torch.tensor(ids)
+        return out
+
+
+VOCAB = CharVocab()
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+@dataclass(frozen=True)
+class Example:
+    prompt: str
+    answer: str  # one reference completion (pretraining target)
+    meta: dict = field(default_factory=dict, hash=False, compare=False)
+
+
+def _is_test(key: str, test_fraction: float, seed: int) -> bool:
+    h = int(hashlib.sha256(f"{seed}:{key}".encode()).hexdigest()[:8], 16)
+    return (h / 0xFFFFFFFF) < test_fraction
+
+
+_ANSWER_RE = re.compile(r"^<answer>(.*?)</answer>$", re.S)
+
+
+def extract_answer(text: str) -> str | None:
+    """The content of exactly one <answer>…</answer> pair spanning the whole completion (trimmed), else None."""
+    m = _ANSWER_RE.match(text.strip())
+    if m is None or "<answer>" in m.group(1) or "</answer>" in m.group(1):
+        return None
+    return m.group(1).strip()
+
+
+class Task:
+    """Base: ``instances(split)`` lists every instance of a split; ``sample`` draws seeded examples."""
+
+    name = ""
+    prompt_length = 0
+    gen_length = 0
+    test_fraction = 0.2
+    split_seed = 0
+
+    def instances(self, split: str) -> list[Example]:
+        raise NotImplementedError
+
+    def sample(self, split: str, n: int, generator: torch.Generator) -> list[Example]:
+        pool = self.instances(split)
+        idx = torch.randint(len(pool), (n,), generator=generator)
+        return [pool[int(i)] for i in idx]
+
+    def reward(self, completion: str, ex: Example) -> dict[str, float]:
+        """→ {"reward": float, <components>: float, "correct": 0/1}."""
+        raise NotImplementedError
+
+    def rewards(self, completions: list[str], examples: list[Example]) -> dict[str, torch.Tensor]:
+        rows = [self.reward(c, e) for c, e in zip(completions, examples)]
+        return {k: torch.tensor([r[k] for r in rows], dtype=torch.float32) for k in rows[0]}
+
+
+# ---------------------------------------------------------------------------------------------- arithmetic
+class Arithmetic(Task):
+    name, prompt_length, gen_length = "arithmetic", 6, 8
+
+    def __init__(self, max_operand: int = 19, ops: str = "+-"):
+        self.max_operand, self.ops = max_operand, ops
+        self._cache: dict[str, list[Example]] = {}
+
+    def instances(self, split):
+        if split not in self._cache:
+            out = []
+            for a, b, op in itertools.product(range(self.max_operand + 1), range(self.max_operand + 1), self.ops):
+                val = {"+": a + b, "-": a - b, "*": a * b}[op]
+                p = f"{a}{op}{b}="
+                if _is_test(p, self.test_fraction, self.split_seed) == (split == "test"):
+                    out.append(Example(p, f"<answer>{val}</answer>", {"target": val}))
+            self._cache[split] = out
+        return self._cache[split]
+
+    def reward(self, completion, ex):
+        ans = extract_answer(completion)
+        fmt = ans is not None and re.fullmatch(r"-?\d+", ans) is not None
+        correct = fmt and int(ans) == ex.meta["target"]
+        return {"reward": 0.1 * fmt + 0.9 * correct, "format": float(fmt), "correct": float(correct)}
+
+
+# ---------------------------------------------------------------------------------------------- sudoku 4x4
+def _valid_grid(g: list[int]) -> bool:
+    """g: 16 ints row-major; every row, column and 2×2 box holds 1..4 once."""
+    units = [[r * 4 + c for c in range(4)] for r in range(4)] + [[r * 4 + c for r in range(4)] for c in range(4)]
+    units += [[(br + r) * 4 + bc + c for r in range(2) for c in range(2)] for br in (0, 2) for bc in (0, 2)]
+    return all(sorted(g[i] for i in u) == [1, 2, 3, 4] for u in units)
+
+
+def all_sudoku_grids() -> list[tuple[int, ...]]:
+    """Every valid 4×4 sudoku solution (288)."""
+    rows = list(itertools.permutations([1, 2, 3, 4]))
+    out: list[tuple[int, ...]] = []
+
+    def extend(g: tuple[int, ...]):
+        r = len(g) // 4
+        if r == 4:
+            out.append(g)
+            return
+        for row in rows:
+            cols_ok = all(row[c] != g[k * 4 + c] for k in range(r) for c in range(4))
+            box_ok = r % 2 == 0 or all(row[c] not in g[(r - 1) * 4 + c // 2 * 2:(r - 1) * 4 + c // 2 * 2 + 2]
+                                       for c in range(4))
+            if cols_ok and box_ok:
+                extend(g + row)
+
+    extend(())
+    assert all(_valid_grid(list(g)) for g in out)
+    return out
+
+
+def count_solutions(puzzle: list[int], limit: int = 2) -> int:
+    """Number of completions of ``puzzle`` (0 = blank), up to ``limit``."""
+    try:
+        i = puzzle.index(0)
+    except ValueError:
+        return int(_valid_grid(puzzle))
+    r, c = divmod(i, 4)
+    n = 0
+    for v in range(1, 5):
+        peers = [puzzle[r * 4 + k] for k in range(4)] + [puzzle[k * 4 + c] for k in range(4)]
+        br, bc = r // 2 * 2, c // 2 * 2
+        peers += [puzzle[(br + a) * 4 + bc + b] for a in range(2) for b in range(2)]
+        if v in peers:
+            continue
+        puzzle[i] = v
+        n += count_solutions(puzzle, limit - n)
+        puzzle[i] = 0
+        if n >= limit:
+            break
+    return n
+
+
+class Sudoku(Task):
+    name, prompt_length, gen_length = "sudoku", 16, 16
+
+    def __init__(self, min_blanks: int = 4, max_blanks: int = 10, puzzles_per_grid: int = 4):
+        self.min_blanks, self.max_blanks, self.per_grid = min_blanks, max_blanks, puzzles_per_grid
+        self._cache: dict[str, list[Example]] = {}
+
+    def instances(self, split):
+        if split not in self._cache:
+            rng = random.Random(self.split_seed)
+            out = []
+            for grid in all_sudoku_grids():
+                sol = "".join(map(str, grid))
+                if _is_test(sol, self.test_fraction, self.split_seed) != (split == "test"):
+                    continue
+                for _ in range(self.per_grid):
+                    # remove cells one by one in random order while the solution stays unique
+                    target = rng.randint(self.min_blanks, self.max_blanks)
+                    puzzle = list(grid)
+                    for i in rng.sample(range(16), 16):
+                        if 16 - sum(v != 0 for v in puzzle) >= target:
+                            break
+                        keep, puzzle[i] = puzzle[i], 0
+                        if count_solutions(list(puzzle)) != 1:
+                            puzzle[i] = keep
+                    p = "".join(str(v) if v else "." for v in puzzle)
+                    out.append(Example(p, sol, {"solution": sol}))
+            self._cache[split] = out
+        return self._cache[split]
+
+    def reward(self, completion, ex):
+        sol, puzzle = ex.meta["solution"], ex.prompt
+        text = completion.strip()
+        blanks = [i for i, ch in enumerate(puzzle) if ch == "."]
+        hits = sum(1 for i in blanks if i < len(text) and text[i] == sol[i])
+        acc = hits / max(len(blanks), 1)
+        solved = (len(text) == 16 and text.isdigit() and _valid_grid([int(c) for c in text])
+                  and all(p == "." or p == t for p, t in zip(puzzle, text)))
+        return {"reward": 0.5 * acc + 0.5 * solved, "cell_accuracy": acc, "correct": float(solved)}
+
+
+# ---------------------------------------------------------------------------------------------- countdown
+def safe_eval(expr: str) -> tuple[float, list[int]] | None:
+    """Value and integer literals of an arithmetic expression (+ − * / parentheses), or None if malformed."""
+    if not expr or not re.fullmatch(r"[0-9+\-*/() ]+", expr):
+        return None
+    try:
+        tree = ast.parse(expr, mode="eval")
+    except SyntaxError:
+        return None
+    nums: list[int] = []
+
+    def ev(n):
+        if isinstance(n, ast.Expression):
+            return ev(n.body)
+        if isinstance(n, ast.Constant) and isinstance(n.value, int):
+            nums.append(n.value)
+            return float(n.value)
+        if isinstance(n, ast.BinOp) and type(n.op) in (ast.Add, ast.Sub, ast.Mult, ast.Div):
+            a, b = ev(n.left), ev(n.right)
+            if isinstance(n.op, ast.Add):
+                return a + b
+            if isinstance(n.op, ast.Sub):
+                return a - b
+            if isinstance(n.op, ast.Mult):
+                return a * b
+            if b == 0:
+                raise ZeroDivisionError
+            return a / b
+        if isinstance(n, ast.UnaryOp) and isinstance(n.op, ast.USub):
+            return -ev(n.operand)
+        raise ValueError("unsupported syntax")
+
+    try:
+        return ev(tree), nums
+    except (ValueError, ZeroDivisionError, RecursionError):
+        return None
+
+
+class Countdown(Task):
+    """Three numbers and a target; use each number exactly once with + − * / to reach the target."""
+
+    name, prompt_length, gen_length = "countdown", 12, 12
+
+    def __init__(self, max_number: int = 12):
+        self.max_number = max_number
+        self._cache: dict[str, list[Example]] = {}
+
+    def instances(self, split):
+        if split not in self._cache:
+            out = []
+            rng = random.Random(self.split_seed + 1)
+            for nums in itertools.combinations_with_replacement(range(1, self.max_number + 1), 3):
+                a, b, c = rng.sample(nums, 3)
+                o1, o2 = rng.choice("+-*"), rng.choice("+-*")
+                expr = f"{a}{o1}{b}{o2}{c}"
+                val = safe_eval(expr)[0]
+                if val <= 0 or val != int(val) or val > 99:
+                    expr = f"{a}+{b}+{c}"
+                    val = a + b + c
+                shown = sorted(nums)
+                p = f"{shown[0]},{shown[1]},{shown[2]}:{int(val)}"
+                if _is_test(p, self.test_fraction, self.split_seed) == (split == "test"):
+                    out.append(Example(p, f"<answer>{expr}</answer>", {"numbers": shown, "target": int(val)}))
+            self._cache[split] = out
+        return self._cache[split]
+
+    def reward(self, completion, ex):
+        ans = extract_answer(completion)
+        parsed = safe_eval(ans) if ans is not None else None
+        if parsed is None:
+            return {"reward": 0.0, "format": 0.0, "correct": 0.0}
+        val, nums = parsed
+        correct = sorted(nums) == sorted(ex.meta["numbers"]) and abs(val - ex.meta["target"]) < 1e-6
+        return {"reward": 1.0 if correct else 0.1, "format": 1.0, "correct": float(correct)}
+
+
+# ---------------------------------------------------------------------------------------------- JSON schema
+_TYPES = {"int": "integer", "str": "string", "bool": "boolean"}
+
+
+def schema_from_spec(spec: str) -> dict[str, Any]:
+    """'a:int,b:str' → a JSON schema: object, those typed properties, all required, nothing else allowed."""
+    props = {}
+    for part in spec.split(","):
+        key, _, tp = part.partition(":")
+        props[key] = {"type": _TYPES[tp]}
+    return {"type": "object", "properties": props, "required": list(props), "additionalProperties": False}
+
+
+class JsonSchema(Task):
+    name, prompt_length, gen_length = "json_schema", 20, 32
+
+    def __init__(self, keys: str = "abcdef", max_keys: int = 3):
+        self.keys, self.max_keys = keys, max_keys
+        self._cache: dict[str, list[Example]] = {}
+
+    def instances(self, split):
+        if split not in self._cache:
+            rng = random.Random(self.split_seed + 2)
+            out = []
+            for n in range(1, self.max_keys + 1):
+                for keys in itertools.combinations(self.keys, n):
+                    for tps in itertools.product(_TYPES, repeat=n):
+                        spec = ",".join(f"{k}:{t}" for k, t in zip(keys, tps))
+                        vals = {k: {"int": rng.randint(0, 9), "str": rng.choice("xyz"), "bool": rng.random() < .5}[t]
+                                for k, t in zip(keys, tps)}
+                        if _is_test(spec, self.test_fraction, self.split_seed) == (split == "test"):
+                            out.append(Example(spec, json.dumps(vals, separators=(",", ":")),
+                                               {"schema": schema_from_spec(spec)}))
+            self._cache[split] = out
+        return self._cache[split]
+
+    def reward(self, completion, ex):
+        import jsonschema
+
+        try:
+            obj = json.loads(completion.strip())
+        except (json.JSONDecodeError, ValueError):
+            return {"reward": 0.0, "errors": -1.0, "correct": 0.0}
+        n_err = sum(1 for _ in jsonschema.Draft7Validator(ex.meta["schema"]).iter_errors(obj))
+        return {"reward": 1.0 / (1 + n_err), "errors": float(n_err), "correct": float(n_err == 0)}
+
+
+TASKS: dict[str, type[Task]] = {"arithmetic": Arithmetic, "sudoku": Sudoku, "countdown": Countdown,
+                                "json_schema": JsonSchema}
+
+
+def get_task(name: str) -> Task:
+    if name not in TASKS:
+        raise ValueError(f"unknown dLLM task {name!r}; choose one of {sorted(TASKS)}")
+    return TASKS[name]()
+
+
+__all__ = ["VOCAB", "CharVocab", "Example", "Task", "TASKS", "get_task", "extract_answer", "safe_eval",
+           "schema_from_spec", "all_sudoku_grids", "count_solutions"]

@@ -1,0 +1,277 @@
+"""Policy adapter for masked diffusion LMs through ``transformers``, and the built-in tiny dLLM.
+
+:class:`MaskedLMPolicy` wraps any transformers model that maps ``input_ids`` (with a mask token) to
+per-position logits under bidirectional attention:
+  * standard masked-LM classes (``BertForMaskedLM``, ``RobertaForMaskedLM``, ``ModernBertForMaskedLM``, …);
+  * LLaDA / Dream checkpoints through ``trust_remote_code`` (off unless the user sets it).
+Logit conventions are explicit: ``logits_shift=False`` (BERT, LLaDA): position j scores token j;
+``logits_shift=True`` (Dream, initialised from an autoregressive LM): position j scores token j+1, so the
+adapter returns ``cat([logits[:, :1], logits[:, :-1]])`` and every caller sees "position j scores token j".
+
+Built-in model (``model.name=tiny_mlm``): a real ``transformers.BertForMaskedLM`` at a tiny config with the
+character vocabulary of :mod:`diffgrpo.dllm.tasks`, pretrained on generated task data (train split) with
+the masked-diffusion objective (LLaDA): t ~ U(0, 1), every completion token masked with probability t,
+    L = E_t [ (1/t) Σ_j 1[j masked] · −log p_θ(y_j | x_t) ] / L,
+the prompt never masked. Weights are cached per task/architecture/recipe under the cache directory.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+import json
+
+import torch
+import torch.nn as nn
+
+from .tiny import cache_root, save_dir_atomic
+
+
+class MaskedLMPolicy:
+    """Adapter: ``logits(input_ids) -> (B, N, V)`` float32, position j scoring token j.
+
+    Attention: positions holding ``pad_id`` (prompt left-padding) are excluded through ``attention_mask``
+    when ``use_attention_mask``. Reference policy: a frozen copy made on construction when ``keep_reference``.
+    """
+
+    def __init__(self, model: nn.Module, *, vocab, logits_shift: bool = False, device="cpu",
+                 keep_reference: bool = False, use_attention_mask: bool = True):
+        self.device = torch.device(device)
+        self.model = model.to(self.device).train(False)
+        self.vocab = vocab  # encode/decode, mask_id, pad_id, eos_id
+        self.mask_id, self.pad_id, self.eos_id = vocab.mask_id, vocab.pad_id, vocab.eos_id
+        self.logits_shift = logits_shift
+        self.use_attention_mask = use_attention_mask
+        self._ref = None
+        if keep_reference:
+            self._ref = copy.deepcopy(self.model).requires_grad_(False)
+        self._use_ref = False
+        self.counters = {"forwards_grad": 0, "forwards_nograd": 0}
+        self.uses_cfg = False
+
+    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids (B, N) long → logits (B, N, V) float32 (position j scores token j)."""
+        net = self._ref if self._use_ref else self.model
+        self.counters["forwards_grad" if torch.is_grad_enabled() else "forwards_nograd"] += input_ids.shape[0]
+        kw = {}
+        if self.use_attention_mask:
+            kw["attention_mask"] = (input_ids != self.pad_id).long()
+        out = net(input_ids=input_ids, **kw).logits.float()
+        return shift_logits(out) if self.logits_shift else out
+
+    __call__ = logits
+
+    @contextlib.contextmanager
+    def reference(self):
+        """Inside the block ``logits`` uses the frozen initial weights."""
+        if self._ref is None:
+            raise RuntimeError("reference policy requested but the policy was built without keep_reference "
+                               "(set loss.beta > 0 to enable the KL term)")
+        self._use_ref, prev = True, self._use_ref
+        try:
+            yield
+        finally:
+            self._use_ref = prev
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return untied_state_dict(self.model)
+
+    def load_state_dict(self, sd):
+        self.model.load_state_dict(sd)
+
+
+def untied_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """State dict with tied tensors (MLM decoder = word embeddings) copied apart, as safetensors requires."""
+    return {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+
+
+def shift_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Dream convention (position j scores token j+1) → position j scores token j. (B, N, V) → (B, N, V).
+
+    Position 0 has no scorer and reuses position 0's logits (it is always a prompt token)."""
+    return torch.cat([logits[:, :1], logits[:, :-1]], 1)
+
+
+# ---------------------------------------------------------------------------------------------- tiny model
+TINY_ARCH = dict(hidden_size=96, num_hidden_layers=3, num_attention_heads=4, intermediate_size=192)
+
+
+def tiny_bert(vocab_size: int, *, max_positions: int = 64, **arch) -> nn.Module:
+    """A real ``transformers.BertForMaskedLM`` at a tiny size (bidirectional encoder, no dropout)."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    a = {**TINY_ARCH, **arch}
+    cfg = BertConfig(vocab_size=vocab_size, max_position_embeddings=max_positions, hidden_dropout_prob=0.0,
+                     attention_probs_dropout_prob=0.0, type_vocab_size=1, pad_token_id=0, **a)
+    return BertForMaskedLM(cfg)
+
+
+def masked_diffusion_loss(logits_fn, prompt_ids: torch.Tensor, completion_ids: torch.Tensor, mask_id: int,
+                          generator: torch.Generator | None = None, t_min: float = 1e-3) -> torch.Tensor:
+    """LLaDA pretraining loss. prompt_ids (B, P), completion_ids (B, L) → scalar.
+
+    t ~ U(t_min, 1) per sequence; completion tokens masked with probability t; cross-entropy on masked
+    tokens weighted by 1/t, summed and divided by B·L."""
+    B, L = completion_ids.shape
+    t = t_min + (1 - t_min) * torch.rand(B, 1, generator=generator)  # (B, 1)
+    m = torch.rand(B, L, generator=generator) < t  # (B, L)
+    x = torch.cat([prompt_ids, torch.where(m, torch.full_like(completion_ids, mask_id), completion_ids)], 1)
+    logits = logits_fn(x)[:, -L:]  # (B, L, V)
+    ce = torch.nn.functional.cross_entropy(logits.reshape(B * L, -1), completion_ids.reshape(-1),
+                                           reduction="none").view(B, L)
+    return (ce * m / t).sum() / (B * L)
+
+
+def _recipe_key(task: str, arch: dict, pcfg) -> str:
+    blob = json.dumps({"task": task, "arch": arch, "steps": pcfg.steps, "bs": pcfg.batch_size, "lr": pcfg.lr,
+                       "seed": pcfg.seed, "kind": "mdm", "v": 1}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def pretrain_tiny_mlm(task, pcfg, *, progress: bool = True, arch: dict | None = None) -> nn.Module:
+    """Masked-diffusion pretraining of the tiny BERT on the task's train split. Returns the model (eval mode)."""
+    from tqdm.auto import tqdm
+
+    from ..dllm.tasks import VOCAB
+
+    g = torch.Generator().manual_seed(pcfg.seed)
+    torch.manual_seed(pcfg.seed)
+    net = tiny_bert(len(VOCAB), max_positions=task.prompt_length + task.gen_length, **(arch or {}))
+    pool = task.instances("train")
+    prompts = VOCAB.encode_prompts([e.prompt for e in pool], task.prompt_length)
+    comps = VOCAB.encode_completions([e.answer for e in pool], task.gen_length)
+    opt = torch.optim.AdamW(net.parameters(), lr=pcfg.lr, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=pcfg.lr, total_steps=pcfg.steps, pct_start=0.05)
+    net.train()
+
+    def fn(x):
+        return net(input_ids=x, attention_mask=(x != VOCAB.pad_id).long()).logits
+
+    bar = tqdm(range(pcfg.steps), desc=f"pretraining tiny dLLM ({task.name})", disable=not progress, leave=False)
+    ema = None
+    for _ in bar:
+        idx = torch.randint(len(pool), (pcfg.batch_size,), generator=g)
+        loss = masked_diffusion_loss(fn, prompts[idx], comps[idx], VOCAB.mask_id, generator=g)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        ema = loss.item() if ema is None else 0.98 * ema + 0.02 * loss.item()
+        bar.set_postfix(loss=f"{ema:.4f}")
+    return net.eval()
+
+
+def load_or_pretrain_mlm(task, pcfg, *, cache_dir: str = "", progress: bool = True, log=print,
+                         arch: dict | None = None) -> nn.Module:
+    """The cached pretrained tiny dLLM for this task and recipe; pretrains (and caches) it if absent."""
+    from safetensors.torch import load_file, save_file
+
+    from ..dllm.tasks import VOCAB
+
+    a = {**TINY_ARCH, **(arch or {})}
+    path = cache_root(cache_dir) / f"tiny-mlm-{task.name}-{_recipe_key(task.name, a, pcfg)}"
+    if (path / "model.safetensors").is_file():
+        net = tiny_bert(len(VOCAB), max_positions=task.prompt_length + task.gen_length, **a)
+        net.load_state_dict(load_file(str(path / "model.safetensors")))
+        return net.eval()
+    log(f"no cached tiny dLLM at {path}; pretraining it ({pcfg.steps} steps, runs once)")
+    net = pretrain_tiny_mlm(task, pcfg, progress=progress, arch=a)
+
+    def write(tmp):
+        save_file(untied_state_dict(net), str(tmp / "model.safetensors"))
+        (tmp / "config.json").write_text(json.dumps({"task": task.name, "arch": a, "pretrain": vars(pcfg)}, indent=2))
+
+    save_dir_atomic(path, write)
+    return net
+
+
+class HFTokenizerVocab:
+    """A transformers tokenizer behind the vocabulary interface the dLLM code uses (encode/decode, ids)."""
+
+    def __init__(self, tok, mask_id: int | None = None):
+        self.tok = tok
+        self.mask_id = mask_id if mask_id is not None else tok.mask_token_id
+        if self.mask_id is None:
+            raise ValueError("tokenizer has no mask token; set dllm.mask_token_id")
+        self.eos_id = tok.eos_token_id if tok.eos_token_id is not None else tok.sep_token_id
+        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else self.eos_id
+
+    def __len__(self):
+        return len(self.tok)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False)
+
+    def decode(self, ids, stop_at_eos: bool = True) -> str:
+        ids = ids.tolist() if torch.is_tensor(ids) else list(ids)
+        if stop_at_eos and self.eos_id in ids:
+            ids = ids[: ids.index(self.eos_id)]
+        return self.tok.decode([i for i in ids if i not in (self.pad_id, self.eos_id)])
+
+    def encode_prompts(self, prompts, length):
+        out = torch.full((len(prompts), length), self.pad_id, dtype=torch.long)
+        for b, p in enumerate(prompts):
+            ids = self.encode(p)[-length:]
+            out[b, length - len(ids):] = torch.tensor(ids)
+        return out
+
+    def encode_completions(self, completions, length):
+        out = torch.full((len(completions), length), self.eos_id, dtype=torch.long)
+        for b, c in enumerate(completions):
+            ids = self.encode(c)[:length]
+            if ids:
+                out[b, : len(ids)] = torch.tensor(ids)
+        return out
+
+
+def load_hf_masked_lm(path: str, *, trust_remote_code: bool = False, logits_shift: bool | None = None,
+                      device="cpu", keep_reference=False, mask_token_id: int | None = None) -> MaskedLMPolicy:
+    """A local/hub checkpoint → policy. ``logits_shift`` defaults to True for Dream-type configs, else False.
+
+    LLaDA/Dream ship custom code: it only runs with ``trust_remote_code=True`` set by the user."""
+    from transformers import AutoConfig, AutoModel, AutoModelForMaskedLM, AutoTokenizer
+
+    cfg = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    mtype = getattr(cfg, "model_type", "").lower()
+    if logits_shift is None:
+        logits_shift = "dream" in mtype
+    try:
+        model = AutoModelForMaskedLM.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except ValueError:
+        model = AutoModel.from_pretrained(path, trust_remote_code=trust_remote_code)
+    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    if mask_token_id is None and tok.mask_token_id is None and "llada" in mtype:
+        mask_token_id = 126336  # LLaDA's [MASK]
+    return MaskedLMPolicy(model, vocab=HFTokenizerVocab(tok, mask_token_id), logits_shift=logits_shift,
+                          device=device, keep_reference=keep_reference)
+
+
+def build_tiny_mlm_policy(cfg, *, progress=True, log=print, pretrained=True) -> MaskedLMPolicy:
+    """Factory for ``model.name=tiny_mlm``: the cached pretrained tiny dLLM for ``dllm.task``."""
+    from ..dllm.tasks import VOCAB, get_task
+
+    task = get_task(cfg.dllm.task)
+    if pretrained:
+        net = load_or_pretrain_mlm(task, cfg.pretrain, cache_dir=cfg.model.cache_dir, progress=progress, log=log)
+    else:
+        net = tiny_bert(len(VOCAB), max_positions=task.prompt_length + task.gen_length)
+    return MaskedLMPolicy(net, vocab=VOCAB, device=cfg.model.device, keep_reference=cfg.loss.beta > 0)
+
+
+def build_hf_masked_lm_policy(cfg, *, progress=True, log=print) -> MaskedLMPolicy:
+    """Factory for ``model.name=hf_masked_lm``: ``dllm.model_path`` (local directory or hub id)."""
+    d = cfg.dllm
+    if not d.model_path:
+        raise ValueError("model.name=hf_masked_lm needs dllm.model_path")
+    shift = {"auto": None, "true": True, "false": False}[str(d.logits_shift).lower()]
+    return load_hf_masked_lm(d.model_path, trust_remote_code=d.trust_remote_code, logits_shift=shift,
+                             device=cfg.model.device, keep_reference=cfg.loss.beta > 0)
+
+
+__all__ = ["MaskedLMPolicy", "shift_logits", "untied_state_dict", "tiny_bert", "masked_diffusion_loss", "pretrain_tiny_mlm",
+           "load_or_pretrain_mlm", "load_hf_masked_lm", "build_tiny_mlm_policy", "build_hf_masked_lm_policy",
+           "HFTokenizerVocab"]

@@ -1,0 +1,349 @@
+"""Masked diffusion LMs: sampler invariants, likelihood estimators, adapter conventions and the GRPO base methods."""
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from diffgrpo import RunConfig, Trainer
+from diffgrpo.dllm import likelihood
+from diffgrpo.dllm.grpo import completion_mask, k3_kl
+from diffgrpo.dllm.tasks import VOCAB
+from diffgrpo.models.hf_masked_lm import MaskedLMPolicy, masked_diffusion_loss, shift_logits, tiny_bert
+from diffgrpo.samplers import masked
+
+
+class EnumerableMLM(torch.nn.Module):
+    """A bidirectional model over V content tokens + <mask> (id V) small enough to enumerate: the logits of
+    every position depend on the whole (flattened one-hot) sequence through a random MLP."""
+
+    def __init__(self, V=3, N=4, hidden=32, seed=0):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.V, self.N = V, N
+        self.w1 = torch.randn(N * (V + 1), hidden, generator=g)
+        self.w2 = torch.randn(hidden, N * V, generator=g) * 0.7
+
+    def forward(self, ids):  # (B, N) → (B, N, V+1); the mask token is never predicted
+        x = torch.nn.functional.one_hot(ids, self.V + 1).float().flatten(1)
+        out = torch.tanh(x @ self.w1) @ self.w2
+        logits = out.view(-1, self.N, self.V)
+        return torch.cat([logits, torch.full_like(logits[..., :1], -1e9)], -1)
+
+
+def any_order_marginal(model, prompt, L, V):
+    """p(y) = (1/L!) Σ_σ Π_j p(y_σj | prompt, y_σ<j revealed, rest masked), for every y ∈ V^L."""
+    mask = V
+    probs = {}
+    for y in itertools.product(range(V), repeat=L):
+        tot = 0.0
+        for perm in itertools.permutations(range(L)):
+            x = list(prompt) + [mask] * L
+            p = 1.0
+            for j in perm:
+                logp = torch.log_softmax(model(torch.tensor([x]))[0, len(prompt) + j], -1)
+                p *= float(logp[y[j]].exp())
+                x[len(prompt) + j] = y[j]
+            tot += p
+        probs[y] = tot / math.factorial(L)
+    return probs
+
+
+def test_random_remasking_one_block_samples_the_any_order_marginal():
+    V, P, L = 3, 1, 3
+    model = EnumerableMLM(V=V, N=P + L)
+    exact = any_order_marginal(model, [1], L, V)
+    assert sum(exact.values()) == pytest.approx(1.0, abs=1e-6)
+    n = 40000
+    out = masked.sample(model, torch.ones(n, P, dtype=torch.long), mask_id=V, gen_length=L, block_length=L, steps=L,
+                        temperature=1.0, remasking="random", generator=torch.Generator().manual_seed(0))
+    comps = out.completions
+    for y, p in exact.items():
+        f = float((comps == torch.tensor(y)).all(1).float().mean())
+        assert abs(f - p) <= 5 * math.sqrt(p * (1 - p) / n) + 1e-4, (y, f, p)
+    # the any-order marginal is not the left-to-right chain rule of this model: the check has power
+    l2r = {}
+    for y in exact:
+        x, p = [1] + [V] * L, 1.0
+        for j in range(L):
+            p *= float(torch.softmax(model(torch.tensor([x]))[0, P + j], -1)[y[j]])
+            x[P + j] = y[j]
+        l2r[y] = p
+    assert max(abs(l2r[y] - exact[y]) for y in exact) > 0.01
+    # recorded step log-prob is the log-prob of the committed token under the sampling distribution
+    assert torch.all(out.step_log_prob <= 0) and torch.allclose(out.step_log_prob.exp(), out.confidence, atol=1e-5)
+
+
+def test_temperature_zero_is_deterministic_and_low_confidence_commits_top_k():
+    model = EnumerableMLM(V=5, N=10, seed=1)
+    prompt = torch.randint(0, 5, (6, 2), generator=torch.Generator().manual_seed(0))
+    kw = dict(mask_id=5, gen_length=8, block_length=4, steps=4, temperature=0.0, remasking="low_confidence")
+    a = masked.sample(model, prompt, generator=torch.Generator().manual_seed(1), **kw)
+    b = masked.sample(model, prompt, generator=torch.Generator().manual_seed(2), **kw)
+    assert torch.equal(a.sequences, b.sequences) and torch.equal(a.order, b.order)
+    # step 0 commits the 2 most confident positions of block 0
+    x = torch.cat([prompt, torch.full((6, 8), 5)], 1)
+    conf = torch.softmax(model(x)[:, 2:], -1).max(-1).values[:, :4]
+    top = conf.topk(2, -1).indices.sort(-1).values
+    got = torch.stack([torch.nonzero(r == 0).flatten() for r in a.commit_step]).sort(-1).values
+    assert torch.equal(top, got)
+    assert torch.allclose(a.confidence.gather(1, top), conf.gather(1, top))
+
+
+def test_commit_records_are_consistent_with_decode_order():
+    model = EnumerableMLM(V=4, N=14, seed=2)
+    prompt = torch.zeros(5, 2, dtype=torch.long)
+    for remasking in masked.REMASKING:
+        s = masked.sample(model, prompt, mask_id=4, gen_length=12, block_length=4, steps=6, temperature=1.0,
+                          remasking=remasking, generator=torch.Generator().manual_seed(3))
+        sched = masked.schedule(12, 4, 6)
+        assert s.num_steps == len(sched)
+        for i in range(5):
+            order = s.order[i]
+            assert sorted(order.tolist()) == list(range(12))  # a permutation
+            steps_in_order = s.commit_step[i][order]
+            assert torch.all(steps_in_order[1:] >= steps_in_order[:-1])  # commit steps follow the decode order
+            assert torch.bincount(s.commit_step[i], minlength=6).tolist() == [k for _, k in sched]
+            for blk in range(3):  # blocks decode left to right, each within its own steps
+                st = s.commit_step[i, blk * 4:(blk + 1) * 4]
+                assert st.min() >= 2 * blk and st.max() < 2 * (blk + 1)
+                assert sorted(s.block_rank[i, blk * 4:(blk + 1) * 4].tolist()) == [0, 1, 2, 3]
+        assert (s.completions != 4).all()  # nothing left masked
+        assert torch.all(s.entropy >= 0) and torch.all((s.margin >= 0) & (s.margin <= 1))
+        assert torch.all((s.confidence > 0) & (s.confidence <= 1))
+    with pytest.raises(ValueError):
+        masked.schedule(12, 5, 6)
+
+
+# ---------------------------------------------------------------------------------------------- estimators
+def test_estimator_masks():
+    g = torch.Generator().manual_seed(0)
+    B, P, L = 64, 5, 12
+    m, w = likelihood.mean_field(B, P, L, p_mask_prompt=0.0, generator=g)
+    assert m.shape == (B, 1, P + L) and m[..., P:].all() and not m[..., :P].any() and (w == 1).all()
+    m, _ = likelihood.mean_field(B, P, L, p_mask_prompt=1.0, generator=g)
+    assert m.all()
+    m, w = likelihood.coupled(B, P, L, generator=g)
+    assert not m[..., :P].any() and torch.equal(m[..., P:].sum(1), torch.ones(B, L, dtype=torch.long))
+    assert torch.equal(w.sum(1), torch.ones(B, L))  # each token scored exactly once
+    ratio = m[:, 0, P:].float().mean(1)
+    assert ratio.min() > 0.0 and ratio.max() < 1.0
+    m, w = likelihood.random_mask(4096, P, L, num_samples=3, generator=g)
+    assert m.shape == (4096, 3, P + L) and torch.equal(w > 0, m[..., P:])
+    assert float(w.sum(1).mean()) == pytest.approx(1.0, abs=0.05)  # ELBO weights: unbiased per token
+    st = torch.randint(0, 1, (B, L), generator=g)
+    ms, ws = likelihood.stratified(B, P, L, strata=st, num_strata=1)
+    m1, w1 = likelihood.mean_field(B, P, L, p_mask_prompt=0.0)
+    assert torch.equal(ms, m1) and torch.equal(ws, w1)  # K = 1 is the mean field
+
+
+def test_token_log_probs_matches_direct_forward():
+    model = EnumerableMLM(V=4, N=7, seed=4)
+    ids = torch.randint(0, 4, (3, 7), generator=torch.Generator().manual_seed(0))
+    masks, w = likelihood.coupled(3, 3, 4, generator=torch.Generator().manual_seed(1))
+    got = likelihood.token_log_probs(model, ids, masks, w, mask_id=4)
+    for b in range(3):
+        for j in range(4):
+            m = int(torch.nonzero(masks[b, :, 3 + j]).item())
+            x = torch.where(masks[b, m], torch.full_like(ids[b], 4), ids[b])
+            ref = torch.log_softmax(model(x[None])[0, 3 + j], -1)[ids[b, 3 + j]]
+            assert float(got[b, j]) == pytest.approx(float(ref), abs=1e-5)
+
+
+def test_masked_diffusion_loss_weighting():
+    """With uniform logits every masked token costs log V; the 1/t weight makes the expectation log V."""
+    V = 7
+    torch.manual_seed(0)
+    loss = masked_diffusion_loss(lambda x: torch.zeros(*x.shape, V), torch.zeros(20000, 2, dtype=torch.long),
+                                 torch.zeros(20000, 6, dtype=torch.long), mask_id=6, t_min=0.01,
+                                 generator=torch.Generator().manual_seed(0))
+    assert float(loss) == pytest.approx(math.log(V), rel=0.03)
+
+
+def test_completion_mask_and_k3():
+    c = torch.tensor([[5, 2, 2, 2], [5, 6, 7, 8], [2, 2, 2, 2]])
+    assert completion_mask(c, 2).tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]]
+    assert torch.equal(k3_kl(torch.tensor([0.3]), torch.tensor([0.3])), torch.zeros(1))
+    assert float(k3_kl(torch.tensor([-1.0]), torch.tensor([-2.0]))) > 0
+
+
+# ---------------------------------------------------------------------------------------------- adapters
+@pytest.mark.parametrize("cls", ["BertForMaskedLM", "RobertaForMaskedLM", "ModernBertForMaskedLM"])
+def test_hf_masked_lm_adapter_tiny_configs(cls):
+    import transformers
+
+    model_cls = getattr(transformers, cls)
+    cfg_cls = getattr(transformers, cls.replace("ForMaskedLM", "Config"))
+    kw = dict(vocab_size=len(VOCAB), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+              intermediate_size=64, max_position_embeddings=40, pad_token_id=VOCAB.pad_id)
+    if cls == "ModernBertForMaskedLM":
+        kw.update(global_attn_every_n_layers=1, local_attention=16, bos_token_id=VOCAB.eos_id,
+                  eos_token_id=VOCAB.eos_id, sep_token_id=VOCAB.eos_id, cls_token_id=VOCAB.eos_id)
+    torch.manual_seed(0)
+    net = model_cls(cfg_cls(**kw)).eval()
+    pol = MaskedLMPolicy(net, vocab=VOCAB)
+    ids = torch.cat([VOCAB.encode_prompts(["1+2=", "12+13="], 8), torch.full((2, 8), VOCAB.mask_id)], 1)
+    with torch.no_grad():
+        out = pol(ids)
+        # bidirectional: changing a later token changes an earlier position's logits
+        ids2 = ids.clone()
+        ids2[:, -1] = VOCAB.index["7"]
+        out2 = pol(ids2)
+    assert out.shape == (2, 16, len(VOCAB)) and out.dtype == torch.float32
+    assert not torch.allclose(out[:, 9], out2[:, 9])
+    assert pol.counters["forwards_nograd"] == 4
+    shifted = MaskedLMPolicy(net, vocab=VOCAB, logits_shift=True)
+    with torch.no_grad():
+        s = shifted(ids)
+    assert torch.equal(s[:, 1:], out[:, :-1])  # Dream: position j−1 scores token j
+    assert torch.equal(shift_logits(out)[:, 0], out[:, 0])
+
+
+# ---------------------------------------------------------------------------------------------- GRPO methods
+TINY_DLLM = ["model.name=tiny_mlm", "train.prompts_per_batch=2", "train.group_size=4", "log.progress=false",
+             "log.save_images=false", "dllm.eval_size=8", "loss.clip_range=0.2"]
+
+
+def make_dllm_trainer(*overrides, seed=0):
+    cfg = RunConfig.from_overrides([*TINY_DLLM, f"seed={seed}", *overrides])
+    torch.manual_seed(seed)
+    from diffgrpo.dllm.tasks import get_task
+
+    task = get_task(cfg.dllm.task)
+    net = tiny_bert(len(VOCAB), max_positions=task.prompt_length + task.gen_length, hidden_size=32,
+                    num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
+    policy = MaskedLMPolicy(net, vocab=VOCAB, keep_reference=cfg.loss.beta > 0)
+    return Trainer(cfg, policy=policy, log=lambda *a: None)
+
+
+@pytest.mark.parametrize("method", ["diffu_grpo", "coupled_grpo", "random_mask"])
+def test_base_method_first_ratio_is_one_and_masks_are_fixed(method):
+    tr = make_dllm_trainer(f"dllm.method={method}", "loss.beta=0.04", "train.num_inner_epochs=2",
+                           "dllm.p_mask_prompt=0.3", "dllm.num_mask_samples=3")
+    fam = tr.family
+    ro = tr.rollout()
+    # make rewards vary so advantages are non-zero
+    ro.advantages = torch.linspace(-1, 1, ro.batch_size)
+    masks = ro.extras["masks"].clone()
+    M = {"diffu_grpo": 1, "coupled_grpo": 2, "random_mask": 3}[method]
+    assert masks.shape == (8, M, ro.xs.shape[-1])
+    rng = torch.get_rng_state()
+    gm = fam.gen_masks.get_state()
+    stats = tr.backward(ro, 0)
+    assert stats.metrics["ratio_max_dev"] < 1e-5 and stats.metrics["kl"] < 1e-8 and stats.metrics["clip_ratio"] == 0
+    assert stats.forwards_grad == 8 * M and stats.sample_backwards == 8 * M
+    g = [p.grad for p in tr.params if p.grad is not None]
+    assert g and sum(float(x.abs().sum()) for x in g) > 0
+    tr.optimizer.step()
+    # the stored masks reproduce ℓ_old and are what the current policy is scored with after the update
+    with torch.no_grad():
+        with tr.policy.reference():
+            again = fam.log_probs(ro.xs[:, 0], ro.extras["masks"], ro.extras["mask_weights"])
+    assert torch.allclose(again, ro.log_probs, atol=1e-5)
+    stats2 = tr.backward(ro, 1)
+    assert torch.equal(ro.extras["masks"], masks)
+    assert torch.equal(torch.get_rng_state(), rng) and torch.equal(fam.gen_masks.get_state(), gm)
+    assert stats2.metrics["ratio_max_dev"] > 0 and stats2.metrics["kl"] > 0  # the policy moved
+
+
+def test_method_advantages():
+    r = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.1, 0.1, 0.1, 1.0])
+    for method, expect in [("diffu_grpo", lambda x, m, o: x - m), ("coupled_grpo", lambda x, m, o: x - o)]:
+        tr = make_dllm_trainer(f"dllm.method={method}")
+        fam = tr.family
+        from diffgrpo.advantages import group_advantages
+
+        adv, _ = group_advantages(r, torch.tensor([0] * 4 + [1] * 4), std_mode=fam.std_mode, baseline=fam.baseline)
+        for i in range(8):
+            grp = r[(i // 4) * 4:(i // 4 + 1) * 4]
+            other = (grp.sum() - r[i]) / 3
+            assert float(adv[i]) == pytest.approx(float(expect(r[i], grp.mean(), other)), abs=1e-6)
+
+
+def test_train_step_and_evaluate_run():
+    tr = make_dllm_trainer("dllm.task=sudoku", "dllm.block_length=8", "dllm.diffusion_steps=8")
+    row = tr.step()
+    assert math.isfinite(row["reward"]) and row["iteration"] == 1
+    ev, images = tr.evaluate()
+    assert images is None and 0 <= ev["eval/accuracy"] <= 1 and "eval/rewards/cell_accuracy/mean" in ev
+
+
+def test_policy_state_dict_saves_with_tied_weights(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    pol = MaskedLMPolicy(tiny_bert(len(VOCAB), hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                   intermediate_size=32), vocab=VOCAB)
+    save_file(pol.state_dict(), str(tmp_path / "w.safetensors"))
+    other = MaskedLMPolicy(tiny_bert(len(VOCAB), hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=32), vocab=VOCAB)
+    other.load_state_dict(load_file(str(tmp_path / "w.safetensors")))
+    ids = torch.randint(0, len(VOCAB), (2, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(pol(ids), other(ids))
+
+
+def _marginal_prob(tr, token_id):
+    """Mean probability of ``token_id`` at the fully masked completion positions, over the train prompts."""
+    fam = tr.family
+    ex = fam.task.instances("train")[:32]
+    ids = VOCAB.encode_prompts([e.prompt for e in ex], fam.task.prompt_length)
+    x = torch.cat([ids, torch.full((len(ex), fam.gen_length), VOCAB.mask_id)], 1)
+    with torch.no_grad():
+        p = torch.softmax(tr.policy(x)[:, -fam.gen_length:], -1)[..., token_id]
+    return float(p.mean())
+
+
+@pytest.mark.parametrize("method,sign", [("diffu_grpo", 1.0), ("diffu_grpo", -1.0), ("coupled_grpo", 1.0),
+                                         ("random_mask", 1.0)])
+def test_grpo_steps_move_a_rewarded_token_in_the_reward_direction(method, sign):
+    """Synthetic reward = ±(number of '7' in the completion): a few GRPO steps must raise (lower) p('7')."""
+    tr = make_dllm_trainer(f"dllm.method={method}", "train.lr=3e-3", "train.prompts_per_batch=4",
+                           "train.group_size=8", "dllm.p_mask_prompt=0.0")
+    seven = VOCAB.index["7"]
+    fam = tr.family
+
+    def rewards(texts, examples):
+        return {"reward": torch.tensor([sign * t.count("7") for t in texts], dtype=torch.float32),
+                "correct": torch.zeros(len(texts))}
+
+    fam.task.rewards = rewards
+    ro = tr.rollout()
+    # the rewards belong to the decoded completions they were computed from
+    assert torch.equal(ro.rewards, rewards([VOCAB.decode(c) for c in ro.xs[:, 0, -fam.gen_length:]], None)["reward"])
+    assert ro.rewards.std() > 0
+    before = _marginal_prob(tr, seven)
+    for _ in range(4):
+        tr.step()
+    after = _marginal_prob(tr, seven)
+    assert (after - before) * sign > 0.25 * before, (before, after)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+def test_likelihood_at_rollout_temperature_matches_sampler_log_probs(temperature):
+    """Scoring each committed token with the chain masks of its decode step, at the rollout temperature,
+    reproduces the sampler's own log-prob of that token (the likelihood is of the sampled distribution)."""
+    torch.manual_seed(0)
+    net = tiny_bert(len(VOCAB), max_positions=14, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                    intermediate_size=64)
+    pol = MaskedLMPolicy(net, vocab=VOCAB)
+    prompts = VOCAB.encode_prompts(["12+7=", "3-4="], 6)
+    smp = masked.sample(pol, prompts, mask_id=VOCAB.mask_id, gen_length=8, block_length=4, steps=8,
+                        temperature=temperature, generator=torch.Generator().manual_seed(0))
+    m, w = likelihood.stratified(2, 6, 8, strata=smp.commit_step, num_strata=8, chain=True)
+    with torch.no_grad():
+        lp = likelihood.token_log_probs(pol, smp.sequences, m, w, VOCAB.mask_id, temperature=temperature)
+        lp1 = likelihood.token_log_probs(pol, smp.sequences, m, w, VOCAB.mask_id)
+    assert torch.allclose(lp, smp.step_log_prob, atol=1e-4)
+    assert temperature == 1.0 or not torch.allclose(lp1, smp.step_log_prob, atol=1e-2)
+
+
+def test_dllm_clip_range_default():
+    from diffgrpo.config import LossConfig
+    from diffgrpo.dllm.grpo import DLLM_CLIP_RANGE, dllm_clip_range
+
+    assert dllm_clip_range(LossConfig().clip_range) == DLLM_CLIP_RANGE == 0.2
+    assert dllm_clip_range(0.05) == 0.05
+    tr = make_dllm_trainer("loss.clip_range=0.3")
+    assert tr.family.ctx.clip_range == 0.3
