@@ -1,0 +1,138 @@
+"""Per-sample parameter gradients of a batched network output from ONE backward pass.
+
+For a layer y = a·Wᵀ + b applied to a batch, the summed weight gradient is Σ_n Σ_tokens δ_n aᵀ_n; keeping
+the sum over tokens but not over samples gives every sample's gradient (the "ghost"/Opacus identity). We
+record the inputs a and outputs y of every module that owns trainable parameters during a grad-enabled
+forward, ask autograd for δ = ∂(out·g)/∂y w.r.t. those outputs (which skips the summed weight gradients
+altogether), and contract per sample. Supported owners: ``nn.Linear`` and ``nn.Conv2d`` (groups = 1, numeric
+padding). Anything else makes :meth:`PerSampleGrads.supported` False and callers fall back to one backward
+per sample (:func:`per_sample_grads_loop`), which is exact but costs n backwards.
+
+Network batches larger than the sample batch (classifier-free guidance runs [x; x]) map network row j to
+sample j mod n.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def _root_modules(policy) -> list[nn.Module]:
+    for name in ("net", "model", "transformer", "module"):
+        m = getattr(policy, name, None)
+        if isinstance(m, nn.Module):
+            return [m]
+    return []
+
+
+class PerSampleGrads:
+    """Records layer inputs/outputs while active; turns an upstream gradient into (n, P) per-sample grads."""
+
+    def __init__(self, policy, params: list[torch.Tensor]):
+        self.params = list(params)
+        self.offsets = {}
+        off = 0
+        for p in self.params:
+            self.offsets[id(p)] = (off, p.numel())
+            off += p.numel()
+        self.numel = off
+        self.owners: list[nn.Module] = []
+        covered = set()
+        for root in _root_modules(policy):
+            for m in root.modules():
+                own = [p for p in m.parameters(recurse=False) if id(p) in self.offsets]
+                if not own:
+                    continue
+                ok = isinstance(m, nn.Linear) or (isinstance(m, nn.Conv2d) and m.groups == 1
+                                                  and not isinstance(m.padding, str) and m.padding_mode == "zeros")
+                if ok:
+                    self.owners.append(m)
+                    covered.update(id(p) for p in own)
+        self._supported = covered == set(self.offsets)
+        self._records: list[tuple[nn.Module, torch.Tensor, torch.Tensor]] = []
+        self._active = False
+        self._handles = []
+
+    def supported(self) -> bool:
+        return self._supported
+
+    def _hook(self, mod, inp, out):
+        if self._active and torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad:
+            self._records.append((mod, inp[0].detach(), out))
+
+    @contextlib.contextmanager
+    def recording(self):
+        """While inside, grad-enabled forwards of the covered layers are recorded (hooks removed on exit)."""
+        self._handles = [m.register_forward_hook(self._hook) for m in self.owners]
+        self._active = True
+        try:
+            yield self
+        finally:
+            self._active = False
+            for h in self._handles:
+                h.remove()
+            self._handles = []
+            self._records = []
+
+    def take(self) -> list:
+        """The records of the forwards since the last call (hand them to :meth:`grads`)."""
+        recs, self._records = self._records, []
+        return recs
+
+    def grads(self, records: list, out: torch.Tensor, grad_out: torch.Tensor, n: int, *,
+              retain_graph: bool) -> torch.Tensor:
+        """Per-sample ∂(Σ out·grad_out)/∂θ → (n, P) float32, for the forward that produced ``out`` (n, *S)."""
+        ys = [r[2] for r in records]
+        deltas = torch.autograd.grad(out, ys, grad_outputs=grad_out, retain_graph=retain_graph, allow_unused=True)
+        flat = torch.zeros(n, self.numel, device=out.device, dtype=torch.float32)
+        for (mod, a, _), d in zip(records, deltas):
+            if d is None:
+                continue
+            N = d.shape[0]
+            if N % n:
+                raise RuntimeError(f"network batch {N} is not a multiple of the sample batch {n}")
+            gw, gb = _layer_grads(mod, a, d)  # (N, *W.shape), (N, O) or None
+            self._add(flat, mod.weight, gw, n)
+            if gb is not None and mod.bias is not None:
+                self._add(flat, mod.bias, gb, n)
+        return flat
+
+    def _add(self, flat, p, g, n):
+        if id(p) not in self.offsets:
+            return
+        off, size = self.offsets[id(p)]
+        g = g.reshape(-1, n, size).sum(0)  # rows j and j + n·m belong to sample j
+        flat[:, off:off + size] += g.float()
+
+
+def _layer_grads(mod: nn.Module, a: torch.Tensor, d: torch.Tensor):
+    """Per-row weight and bias gradients of one layer call. a: layer input, d: ∂/∂output (same batch N)."""
+    N = d.shape[0]
+    if isinstance(mod, nn.Linear):
+        a2 = a.reshape(N, -1, a.shape[-1])  # (N, L, in)
+        d2 = d.reshape(N, -1, d.shape[-1])  # (N, L, out)
+        return torch.einsum("nlo,nli->noi", d2, a2), d2.sum(1)
+    # Conv2d: unfold the input into patches, then it is a Linear over patch positions
+    # cols (N, C·kh·kw, L)
+    cols = F.unfold(a, mod.kernel_size, dilation=mod.dilation, padding=mod.padding, stride=mod.stride)
+    d2 = d.reshape(N, d.shape[1], -1)  # (N, O, L)
+    gw = torch.einsum("nol,nkl->nok", d2, cols).reshape(N, *mod.weight.shape)
+    return gw, d2.sum(2)
+
+
+def per_sample_grads_loop(params: list[torch.Tensor], out: torch.Tensor, grad_out: torch.Tensor, *,
+                          retain_graph: bool) -> torch.Tensor:
+    """Exact fallback: one backward per sample through the batched graph → (n, P). Costs n backwards."""
+    n = out.shape[0]
+    rows = []
+    for j in range(n):
+        g = torch.zeros_like(grad_out)
+        g[j] = grad_out[j]
+        gs = torch.autograd.grad(out, params, grad_outputs=g, retain_graph=retain_graph or j < n - 1,
+                                 allow_unused=True)
+        rows.append(torch.cat([(x if x is not None else torch.zeros_like(p)).flatten().float()
+                               for x, p in zip(gs, params)]))
+    return torch.stack(rows)

@@ -1,0 +1,201 @@
+"""``reweight``: LeanGRPO's recompute-free schedule that back-propagates during the rollout.
+
+Estimator: on the first update after a rollout r ≡ 1 and the clip is inactive, so the PPO surrogate's
+gradient is ∂L_ik/∂θ = −A_i·r·∂ℓ_ik/∂θ = −A_i·∂ℓ_ik/∂θ: linear in the (not yet known) advantage. During the
+rollout each selected step's grad-enabled forward is back-propagated immediately with a provisional
+advantage of 1 (which frees its activations) into a per-trajectory buffer
+
+    G_i = Σ_{k selected} ∇_θ ℓ_ik            (per-sample gradients from one batched backward, see _per_sample)
+    K_i = Σ_{k selected} ∇_θ KL_ik           (β > 0 only: the KL gradient does not scale with A)
+
+Once rewards and advantages are known, ``backward`` writes Σ_i c_i·(−A_i·G_i + β·K_i) into ``.grad``, where
+c_i = w_ik is trajectory i's aggregation weight (constant over its selected steps for every aggregation
+mode; trajectories dropped after the fact — invalid reward, zero-std filtering — get c_i = 0, i.e. their
+buffer is simply dropped). Per-trajectory buffers make this exact for ANY advantage function: advantage
+clipping, global std and leave-one-out baselines need no special case.
+Exact relative to ``recompute`` on the first update after a rollout; later inner epochs fall back to
+``recompute`` (metric ``fallback_recompute = 1``).
+Cost per selected step: 0 extra forwards + 1 backward (≈ 2F; +1 backward with β > 0) instead of 3F.
+Memory: one graph in flight at a time (like recompute) plus B·P floats of buffers (2·B·P with β > 0; tiny
+with LoRA); reported as metric ``grad_buffer_bytes``.
+Gradient sync is deferred: the rollout-time forwards/backwards run under ``ctx.no_sync()`` and never touch
+``.grad``; the final gradient is averaged over ranks with exactly ONE all-reduce per optimizer step.
+Source: LeanGRPO (recompute-free GRPO schedules), "Reweight".
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+
+from .. import distributed
+from ..samplers import flow_sde
+from ..types import EngineStats, Rollout
+from ._per_sample import PerSampleGrads, per_sample_grads_loop
+from .base import EngineContext, StatsAccumulator, engine_run, take_cond
+from .recompute import recompute_pairs
+
+REWEIGHT_KEY = "reweight_buffers"
+
+
+class GradBuffers:
+    """Per-trajectory gradient buffers filled during one rollout."""
+
+    def __init__(self, batch: int, numel: int, kl: bool, planned: torch.Tensor):
+        self.pg = torch.zeros(batch, numel, device=planned.device)  # (B, P) Σ_k ∇ℓ_ik
+        self.kl = torch.zeros(batch, numel, device=planned.device) if kl else None  # (B, P) Σ_k ∇KL_ik
+        self.planned = planned.clone()  # (B, T) pairs back-propagated during the rollout
+        self.backward_calls = 0
+        self.sample_backwards = 0
+        self.seconds = 0.0
+        self.kl_pairs = torch.zeros(planned.shape, device=planned.device)  # (B, T) KL_ik for the metrics
+        self.released = False
+        self.exit = contextlib.ExitStack()  # recording hooks + no_sync, closed after the last grad step
+
+    @property
+    def count(self) -> int:
+        return self.pg.shape[0] * (2 if self.kl is not None else 1)
+
+    @property
+    def nbytes(self) -> int:
+        return self.pg.numel() * self.pg.element_size() * (2 if self.kl is not None else 1)
+
+    def release(self) -> None:
+        self.exit.close()
+        self.pg = self.kl = None
+        self.released = True
+
+
+def trajectory_factors(loss_weights: torch.Tensor, planned: torch.Tensor) -> torch.Tensor | None:
+    """c (B,): each trajectory's aggregation weight over its planned steps, or None if it varies with k.
+
+    loss_weights (B, T) final weights (0 for dropped trajectories); planned (B, T) bool.
+    """
+    big = torch.where(planned, loss_weights, torch.full_like(loss_weights, -float("inf"))).amax(1)
+    small = torch.where(planned, loss_weights, torch.full_like(loss_weights, float("inf"))).amin(1)
+    has = planned.any(1)
+    if bool(((big - small).abs() > 1e-6 * big.abs().clamp(min=1e-30))[has].any()):
+        return None
+    return torch.where(has, big, torch.zeros_like(big))
+
+
+def combine(pg: torch.Tensor, kl: torch.Tensor | None, adv: torch.Tensor, c: torch.Tensor, beta: float) -> torch.Tensor:
+    """Flat gradient Σ_i c_i·(−A_i·G_i + β·K_i). pg, kl (B, P); adv, c (B,) → (P,)."""
+    g = -(c * adv) @ pg
+    if kl is not None and beta > 0:
+        g = g + beta * (c @ kl)
+    return g
+
+
+class ReweightEngine:
+    name = "reweight"
+
+    def __init__(self, cfg=None):
+        self.cfg = cfg
+        self._sigmas = None
+
+    def plan(self, trainer, plan) -> None:
+        self._sigmas = trainer.sigmas
+
+    def rollout_hooks(self, ctx: EngineContext, plan):
+        if self._sigmas is None:
+            raise RuntimeError("reweight: plan the batch with Trainer.plan_batch before the rollout")
+        sigmas = self._sigmas
+        params = list(ctx.policy.trainable_parameters())
+        psg = PerSampleGrads(ctx.policy, params)
+        planned = plan.selected
+        buf = GradBuffers(planned.shape[0], psg.numel, ctx.beta > 0, planned)
+        plan.extras[REWEIGHT_KEY] = buf
+        last_k = int(planned.any(0).nonzero().max()) if bool(planned.any()) else -1
+        if psg.supported():
+            buf.exit.enter_context(psg.recording())
+        buf.exit.enter_context(ctx.no_sync())
+        mult = 2 if getattr(ctx.policy, "uses_cfg", False) else 1
+        cond_cache = {}
+
+        def on_grad_step(k, idx, v, x_k, x_next):
+            t0 = time.perf_counter()
+            n = len(idx)
+            # upstream signals ∂ℓ_i/∂v_i and ∂KL_i/∂v_i through the closed-form step density only
+            v_leaf = v.detach().requires_grad_(True)  # (n, *S)
+            with torch.enable_grad():
+                out = flow_sde.step(v_leaf, sigmas[k], sigmas[k + 1], x_k, prev_sample=x_next, **ctx.kernel)
+                g_pg = torch.autograd.grad(out.log_prob.sum(), v_leaf, retain_graph=ctx.beta > 0)[0]
+                g_kl = None
+                if ctx.beta > 0:
+                    if "cond" not in cond_cache:
+                        cond_cache["cond"] = ctx.policy.encode(plan.prompts)
+                    with torch.no_grad(), ctx.policy.reference():
+                        v_ref = ctx.policy.velocity(x_k, sigmas[k].expand(n), take_cond(cond_cache["cond"], idx))
+                        ref_mean = flow_sde.step(v_ref, sigmas[k], sigmas[k + 1], x_k, prev_sample=x_next,
+                                                 **ctx.kernel).mean
+                    kl = flow_sde.gaussian_kl(out.mean, ref_mean, out.std, flowgrpo_compat=ctx.kl_flowgrpo_compat,
+                                              sigma=sigmas[k], sigma_next=sigmas[k + 1])
+                    g_kl = torch.autograd.grad(kl.sum(), v_leaf)[0]
+                    buf.kl_pairs[idx, k] = kl.detach()
+            # per-trajectory gradients: one batched backward per term, activations freed afterwards
+            recs = psg.take() if psg.supported() else None
+            for j, (g, dst) in enumerate(((g_pg, buf.pg), (g_kl, buf.kl))):
+                if g is None:
+                    continue
+                keep = g_kl is not None and j == 0
+                if recs is not None:
+                    G = psg.grads(recs, v, g, n, retain_graph=keep)  # (n, P)
+                    buf.backward_calls += 1
+                else:
+                    G = per_sample_grads_loop(params, v, g, retain_graph=keep)
+                    buf.backward_calls += n
+                dst.index_add_(0, idx, G)
+                buf.sample_backwards += n * mult
+            if k == last_k:
+                buf.exit.close()
+            buf.seconds += time.perf_counter() - t0
+
+        return planned, on_grad_step
+
+    def backward(self, ctx: EngineContext, rollout: Rollout, epoch: int = 0) -> EngineStats:
+        acc = StatsAccumulator()
+        buf = rollout.extras.get(REWEIGHT_KEY)
+        c = None
+        if buf is not None and not buf.released and epoch == 0:
+            buf.exit.close()
+            c = trajectory_factors(rollout.loss_weights, buf.planned)
+        if c is None:
+            if buf is not None:
+                buf.release()
+            with engine_run(ctx, self.name) as stats:
+                recompute_pairs(ctx, rollout, stats, acc, rollout.selected)
+            stats.metrics.update(acc.metrics())
+            stats.metrics["fallback_recompute"] = 1.0
+            return stats
+        params = list(ctx.policy.trainable_parameters())
+        with engine_run(ctx, self.name) as stats:
+            stats.grad_buffers = buf.count
+            stats.backward_calls += buf.backward_calls
+            stats.sample_backwards += buf.sample_backwards
+            missing = rollout.selected & ~buf.planned  # pairs not back-propagated during the rollout
+            if bool(missing.any()):
+                recompute_pairs(ctx, rollout, stats, acc, missing, last_backward=False)
+            flat = combine(buf.pg, buf.kl, rollout.advantages.float(), c.float(), ctx.beta)  # (P,)
+            n_ar = distributed.COUNTERS["allreduce"]
+            # .grad may already hold a part of this step's gradient (missing pairs, earlier waves): keep it
+            flat = flat + torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten()
+                                     for p in params])
+            distributed.all_reduce_mean_(flat)  # the one gradient sync of this optimizer step
+            stats.allreduce_calls += distributed.COUNTERS["allreduce"] - n_ar
+            off = 0
+            for p in params:
+                p.grad = flat[off:off + p.numel()].view_as(p).clone()
+                off += p.numel()
+            sel = rollout.selected
+            n_pairs = int(sel.sum())
+            acc.n += n_pairs
+            acc.ratio += float(n_pairs)  # r ≡ 1 on the first update
+            acc.kl += float((buf.kl_pairs * rollout.selected).sum())
+            stats.metrics["grad_buffer_bytes"] = float(buf.nbytes)
+            buf.release()
+        stats.seconds["rollout_extra"] = buf.seconds
+        stats.metrics.update(acc.metrics())
+        stats.metrics["fallback_recompute"] = 0.0
+        return stats
