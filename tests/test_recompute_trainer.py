@@ -129,7 +129,7 @@ def test_nan_reward_is_excluded_and_raising_reward_names_itself(make_trainer, mo
 
     monkeypatch.setitem(REWARDS, "broken", broken)
     tr = make_trainer("reward.weights={broken: 1.0}")
-    with pytest.raises(RewardError, match="reward 'broken' raised ValueError: scorer offline"):
+    with pytest.raises(RewardError, match="reward 'broken' raised ValueError: scorer offline .after one retry"):
         tr.rollout()
 
 

@@ -27,12 +27,37 @@ def _threads():
         torch.set_num_threads(max(1, min(os.cpu_count() or 1, 16)))
 
 
+def _resume_dir(args) -> Path | None:
+    """--resume RUN_DIR, or --resume auto: log.output_dir if given, else the newest unfinished run in runs/."""
+    if not args.resume:
+        return None
+    if args.resume != "auto":
+        run = Path(args.resume)
+        if not (run / "config.yaml").is_file():
+            raise ConfigError(f"--resume: {str(run)!r} is not a run directory (no config.yaml)")
+        return run
+    cfg = _load_cfg(args)
+    if cfg.log.output_dir:
+        return Path(cfg.log.output_dir) if (Path(cfg.log.output_dir) / "config.yaml").is_file() else None
+    runs = [d for d in Path("runs").glob("*") if (d / "checkpoints").is_dir() and not (d / "summary.json").exists()]
+    return max(runs, key=lambda d: d.stat().st_mtime) if runs else None
+
+
 def cmd_train(args) -> int:
     from .trainer import Trainer
 
-    cfg = _load_cfg(args)
+    run = _resume_dir(args)
+    if run is not None:  # the run's resolved config, then any overrides (e.g. more iterations)
+        cfg = RunConfig.from_yaml(run / "config.yaml", [*args.overrides, f"log.output_dir={run}"])
+    else:
+        if args.resume == "auto":
+            print("--resume auto: no unfinished run found; starting a new one")
+        cfg = _load_cfg(args)
     _threads()
-    summary = Trainer(cfg).train()
+    summary = Trainer(cfg).train(resume=run is not None)
+    if summary.get("interrupted"):
+        print(f"interrupted; resume with: diffgrpo train --resume {cfg.log.output_dir}")
+        return 0
     start, end = summary["start"], summary["end"]
     for k in end:
         if k.startswith("eval/rewards/"):
@@ -47,6 +72,14 @@ def cmd_pretrain(args) -> int:
 
     cfg = _load_cfg(args)
     _threads()
+    if getattr(args, "task", None) or cfg.model.name == "tiny_mlm":  # the built-in masked diffusion LM
+        from .dllm.tasks import get_task
+        from .models.hf_masked_lm import load_or_pretrain_mlm
+
+        task = get_task(args.task or cfg.dllm.task)
+        load_or_pretrain_mlm(task, cfg.pretrain, cache_dir=cfg.model.cache_dir, progress=cfg.log.progress)
+        print(f"tiny dLLM for task {task.name!r} cached in {cache_root(cfg.model.cache_dir)}")
+        return 0
     load_or_pretrain(cfg.model, cfg.pretrain, progress=cfg.log.progress)
     _, acc = load_classifier(cfg.model.image_size, cfg.model.cache_dir)
     print(f"built-in model and reward classifier cached in {cache_root(cfg.model.cache_dir)}")
@@ -111,6 +144,16 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_report(args) -> int:
+    from .report import write_report
+
+    run = Path(args.run_dir)
+    if not (run / "metrics.jsonl").is_file():
+        raise ConfigError(f"report: {str(run)!r} is not a run directory (no metrics.jsonl)")
+    print(f"wrote {write_report(run, args.out)}")
+    return 0
+
+
 def cmd_print_config(args) -> int:
     print(_load_cfg(args).to_yaml(), end="")
     return 0
@@ -126,9 +169,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("train", help="run GRPO (default: the built-in digits model)")
     common(sp)
+    sp.add_argument("--resume", metavar="RUN_DIR|auto", help="continue a run from its last complete checkpoint")
     sp.set_defaults(func=cmd_train)
     sp = sub.add_parser("pretrain", help="pretrain and cache the built-in model and reward classifier")
     common(sp)
+    sp.add_argument("--task", choices=["arithmetic", "sudoku", "countdown", "json_schema"],
+                    help="pretrain the built-in masked diffusion LM on this task instead")
     sp.set_defaults(func=cmd_pretrain)
     sp = sub.add_parser("sample", help="write a grid of samples from a run directory or weights file")
     sp.add_argument("--weights", help="run directory or weights.safetensors (default: the pretrained model)")
@@ -147,6 +193,10 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--repeats", type=int, default=3)
     be.add_argument("--out", help="output directory (default runs/bench)")
     be.set_defaults(func=cmd_bench)
+    sp = sub.add_parser("report", help="write a self-contained HTML report of a run")
+    sp.add_argument("run_dir")
+    sp.add_argument("--out", help="output file (default RUN_DIR/report.html)")
+    sp.set_defaults(func=cmd_report)
     sp = sub.add_parser("print-config", help="print the resolved config as YAML")
     common(sp)
     sp.set_defaults(func=cmd_print_config)
@@ -155,11 +205,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from .rewards import RewardError
+    from .trainer import TrainingError
+
     try:
         return args.func(args)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except (RewardError, TrainingError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -30,7 +30,9 @@ def _f(default, *, choices=None, lo=None, hi=None, doc="", **kw):
 
 @dataclass
 class ModelConfig:
-    name: str = _f("tiny", choices=("tiny",), doc="policy adapter (registry key or module:attr)")
+    name: str = _f("tiny", choices=("tiny", "tiny_mlm", "hf_masked_lm", "diffusers"),
+                   doc="policy adapter: tiny (flow), diffusers (SD3/FLUX/Wan/Qwen-Image pipeline at model.pretrained), "
+                       "tiny_mlm / hf_masked_lm (masked diffusion LM, see dllm.*)")
     guidance_scale: float = _f(1.0, lo=0.0, doc="classifier-free guidance scale; 1 = no CFG (one forward)")
     device: str = _f("cpu", doc="torch device for the policy")
     cache_dir: str = _f("", doc="where pretrained built-in models live (default $DIFFGRPO_CACHE or ~/.cache/diffgrpo)")
@@ -41,6 +43,20 @@ class ModelConfig:
     num_heads: int = _f(4, lo=1, hi=32, doc="tiny model: attention heads")
     head_dim: int = _f(16, lo=4, hi=256, doc="tiny model: channels per head")
     text_dim: int = _f(32, lo=4, hi=1024, doc="tiny model: prompt-encoder width")
+    # diffusers pipelines (model.name=diffusers); guidance_scale is true CFG, or FLUX's distilled guidance value
+    pretrained: str = _f("", doc="diffusers: local pipeline directory or hub id")
+    family: str = _f("auto", choices=("auto", "sd3", "flux", "wan", "qwenimage"),
+                     doc="diffusers: model family; auto = from the transformer class")
+    dtype: str = _f("float32", choices=("float32", "bfloat16", "float16"), doc="diffusers: weight dtype of the pipeline")
+    mixed_precision: str = _f("no", choices=("no", "bf16", "fp16"), doc="diffusers: autocast of the transformer forward")
+    resolution: int = _f(512, lo=16, doc="diffusers: image side in pixels")
+    num_frames: int = _f(33, lo=1, doc="diffusers (wan): video frames")
+    negative_prompt: str = _f("", doc="diffusers: negative prompt of true CFG")
+    max_sequence_length: int = _f(0, lo=0, doc="diffusers: text tokens; 0 = the family's pipeline default")
+    lora_rank: int = _f(0, lo=0, doc="diffusers: LoRA rank; 0 = full fine-tune")
+    lora_alpha: float = _f(0.0, lo=0.0, doc="diffusers: LoRA alpha; 0 = lora_rank")
+    lora_target_modules: str = _f("", doc="diffusers: comma-separated LoRA targets; empty = the family's defaults")
+    gradient_checkpointing: bool = _f(False, doc="diffusers: activation checkpointing in the transformer")
 
 
 @dataclass
@@ -113,13 +129,60 @@ class TrainConfig:
     num_iterations: int = _f(40, lo=0)
     prompts_per_batch: int = _f(8, lo=1)
     group_size: int = _f(8, lo=2, doc="samples per prompt (GRPO group)")
-    lr: float = _f(1e-4, lo=0.0)
+    lr: float = _f(3e-4, lo=0.0, doc="AdamW learning rate (full fine-tune of the built-in model)")
     weight_decay: float = _f(0.0, lo=0.0)
     adam_beta1: float = _f(0.9, lo=0.0, hi=1.0)
     adam_beta2: float = _f(0.999, lo=0.0, hi=1.0)
     max_grad_norm: float = _f(1.0, lo=0.0, doc="0 disables clipping")
     num_inner_epochs: int = _f(1, lo=1, doc="optimizer updates per rollout")
+    save_every: int = _f(10, lo=0, doc="checkpoint every N iterations (0: never); resume with --resume")
+    keep_checkpoints: int = _f(2, lo=1, doc="checkpoints kept on disk (newest)")
+    ema_decay: float = _f(0.0, lo=0.0, hi=0.9999, doc="EMA of trainable weights for evaluation; 0 = off")
+    max_bad_updates: int = _f(3, lo=1, doc="stop after this many consecutive non-finite updates")
     digits: list = _f([0, 1, 2, 3, 4, 5, 6, 7, 8, 9], doc="training prompt digits")
+    prompts_file: str = _f("", doc="text file, one training prompt per line (replaces the digit prompts)")
+
+
+@dataclass
+class DLLMConfig:
+    """Masked diffusion LMs (model.name=tiny_mlm / hf_masked_lm). TRL names: num_generations = train.group_size,
+    beta = loss.beta, epsilon = loss.clip_range, num_iterations = train.num_inner_epochs,
+    scale_rewards = advantage.std_mode (when method_defaults is false)."""
+    task: str = _f("arithmetic", choices=("arithmetic", "sudoku", "countdown", "json_schema"),
+                   doc="task with a verifiable reward (diffgrpo.dllm.tasks)")
+    method: str = _f("diffu_grpo", choices=("diffu_grpo", "coupled_grpo", "random_mask"),
+                     doc="base method: likelihood estimator + advantage baseline")
+    method_defaults: bool = _f(True, doc="use the method's advantage baseline/std (else the advantage section)")
+    gen_length: int = _f(0, lo=0, doc="completion tokens; 0 = the task's default")
+    block_length: int = _f(0, lo=0, doc="semi-autoregressive block size; 0 = gen_length (one block)")
+    diffusion_steps: int = _f(0, lo=0, doc="sampling steps; 0 = gen_length (one token per step)")
+    remasking: str = _f("low_confidence", choices=("low_confidence", "random"))
+    temperature: float = _f(1.0, lo=0.0, doc="rollout sampling temperature")
+    eval_temperature: float = _f(0.0, lo=0.0, doc="held-out evaluation temperature (0 = greedy)")
+    eval_size: int = _f(128, lo=0, doc="held-out test prompts per evaluation; 0 = the whole test split")
+    p_mask_prompt: float = _f(0.15, lo=0.0, hi=1.0, doc="diffu_grpo: probability of masking each prompt token")
+    num_mask_samples: int = _f(2, lo=1, doc="random_mask: mask ratios per completion (forwards)")
+    model_path: str = _f("", doc="hf_masked_lm: local directory or hub id")
+    trust_remote_code: bool = _f(False, doc="hf_masked_lm: allow the checkpoint's own code (LLaDA, Dream)")
+    logits_shift: str = _f("auto", choices=("auto", "true", "false"),
+                           doc="hf_masked_lm: true = position j scores token j+1 (Dream); auto by model type")
+
+
+@dataclass
+class DACAConfig:
+    """DACA-GRPO plug-ins for every dLLM base method (diffgrpo.dllm.credit, diffgrpo.dllm.likelihood)."""
+    dps_score: str = _f("none", choices=("none", "entropy", "confidence", "margin", "settling", "progress"),
+                        doc="Denoising Progress Score from the sampler records; none = uniform token weights")
+    dps_mix: float = _f(0.5, lo=0.0, hi=1.0, doc="lambda: weight = (1-lambda) + lambda*score weight (0 = base method)")
+    dps_clip_min: float = _f(0.2, lo=0.0, hi=1.0, doc="lower bound of the normalised score weights")
+    dps_clip_max: float = _f(5.0, lo=1.0, doc="upper bound of the normalised score weights")
+    likelihood: str = _f("base", choices=("base", "sml"),
+                         doc="base = the method's estimator; sml = Stratified Masking Likelihood on top of it")
+    sml_strata: int = _f(2, lo=1, doc="SML: strata K (K forwards per base forward; 1 = the base estimator)")
+    sml_partition: str = _f("random", choices=("random", "interleaved", "decode_order"),
+                            doc="SML: how valid completion tokens are split into strata")
+    sml_mode: str = _f("leave_one_out", choices=("leave_one_out", "chain"),
+                       doc="SML: forward k masks stratum k (leave_one_out) or strata k..K-1 (chain)")
 
 
 @dataclass
@@ -128,13 +191,15 @@ class EvalConfig:
     seeds_per_prompt: int = _f(4, lo=1)
     seed: int = _f(1234)
     sde_type: str = _f("ode", choices=("ode", "flow_sde", "dance_sde", "cps"))
+    prompts_file: str = _f("", doc="text file, one evaluation prompt per line (default: the ten digit prompts)")
 
 
 @dataclass
 class LogConfig:
     output_dir: str = _f("", doc="run directory; default runs/<timestamp>")
     progress: bool = _f(True, doc="progress bar")
-    tensorboard: bool = _f(False)
+    tensorboard: bool = _f(False, doc="TensorBoard event files beside metrics.jsonl")
+    wandb: bool = _f(False, doc="also log to Weights & Biases (needs the wandb package)")
     save_images: bool = _f(True, doc="sample grids and reward curve PNGs")
 
 
@@ -152,6 +217,8 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    dllm: DLLMConfig = field(default_factory=DLLMConfig)
+    daca: DACAConfig = field(default_factory=DACAConfig)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -299,5 +366,14 @@ def validate(cfg: RunConfig) -> None:
                           "choose one of ['flow_sde', 'dance_sde', 'cps'] (eval.sde_type may be 'ode')")
     if cfg.sampler.num_steps < 2:
         raise ConfigError("sampler.num_steps: must be >= 2 (the final step is deterministic and never trained)")
+    if cfg.model.name == "diffusers" and not cfg.model.pretrained:
+        raise ConfigError("model.pretrained: required for model.name=diffusers (a local pipeline directory or hub id)")
+    for key in ("train.prompts_file", "eval.prompts_file"):
+        sec, name = key.split(".")
+        path = getattr(getattr(cfg, sec), name)
+        if path and not Path(path).expanduser().is_file():
+            raise ConfigError(f"{key}: file {path!r} does not exist")
+        if path and not any(line.strip() for line in Path(path).expanduser().read_text().splitlines()):
+            raise ConfigError(f"{key}: file {path!r} holds no prompts")
     if cfg.model.image_size % cfg.model.patch_size:
         raise ConfigError(f"model.patch_size: {cfg.model.patch_size} must divide model.image_size={cfg.model.image_size}")

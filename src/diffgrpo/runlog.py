@@ -11,10 +11,18 @@ import torch
 class MetricsWriter:
     """Appends one JSON object per line to ``metrics.jsonl``; mirrors scalars to TensorBoard when asked."""
 
-    def __init__(self, run_dir: Path, tensorboard: bool = False):
+    def __init__(self, run_dir: Path, tensorboard: bool = False, wandb: bool = False, config: dict | None = None):
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.tb = None
+        self.wandb = None
+        if wandb:
+            try:
+                import wandb as _wandb
+            except ImportError as e:
+                raise RuntimeError("log.wandb=true needs the wandb package (pip install wandb)") from e
+            self.wandb = _wandb.init(project="diffgrpo", dir=str(run_dir), config=config or {},
+                                     name=Path(run_dir).name, resume="allow")
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -31,10 +39,14 @@ class MetricsWriter:
             for k, v in row.items():
                 if isinstance(v, (int, float)) and k != "iteration" and math.isfinite(float(v)):
                     self.tb.add_scalar(k, v, row["iteration"])
+        if self.wandb is not None and "iteration" in row:
+            self.wandb.log({k: v for k, v in clean.items() if k != "iteration"}, step=row["iteration"])
 
     def close(self):
         if self.tb is not None:
             self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
 
 
 def read_metrics(path: Path) -> list[dict]:

@@ -39,6 +39,7 @@ class BatchPlan:
     x0: torch.Tensor  # (B, *S) initial noise
     sde_mask: torch.Tensor | None = None  # (B, T) bool: False makes that step a deterministic ODE step
     extras: dict = field(default_factory=dict)  # engine-owned (e.g. the step chosen per group)
+    wave: tuple | None = None  # (whole batch's selected (B_all, T), this wave's rows (B,)) for rollout waves
 
 
 class Trainer:
@@ -66,11 +67,28 @@ class Trainer:
         self.gen_noise = torch.Generator(device=self.device).manual_seed(cfg.seed + 1)
         self.gen_steps = torch.Generator().manual_seed(cfg.seed + 2)
         self.iteration = 0
+        self.bad_updates = 0  # consecutive skipped (non-finite) updates
+        self.ema = None
+        if cfg.train.ema_decay > 0:
+            from .ema import EMA
+
+            named = (self.policy.named_trainable_parameters() if hasattr(self.policy, "named_trainable_parameters")
+                     else {str(i): p for i, p in enumerate(self.params)})
+            self.ema = EMA(named, cfg.train.ema_decay)
+        self._stop_signal = None
+        from .dllm.grpo import family_for  # masked diffusion LMs: rollout/backward/evaluate live in dllm/grpo.py
+
+        self.family = family_for(self)
 
     # ------------------------------------------------------------------ rollout phase
     def sample_prompts(self) -> tuple[list[str], torch.Tensor]:
         """``prompts_per_batch`` prompts, each repeated ``group_size`` times. → (prompts (B,), group_ids (B,))."""
         t = self.cfg.train
+        if t.prompts_file:  # text prompts, drawn uniformly from the file
+            lines = read_prompts(t.prompts_file)
+            pick = torch.randint(len(lines), (t.prompts_per_batch,), generator=self.gen_prompts)
+            prompts = [lines[int(i)] for i in pick for _ in range(t.group_size)]
+            return prompts, torch.arange(t.prompts_per_batch).repeat_interleave(t.group_size)
         digits = torch.tensor(t.digits)
         pick = digits[torch.randint(len(digits), (t.prompts_per_batch,), generator=self.gen_prompts)]
         prompts = [digit_prompt(int(d)) for d in pick for _ in range(t.group_size)]
@@ -110,6 +128,8 @@ class Trainer:
         Engines that work during sampling expose ``rollout_hooks(ctx, plan) -> (grad_mask, on_grad_step)``.
         """
         cfg = self.cfg
+        if self.family is not None:
+            return self.family.rollout(self, prompts, group_ids)
         plan = plan or self.plan_batch(prompts, group_ids)
         prompts, group_ids = plan.prompts, plan.group_ids
         timings = {}
@@ -125,18 +145,22 @@ class Trainer:
         t1 = time.perf_counter()
         images = self.policy.decode(traj["xs"][:, -1])
         metadata = [{"digit": prompt_digit(p)} for p in prompts]
-        rewards, comps = compute_rewards(cfg.reward.weights, images, prompts, metadata)
+        rewards, comps = compute_rewards(cfg.reward.weights, images, prompts, metadata, log=self.log)
         timings["reward"] = time.perf_counter() - t1
         ro = Rollout(prompts=prompts, group_ids=group_ids.to(self.device), cond=cond, sigmas=self.sigmas,
                      xs=traj["xs"], velocities=traj["velocities"], log_probs=traj["log_probs"], noise=traj["noise"],
                      selected=plan.selected, rewards=rewards, reward_components=comps, images=images,
                      metadata=metadata, timings=timings, extras=dict(plan.extras))
-        self.finish_rollout(ro)
+        self.finish_rollout(ro, wave=plan.wave)
         ro.timings["rollout"] = time.perf_counter() - t0
         return ro
 
-    def finish_rollout(self, ro: Rollout) -> None:
-        """Advantages, the trained mask and the aggregation weights, from the rewards."""
+    def finish_rollout(self, ro: Rollout, wave: tuple | None = None) -> None:
+        """Advantages, the trained mask and the aggregation weights, from the rewards.
+
+        In a rollout wave (``wave`` = (whole batch's selected, rows)) the aggregation weights are normalised
+        over the WHOLE batch's planned steps, so that waves sum to the one-wave objective. (Samples dropped in
+        other waves, e.g. for an invalid reward, cannot renormalise this wave; they count as planned.)"""
         a = self.cfg.advantage
         valid = torch.isfinite(ro.rewards)
         adv, stats = group_advantages(ro.rewards, ro.group_ids.cpu(), valid=valid, std_mode=a.std_mode,
@@ -151,30 +175,101 @@ class Trainer:
         ro.advantages = adv.to(self.device)
         ro.selected = ro.selected & keep.to(self.device).unsqueeze(1)
         sample_weights = self.engine.sample_weights(self.ctx, ro) if hasattr(self.engine, "sample_weights") else None
-        ro.loss_weights = aggregation_weights(ro.selected, self.cfg.loss.aggregation, sample_weights)
+        if wave is None:
+            ro.loss_weights = aggregation_weights(ro.selected, self.cfg.loss.aggregation, sample_weights)
+        else:
+            full_sel, rows = wave
+            full_sel = full_sel.clone()
+            full_sel[rows] = ro.selected
+            full_sw = None
+            if sample_weights is not None:
+                full_sw = torch.ones(full_sel.shape[0], device=sample_weights.device)
+                full_sw[rows] = sample_weights
+            ro.loss_weights = aggregation_weights(full_sel, self.cfg.loss.aggregation, full_sw)[rows]
         ro.extras["advantage_stats"] = stats
 
     # ------------------------------------------------------------------ update phase
     def backward(self, rollout: Rollout, epoch: int = 0) -> EngineStats:
         """Zero the grads and let the engine fill ``.grad`` for this rollout (no optimizer step)."""
         self.optimizer.zero_grad(set_to_none=True)
+        if self.family is not None:
+            return self.family.backward(self, rollout, epoch)
         return self.engine.backward(self.ctx, rollout, epoch)
 
-    def update(self, rollout: Rollout) -> tuple[EngineStats, dict[str, float]]:
-        """``num_inner_epochs`` optimizer updates on one rollout. Returns the merged stats and update metrics."""
+    def split_waves(self, plan: BatchPlan, groups_per_wave: int) -> list[BatchPlan]:
+        """Sub-plans of ``groups_per_wave`` complete groups each (in batch order); [plan] if one wave suffices."""
+        groups = list(dict.fromkeys(plan.group_ids.tolist()))  # in order of first appearance
+        if groups_per_wave <= 0 or groups_per_wave >= len(groups):
+            return [plan]
+        waves = []
+        for j in range(0, len(groups), groups_per_wave):
+            take = torch.isin(plan.group_ids, torch.tensor(groups[j:j + groups_per_wave]))
+            rows = take.nonzero().flatten()
+            dev_rows = rows.to(plan.selected.device)
+            waves.append(BatchPlan(prompts=[plan.prompts[i] for i in rows.tolist()], group_ids=plan.group_ids[rows],
+                                   selected=plan.selected[dev_rows], x0=plan.x0[rows.to(plan.x0.device)],
+                                   sde_mask=None if plan.sde_mask is None else plan.sde_mask[dev_rows],
+                                   extras=dict(plan.extras), wave=(plan.selected, dev_rows)))
+        return waves
+
+    def rollout_in_waves(self, groups_per_wave: int) -> tuple[Rollout, EngineStats]:
+        """Roll out the next batch in waves of complete groups, each wave's first-update gradient accumulated
+        into ``.grad`` (zeroed once, before the first wave) before the next wave starts, so only one wave's
+        engine state (e.g. retained graphs) is alive at a time. Returns the merged rollout and stats."""
+        plan = self.plan_batch()
+        self.optimizer.zero_grad(set_to_none=True)
+        total = EngineStats(engine=self.engine.name)
+        ros = []
+        for sub in self.split_waves(plan, groups_per_wave):
+            ro = self.rollout(plan=sub)
+            total.merge(self.engine.backward(self.ctx, ro, 0))
+            ros.append(ro)
+        total.metrics["waves"] = float(len(ros))
+        return (ros[0] if len(ros) == 1 else self._merge_rollouts(ros)), total
+
+    def _merge_rollouts(self, ros: list[Rollout]) -> Rollout:
+        """Concatenate wave rollouts along the batch (for metrics and later inner epochs)."""
+        cat = lambda name: torch.cat([getattr(r, name) for r in ros])  # noqa: E731
+        a = self.cfg.advantage
+        ro = Rollout(prompts=sum((r.prompts for r in ros), []), group_ids=cat("group_ids"),
+                     cond={k: torch.cat([r.cond[k] for r in ros]) for k in ros[0].cond}, sigmas=ros[0].sigmas,
+                     xs=cat("xs"), velocities=cat("velocities"), log_probs=cat("log_probs"), noise=cat("noise"),
+                     selected=cat("selected"), rewards=cat("rewards"),
+                     reward_components={k: torch.cat([r.reward_components[k] for r in ros])
+                                        for k in ros[0].reward_components},
+                     valid=cat("valid"), advantages=cat("advantages"), loss_weights=cat("loss_weights"),
+                     images=cat("images"), metadata=sum((r.metadata for r in ros), []),
+                     timings={k: sum(r.timings.get(k, 0.0) for r in ros) for k in ros[0].timings})
+        _, ro.extras["advantage_stats"] = group_advantages(ro.rewards, ro.group_ids.cpu(), valid=ro.valid.cpu(),
+                                                           std_mode=a.std_mode, baseline=a.baseline, clip=a.clip,
+                                                           eps=a.eps)
+        return ro
+
+    def update(self, rollout: Rollout, first_stats: EngineStats | None = None) -> tuple[EngineStats, dict[str, float]]:
+        """``num_inner_epochs`` optimizer updates on one rollout. Returns the merged stats and update metrics.
+
+        ``first_stats``: the first update's gradient is already in ``.grad`` (rollout waves) with these stats."""
         total = EngineStats(engine=self.engine.name)
         info = {"grad_norm": 0.0, "skipped_updates": 0}
         for epoch in range(self.cfg.train.num_inner_epochs):
-            stats = self.backward(rollout, epoch)
+            stats = first_stats if (epoch == 0 and first_stats is not None) else self.backward(rollout, epoch)
             norm = self._grad_norm()
             if not torch.isfinite(torch.tensor(norm)):
-                self.log(f"warning: non-finite gradient at iteration {self.iteration}; update skipped")
+                self.bad_updates += 1
                 info["skipped_updates"] += 1
                 self.optimizer.zero_grad(set_to_none=True)
+                self.log(f"warning: non-finite loss/gradient at iteration {self.iteration + 1}; update skipped "
+                         f"({self.bad_updates} in a row, limit train.max_bad_updates={self.cfg.train.max_bad_updates})")
+                if self.bad_updates >= self.cfg.train.max_bad_updates:
+                    raise TrainingError(f"stopping: {self.bad_updates} consecutive updates had a non-finite loss or "
+                                        f"gradient (train.max_bad_updates={self.cfg.train.max_bad_updates})")
             else:
+                self.bad_updates = 0
                 if self.cfg.train.max_grad_norm > 0:
                     torch.nn.utils.clip_grad_norm_(self.params, self.cfg.train.max_grad_norm)
                 self.optimizer.step()
+                if self.ema is not None:
+                    self.ema.update()
             info["grad_norm"] = norm
             total.merge(stats)
             if epoch == 0:
@@ -188,8 +283,13 @@ class Trainer:
     def step(self) -> dict[str, float]:
         """One GRPO iteration: rollout, updates, metrics (TRL-style names)."""
         t0 = time.perf_counter()
-        ro = self.rollout()
-        stats, info = self.update(ro)
+        wave_size = getattr(self.engine, "wave_size", 0)
+        if wave_size and self.family is None:
+            ro, first = self.rollout_in_waves(wave_size)
+            stats, info = self.update(ro, first_stats=first)
+        else:
+            ro = self.rollout()
+            stats, info = self.update(ro)
         self.iteration += 1
         r = ro.rewards[ro.valid.cpu()]
         row = {"iteration": self.iteration, "reward": float(r.mean()) if len(r) else float("nan"),
@@ -209,13 +309,23 @@ class Trainer:
     # ------------------------------------------------------------------ evaluation
     def eval_prompts(self) -> tuple[list[str], list[int]]:
         e = self.cfg.eval
-        prompts = [digit_prompt(d) for d in range(10) for _ in range(e.seeds_per_prompt)]
-        seeds = [e.seed + j for _ in range(10) for j in range(e.seeds_per_prompt)]
+        base = read_prompts(e.prompts_file) if e.prompts_file else [digit_prompt(d) for d in range(10)]
+        prompts = [p for p in base for _ in range(e.seeds_per_prompt)]
+        seeds = [e.seed + j for _ in base for j in range(e.seeds_per_prompt)]
         return prompts, seeds
 
-    @torch.no_grad()
     def evaluate(self) -> tuple[dict[str, float], torch.Tensor]:
+        """Held-out evaluation on fixed prompts and seeds, with the EMA weights when ``train.ema_decay`` > 0."""
+        if self.ema is None:
+            return self._evaluate()
+        with self.ema.swapped_in():
+            return self._evaluate()
+
+    @torch.no_grad()
+    def _evaluate(self) -> tuple[dict[str, float], torch.Tensor]:
         """Held-out evaluation: fixed prompts and seeds, ``eval.sde_type`` sampling (ODE by default)."""
+        if self.family is not None:
+            return self.family.evaluate(self)
         prompts, seeds = self.eval_prompts()
         x0 = torch.stack([torch.randn(*self.policy.latent_shape, generator=torch.Generator().manual_seed(s))
                           for s in seeds]).to(self.device)
@@ -240,43 +350,135 @@ class Trainer:
         p.mkdir(parents=True, exist_ok=True)
         return p
 
-    def train(self) -> dict[str, float]:
-        """Run ``train.num_iterations`` iterations with evaluation, logging and outputs in the run directory."""
+    # ------------------------------------------------------------------ checkpoints
+    def state(self) -> dict:
+        """Everything needed to continue bit-for-bit: weights, optimizer, EMA, RNG states, counters."""
+        return {
+            "trainable": {k: v for k, v in self.policy.state_dict().items()},
+            "optimizer": self.optimizer.state_dict(),
+            "ema": self.ema.state_dict() if self.ema is not None else None,
+            "rng": {"prompts": self.gen_prompts.get_state(), "noise": self.gen_noise.get_state(),
+                    "steps": self.gen_steps.get_state(), "torch": torch.get_rng_state()},
+            "extra": {"bad_updates": self.bad_updates},
+        }
+
+    def load_state(self, ck: dict) -> None:
+        self.policy.load_state_dict(ck["trainable"])
+        self.optimizer.load_state_dict(ck["optimizer"])
+        if self.ema is not None:
+            if ck.get("ema") is None:
+                raise TrainingError("checkpoint has no EMA state but train.ema_decay > 0")
+            self.ema.load_state_dict(ck["ema"])
+        rng = ck["rng"]
+        self.gen_prompts.set_state(rng["prompts"])
+        self.gen_noise.set_state(rng["noise"])
+        self.gen_steps.set_state(rng["steps"])
+        torch.set_rng_state(rng["torch"])
+        self.iteration = int(ck["iteration"])
+        self.bad_updates = int(ck.get("extra", {}).get("bad_updates", 0))
+
+    def save_checkpoint(self) -> Path:
+        from .checkpoint import save_checkpoint
+
+        st = self.state()
+        return save_checkpoint(self.run_dir(), self.iteration, trainable=st["trainable"], optimizer=st["optimizer"],
+                               rng=st["rng"], config=self.cfg.to_dict(), ema=st["ema"], extra=st["extra"],
+                               keep_last=self.cfg.train.keep_checkpoints)
+
+    def _resume(self, out: Path) -> bool:
+        """Load the newest complete checkpoint of ``out`` and drop metric rows written after it."""
+        from .checkpoint import latest_complete, load_checkpoint
+        from .runlog import read_metrics
+
+        ckpt = latest_complete(out, log=self.log)
+        if ckpt is None:
+            self.log(f"no complete checkpoint in {out}; starting from the beginning")
+            return False
+        self.load_state(load_checkpoint(ckpt))
+        rows = [r for r in read_metrics(out / "metrics.jsonl") if r.get("iteration", 0) <= self.iteration]
+        tmp = out / ".metrics.jsonl.tmp"
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        os.replace(tmp, out / "metrics.jsonl")
+        self.log(f"resumed from {ckpt} (iteration {self.iteration})")
+        return True
+
+    def _on_signal(self, signum, frame):
+        if self._stop_signal is not None:  # second signal: stop now
+            raise KeyboardInterrupt
+        self._stop_signal = signum
+        self.log(f"received signal {signum}: finishing the current iteration, then saving a checkpoint")
+
+    # ------------------------------------------------------------------ the whole job
+    def train(self, resume: bool = False) -> dict[str, float]:
+        """Run ``train.num_iterations`` iterations with evaluation, logging, checkpoints and outputs in the run
+        directory. ``resume``: continue from the run directory's newest complete checkpoint.
+        SIGINT/SIGTERM finish the current iteration, save a checkpoint and return (``summary["interrupted"]``)."""
+        import signal
+        import threading
+
         from tqdm.auto import tqdm
 
         from .runlog import MetricsWriter, plot_curves, read_metrics, save_grid
 
         cfg = self.cfg
         out = self.run_dir()
-        (out / "config.yaml").write_text(cfg.to_yaml())
-        writer = MetricsWriter(out, tensorboard=cfg.log.tensorboard)
+        resumed = self._resume(out) if resume else False
+        if not resumed:
+            if (out / "metrics.jsonl").exists():
+                raise TrainingError(f"log.output_dir: {str(out)!r} already holds a run; resume it with "
+                                    "--resume or choose another directory")
+            (out / "config.yaml").write_text(cfg.to_yaml())
+        writer = MetricsWriter(out, tensorboard=cfg.log.tensorboard, wandb=cfg.log.wandb, config=cfg.to_dict())
         self.log(f"run directory: {out}")
 
         def do_eval(tag: str) -> dict:
             row, images = self.evaluate()
             row["iteration"] = self.iteration
             writer.write(row)
-            if cfg.log.save_images and tag:
+            if cfg.log.save_images and tag and images is not None:
                 save_grid(images, out / f"samples_{tag}.png", nrow=cfg.eval.seeds_per_prompt * 2)
             return row
 
-        first = do_eval("start")
+        rows = read_metrics(out / "metrics.jsonl") if resumed else []
+        evals = [r for r in rows if "eval/reward" in r]
+        first = evals[0] if evals else do_eval("start")
+        last_eval = evals[-1] if evals else first
         self.log(f"eval at start: {_fmt(first)}")
-        bar = tqdm(range(cfg.train.num_iterations), desc="GRPO", disable=not cfg.log.progress)
-        last_eval = first
-        for _ in bar:
-            row = self.step()
-            writer.write(row)
-            bar.set_postfix(reward=f"{row['reward']:.3f}", it_s=f"{row['time/iteration']:.1f}s")
-            if cfg.eval.every and self.iteration % cfg.eval.every == 0 and self.iteration < cfg.train.num_iterations:
-                last_eval = do_eval("")
+        handlers = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                handlers[sig] = signal.signal(sig, self._on_signal)
+        self._stop_signal = None
+        bar = tqdm(total=cfg.train.num_iterations, initial=self.iteration, desc="GRPO", disable=not cfg.log.progress)
+        try:
+            while self.iteration < cfg.train.num_iterations:
+                row = self.step()
+                writer.write(row)
+                bar.update(1)
+                bar.set_postfix(reward=f"{row['reward']:.3f}", it_s=f"{row['time/iteration']:.1f}s")
+                if cfg.eval.every and self.iteration % cfg.eval.every == 0 and self.iteration < cfg.train.num_iterations:
+                    last_eval = do_eval("")
+                if (cfg.train.save_every and self.iteration % cfg.train.save_every == 0) or self._stop_signal:
+                    self.save_checkpoint()
+                if self._stop_signal is not None:
+                    self.log(f"stopped by signal {self._stop_signal} after iteration {self.iteration}; "
+                             f"continue with: diffgrpo train --resume {out}")
+                    return {"start": first, "end": last_eval, "interrupted": True}
+        finally:
+            bar.close()
+            writer.close()
+            for sig, h in handlers.items():
+                signal.signal(sig, h)
         if cfg.train.num_iterations:
             last_eval = do_eval("end")
         self.log(f"eval at end:   {_fmt(last_eval)}")
-        writer.close()
         from safetensors.torch import save_file
 
         save_file(self.policy.state_dict(), str(out / "weights.safetensors"))
+        if self.ema is not None:
+            save_file(self.ema.state_dict(), str(out / "weights_ema.safetensors"))
+        if hasattr(self.policy, "save_adapter"):  # diffusers policies: LoRA in diffusers format (load_lora_weights)
+            self.policy.save_adapter(out / "lora" if getattr(self.policy, "lora_rank", 0) else out / "transformer")
         if cfg.log.save_images:
             rows = read_metrics(out / "metrics.jsonl")
             keys = ("reward",) + tuple(k for k in last_eval if k.startswith("eval/rewards/"))
@@ -284,6 +486,15 @@ class Trainer:
         summary = {"start": first, "end": last_eval}
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
+
+
+class TrainingError(RuntimeError):
+    """The run cannot continue (repeated non-finite updates, inconsistent checkpoint, occupied run directory)."""
+
+
+def read_prompts(path: str) -> list[str]:
+    """Non-empty, stripped lines of a prompt file."""
+    return [line.strip() for line in Path(path).expanduser().read_text().splitlines() if line.strip()]
 
 
 def _fmt(row: dict) -> str:

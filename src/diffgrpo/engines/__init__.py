@@ -9,10 +9,18 @@ import importlib
 
 from ._steps import SELECTION_MODES, select_steps
 from .base import Engine, EngineContext
+from .jagg import JaggEngine
 from .recompute import RecomputeEngine
+from .retain import RetainEngine
+from .reweight import ReweightEngine
+from .single_step import SingleStepEngine
 
 ENGINES: dict[str, type] = {
     "recompute": RecomputeEngine,
+    "jagg": JaggEngine,
+    "single_step": SingleStepEngine,
+    "retain": RetainEngine,
+    "reweight": ReweightEngine,
 }
 
 

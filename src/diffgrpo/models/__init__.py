@@ -7,10 +7,15 @@ A policy adapter provides: ``encode(prompts) -> cond`` (dict of tensors batched 
 """
 from __future__ import annotations
 
+from .diffusers_adapter import DiffusersFlowPolicy, build_diffusers_policy
+from .hf_masked_lm import build_hf_masked_lm_policy, build_tiny_mlm_policy
 from .tiny import TinyFlowPolicy, build_tiny_policy
 
 POLICIES = {
     "tiny": build_tiny_policy,
+    "tiny_mlm": build_tiny_mlm_policy,  # masked diffusion LMs: logits(input_ids), see hf_masked_lm.py
+    "hf_masked_lm": build_hf_masked_lm_policy,
+    "diffusers": build_diffusers_policy,  # SD3 / FLUX / Wan / Qwen-Image pipelines, see diffusers_adapter.py
 }
 
-__all__ = ["POLICIES", "TinyFlowPolicy", "build_tiny_policy"]
+__all__ = ["POLICIES", "TinyFlowPolicy", "build_tiny_policy", "DiffusersFlowPolicy", "build_diffusers_policy"]

@@ -46,19 +46,28 @@ def resolve_reward(name: str) -> RewardFn:
                       f"choose one of {sorted(REWARDS)} or module:function")
 
 
+def _call_with_retry(name: str, fn: RewardFn, images, prompts, metadata, log):
+    """Call a reward; a raising call is retried once (transient failures: a scoring server, a file lock)."""
+    try:
+        return fn(images, prompts, metadata)
+    except Exception as e:  # noqa: BLE001 - reported with the reward's name
+        log(f"warning: reward {name!r} raised {type(e).__name__}: {e}; retrying once")
+    try:
+        return fn(images, prompts, metadata)
+    except Exception as e:  # noqa: BLE001
+        raise RewardError(f"reward {name!r} raised {type(e).__name__}: {e} (after one retry); every sample of "
+                          f"the batch lacks this reward, so the run stops") from e
+
+
 def compute_rewards(weights: dict[str, float], images: torch.Tensor, prompts: list[str],
-                    metadata: list[dict]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                    metadata: list[dict], log=print) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Weighted sum of the configured rewards. → (total (B,) with NaN where any component is not finite,
-    components {name: (B,)})."""
+    components {name: (B,)}). A reward that raises is retried once, then stops the run with RewardError."""
     B = len(prompts)
     total = torch.zeros(B)
     comps: dict[str, torch.Tensor] = {}
     for name, w in weights.items():
-        fn = resolve_reward(name)
-        try:
-            val = fn(images, prompts, metadata)
-        except Exception as e:  # noqa: BLE001 - re-raised with the reward's name
-            raise RewardError(f"reward {name!r} raised {type(e).__name__}: {e}") from e
+        val = _call_with_retry(name, resolve_reward(name), images, prompts, metadata, log)
         val = torch.as_tensor(val, dtype=torch.float32).detach().cpu().reshape(-1)
         if val.numel() != B:
             raise RewardError(f"reward {name!r} returned {val.numel()} values for {B} samples")

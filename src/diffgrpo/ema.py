@@ -1,0 +1,47 @@
+"""Exponential moving average of the trainable parameters (FlowGRPO keeps one for evaluation samples).
+
+After each optimizer update: ema ← decay·ema + (1 − decay)·θ. ``swapped_in()`` temporarily loads the EMA
+weights into the parameters (e.g. for evaluation) and restores the live weights afterwards.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+class EMA:
+    def __init__(self, named_params: dict[str, torch.nn.Parameter], decay: float):
+        if not 0.0 < decay < 1.0:
+            raise ValueError(f"train.ema_decay must be in (0, 1), got {decay}")
+        self.decay = decay
+        self.params = named_params
+        self.shadow = {n: p.detach().clone() for n, p in named_params.items()}
+
+    @torch.no_grad()
+    def update(self) -> None:
+        for n, p in self.params.items():
+            self.shadow[n].lerp_(p.detach(), 1.0 - self.decay)
+
+    @contextlib.contextmanager
+    def swapped_in(self):
+        live = {n: p.detach().clone() for n, p in self.params.items()}
+        with torch.no_grad():
+            for n, p in self.params.items():
+                p.copy_(self.shadow[n])
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for n, p in self.params.items():
+                    p.copy_(live[n])
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {n: t.clone() for n, t in self.shadow.items()}
+
+    def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        missing = set(self.shadow) - set(sd)
+        if missing:
+            raise KeyError(f"EMA state lacks {sorted(missing)[:3]}…")
+        for n in self.shadow:
+            self.shadow[n].copy_(sd[n])
