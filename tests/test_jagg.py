@@ -348,8 +348,9 @@ def test_registered_and_cfg_counts(make_trainer):
     ro = tr.rollout()
     s = tr.backward(ro)
     assert s.forwards_grad == 4 * ro.batch_size and s.sample_backwards == 4 * ro.batch_size
+    assert JaggEngine(EngineConfig(name="jagg", evaluation="retain")).evaluation == "retain"  # see test_compositions
     with pytest.raises(NotImplementedError):
-        JaggEngine(EngineConfig(name="jagg", evaluation="retain"))
+        JaggEngine(EngineConfig(name="jagg", evaluation="offload"))
 
 
 def test_chunking_does_not_change_the_gradient(make_trainer):

@@ -31,6 +31,23 @@ interior steps, the top ⌈jagg_frac · n⌉ by λ that also score ≥ jagg_min_
 per-step backward. Windows of 1–2 steps are exact either way (same cost; JAGG path unless jagg_frac = 0). The cosine ignores where along the chord v_k sits, so the
 relative residual ‖v_k − ((1−α_k) v_a + α_k v_b)‖ / ‖v_b − v_a‖ is logged as well (``jagg_residual_*``).
 
+Retained endpoints (``engine.evaluation=retain``, JAGG ∘ LeanGRPO Retain). The windows depend only on the
+selected steps, known before sampling, so :meth:`JaggEngine.rollout_hooks` runs the rollout forwards of the
+window endpoints (and of one-step windows) with grad and keeps those graphs; the other rollout forwards stay
+no-grad. With β > 0 the endpoints' reference forwards run in the rollout too; the interior steps' reference
+forwards (no grad) run in ``backward`` as with recompute evaluation, since the sampler only calls back for grad
+steps. On the first update (epoch 0, θ = θ_old) ``backward`` runs no forward with grad: the endpoint velocities
+come from the retained graphs, the interiors from the rollout, and all windows' signals go back in ONE
+backward call (``cat[G_a, G_b]`` over rows of graphs from different rollout steps, i.e.
+``torch.autograd.backward([v_a…, v_b…], [G_a…, G_b…])``). Windows routed to the exact path (``jagg_frac`` < 1;
+routing needs the rollout's velocities, so it cannot be known when the graphs are chosen) use their retained
+endpoint graphs as exact one-step terms of that same backward and recompute only their interior steps with
+``recompute_pairs``. Same gradient as recompute evaluation up to float summation order. Epoch > 0 releases the
+graphs and runs the recompute evaluation. ``stats.retained_graphs`` counts retained sample graphs (2 per window
+of ≥ 2 steps, 1 per one-step window); ``stats.seconds["rollout_extra"]`` is the reference-forward time spent
+inside the rollout. Cost per window on the first update: 0 forwards + 2 sample-backwards instead of W of each
+(recompute: W forwards + W backwards): ideal train-phase speedup 3W/4 (2.7× for K = 9 steps, W = 4).
+
 Cost per JAGG window of W ≥ 2 steps: 2 sample-forwards with grad + 2 sample-backwards (×2 with CFG) instead of
 W of each; + (W − 2) no-grad forwards when epoch > 0; + W no-grad reference forwards when β > 0 (recompute
 needs those too). Ideal train-phase speedup ≈ W/2. Peak activation memory: one chunk's forward (≤ 2B samples by default, see :meth:`JaggEngine.chunk_windows`).
@@ -48,6 +65,7 @@ import torch
 from ..types import EngineStats, Rollout
 from .base import EngineContext, StatsAccumulator, chunks, engine_run, step_loss, take_cond
 from .recompute import recompute_pairs
+from .retain import RetainedSteps, retain_hooks, usable_store
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -104,6 +122,17 @@ def split_windows(steps: list[int], window: int) -> list[list[int]]:
     return [steps[j:j + window] for j in range(0, len(steps), window)]
 
 
+def anchor_mask(selected: torch.Tensor, window: int) -> torch.Tensor:
+    """(B, T) bool: the window endpoints (and one-step windows) of every trajectory's selected steps."""
+    out = torch.zeros_like(selected)
+    sel = selected.cpu()
+    for i in range(sel.shape[0]):
+        for ws in split_windows(sel[i].nonzero().flatten().tolist(), window):
+            out[i, ws[0]] = True
+            out[i, ws[-1]] = True
+    return out
+
+
 @dataclass
 class Window:
     """One (trajectory, window): trajectory index and its selected steps a = steps[0] … b = steps[-1]."""
@@ -137,11 +166,23 @@ class JaggEngine:
         self.evaluation = getattr(cfg, "evaluation", "recompute")
         if self.window < 2:
             raise ValueError(f"engine.window must be >= 2, got {self.window}")
-        if self.evaluation != "recompute":
+        if self.evaluation not in ("recompute", "retain"):
             raise NotImplementedError(f"jagg: engine.evaluation={self.evaluation!r} is not available; "
-                                      "use 'recompute'")
+                                      "use 'recompute' or 'retain'")
+        self._sigmas = None
 
     # -- planning ------------------------------------------------------------------------------------------
+
+    def plan(self, trainer, plan) -> None:
+        self._sigmas = trainer.sigmas
+
+    def rollout_hooks(self, ctx: EngineContext, plan):
+        """``evaluation=retain``: keep the rollout graphs of the window endpoints (from ``plan.selected``)."""
+        if self.evaluation != "retain":
+            return None, None
+        if self._sigmas is None:
+            raise RuntimeError("jagg: plan the batch with Trainer.plan_batch before the rollout")
+        return retain_hooks(ctx, plan, self._sigmas, anchor_mask(plan.selected, self.window))
 
     def windows(self, rollout: Rollout) -> list[Window]:
         """Every trajectory's selected steps split into windows, scored from the rollout velocities."""
@@ -220,10 +261,20 @@ class JaggEngine:
         return torch.cat(out) if out else rollout.velocities[traj, steps]
 
     def reference_velocities(self, ctx: EngineContext, rollout: Rollout, traj: torch.Tensor,
-                             steps: torch.Tensor) -> torch.Tensor | None:
-        """No-grad reference velocities at rows (traj, steps) → (m, *S), or None when β = 0."""
+                             steps: torch.Tensor, store: RetainedSteps | None = None) -> torch.Tensor | None:
+        """No-grad reference velocities at rows (traj, steps) → (m, *S), or None when β = 0.
+
+        With ``store``, rows whose reference forward ran in the rollout are taken from it."""
         if ctx.beta <= 0:
             return None
+        if store is not None:
+            kept = store.mask[traj, steps]  # (m,)
+            if bool(kept.any()):
+                v = rollout.velocities.new_empty((len(traj),) + tuple(rollout.velocities.shape[2:]))
+                v[kept] = store.gather(traj[kept], steps[kept], reference=True).to(v.dtype)
+                if bool((~kept).any()):
+                    v[~kept] = self.reference_velocities(ctx, rollout, traj[~kept], steps[~kept]).to(v.dtype)
+                return v
         out = []
         with torch.no_grad(), ctx.policy.reference():
             for part in chunks(torch.arange(len(traj), device=traj.device), ctx.micro_batch_size):
@@ -254,8 +305,10 @@ class JaggEngine:
     # -- backward --------------------------------------------------------------------------------------------
 
     def _jagg_chunk(self, ctx: EngineContext, rollout: Rollout, wins: list[Window], epoch: int,
-                    stats: EngineStats, acc: StatsAccumulator, final: bool) -> None:
-        """One joint forward/backward for the windows ``wins``."""
+                    stats: EngineStats, acc: StatsAccumulator, final: bool,
+                    store: RetainedSteps | None = None) -> None:
+        """One joint forward/backward for the windows ``wins`` (with ``store``: no forward, the endpoints'
+        retained rollout graphs)."""
         dev = rollout.xs.device
         # anchor rows: endpoints of every window; member rows: every step of every window
         a_traj, a_step, a_win = [], [], []
@@ -281,11 +334,14 @@ class JaggEngine:
         # α kept in float64 so that the composite signals are exact sums
         alpha_t = torch.tensor(m_alpha, dtype=torch.float64, device=dev)  # (M,)
 
-        v_ref = self.reference_velocities(ctx, rollout, m_traj_t, m_step_t)  # (M, *S) or None
+        v_ref = self.reference_velocities(ctx, rollout, m_traj_t, m_step_t, store)  # (M, *S) or None
         with contextlib.ExitStack() as es:
             if not final:
                 es.enter_context(ctx.no_sync())
-            out = self.endpoint_velocities(ctx, rollout, a_traj_t, a_step_t)  # (A, *S) with graph
+            if store is None:
+                out = self.endpoint_velocities(ctx, rollout, a_traj_t, a_step_t)  # (A, *S) with graph
+            else:  # rows of graphs from different rollout steps: the backward below spans all of them
+                out = store.gather(a_traj_t, a_step_t)  # (A, *S)
             # current velocity of every member row: endpoints from the grad forward, interior from the rollout
             # (epoch 0) or a no-grad forward (epoch > 0)
             v_cur = torch.empty((len(m_traj),) + tuple(out.shape[1:]), dtype=out.dtype, device=dev)
@@ -312,20 +368,35 @@ class JaggEngine:
 
     def backward(self, ctx: EngineContext, rollout: Rollout, epoch: int = 0) -> EngineStats:
         acc = StatsAccumulator()
+        store = usable_store(rollout, epoch) if self.evaluation == "retain" else None
         with engine_run(ctx, self.name) as stats:
             wins = self.windows(rollout)
             use = self.route(wins)
+            if store is not None and not bool(store.mask[anchor_mask(rollout.selected, self.window)].all()):
+                store.release()  # the rollout did not keep every endpoint: recompute evaluation
+                store = None
             jagg = [w for w, u in zip(wins, use) if u]
             exact = torch.zeros_like(rollout.selected)
             for w, u in zip(wins, use):
                 if not u:
-                    exact[w.traj, w.steps] = True
+                    if store is None:
+                        exact[w.traj, w.steps] = True
+                    else:  # retained endpoints as exact one-step terms, interior steps recomputed
+                        jagg += [Window(w.traj, [s]) for s in w.anchors]
+                        exact[w.traj, w.steps[1:-1]] = True
             if bool(exact.any()):
                 recompute_pairs(ctx, rollout, stats, acc, exact, last_backward=not jagg)
-            parts = self.chunk_windows(jagg, ctx.micro_batch_size)
+            # retained graphs: every window in one chunk, so that one backward call covers all the graphs
+            parts = self.chunk_windows(jagg, ctx.micro_batch_size) if store is None else [jagg] if jagg else []
             for j, part in enumerate(parts):
-                self._jagg_chunk(ctx, rollout, part, epoch, stats, acc, final=j == len(parts) - 1)
+                self._jagg_chunk(ctx, rollout, part, epoch, stats, acc, final=j == len(parts) - 1, store=store)
+            if store is not None:
+                stats.retained_graphs = int(store.mask.sum())
+                stats.seconds["rollout_extra"] = store.seconds
+                store.release()
         stats.metrics.update(acc.metrics())
+        if self.evaluation == "retain":
+            stats.metrics["fallback_recompute"] = float(store is None)
         scored = [w for w in wins if len(w.steps) > 2]
         routed = [w for w, u in zip(wins, use) if u and len(w.steps) > 2]
         sc = torch.tensor([w.score for w in scored] or [1.0], dtype=torch.float64)
@@ -336,6 +407,6 @@ class JaggEngine:
             "jagg_residual_mean": float(rs.mean()), "jagg_residual_max": float(rs.max()),
             "jagg_windows": float(len(wins)),
             "jagg_frac_routed": len(routed) / len(scored) if scored else float(self.jagg_frac > 0),
-            "jagg_steps_routed": sum(len(w.steps) for w in jagg) / n_steps,
+            "jagg_steps_routed": sum(len(w.steps) for w, u in zip(wins, use) if u) / n_steps,
         })
         return stats

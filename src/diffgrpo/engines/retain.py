@@ -13,8 +13,9 @@ trainer splits the batch, see ``Trainer.step``). Global-std advantages couple ev
 refused with ``advantage.std_mode=global``.
 Source: LeanGRPO (recompute-free GRPO schedules), "Retain".
 
-:func:`retained_velocity` gives other engines (JAGG's ``evaluation=retain``) the rollout velocity of chosen
-trajectories at step k with its graph.
+:func:`retain_hooks` and :meth:`RetainedSteps.gather` let other engines keep and use a chosen subset of the
+rollout's graphs (``engine.evaluation=retain`` of ``jagg`` and ``single_step``); :func:`retained_velocity`
+gives the rollout velocity of chosen trajectories at step k with its graph.
 """
 from __future__ import annotations
 
@@ -37,33 +38,51 @@ class RetainedSteps:
         self.mask = torch.zeros(batch, num_steps, dtype=torch.bool, device=device)  # (B, T) retained pairs
         self.seconds = 0.0
         self.released = False
+        self._where: dict[tuple[int, int], tuple[int, int]] = {}  # (trajectory, step) -> (item, row)
 
     def add(self, k: int, idx: torch.Tensor, v: torch.Tensor, v_ref: torch.Tensor | None) -> None:
         self.items.append((k, idx, v, v_ref))
         self.mask[idx, k] = True
+        for row, i in enumerate(idx.tolist()):
+            self._where[(i, k)] = (len(self.items) - 1, row)
 
     @property
     def num_graphs(self) -> int:
         return len(self.items)
 
-    def velocity(self, k: int, idx: torch.Tensor) -> torch.Tensor:
-        """v (len(idx), *S) with graph for trajectories ``idx`` at step k; KeyError if any is not retained."""
+    def gather(self, traj: torch.Tensor, steps: torch.Tensor, *, reference: bool = False) -> torch.Tensor | None:
+        """Rows (traj (m,), steps (m,)) → (m, *S): the retained velocities WITH their graphs (rows of different
+        rollout steps in one tensor), or with ``reference`` the no-grad reference velocities (None when the
+        rollout ran none, β = 0). KeyError if a pair was not retained."""
         if self.released:
             raise KeyError("retained graphs were already released")
-        rows = []
-        for i in idx.tolist():
-            for kk, ids, v, _ in self.items:
-                if kk == k:
-                    hit = (ids == i).nonzero().flatten()
-                    if len(hit):
-                        rows.append(v[hit[0]])
-                        break
-            else:
+        groups: dict[int, tuple[list[int], list[int]]] = {}  # item -> (output positions, rows of the item)
+        for p, (i, k) in enumerate(zip(traj.tolist(), steps.tolist())):
+            loc = self._where.get((i, k))
+            if loc is None:
                 raise KeyError(f"step {k} of trajectory {i} was not retained")
-        return torch.stack(rows)
+            pos, rows = groups.setdefault(loc[0], ([], []))
+            pos.append(p)
+            rows.append(loc[1])
+        parts, order = [], []
+        for item, (pos, rows) in groups.items():
+            t = self.items[item][3 if reference else 2]
+            if t is None:
+                return None
+            parts.append(t.index_select(0, torch.tensor(rows, device=t.device)))  # (n_item, *S)
+            order += pos
+        cat = torch.cat(parts)  # (m, *S) grouped by item
+        inv = torch.empty(len(order), dtype=torch.long, device=cat.device)
+        inv[torch.tensor(order, device=cat.device)] = torch.arange(len(order), device=cat.device)
+        return cat[inv]
+
+    def velocity(self, k: int, idx: torch.Tensor) -> torch.Tensor:
+        """v (len(idx), *S) with graph for trajectories ``idx`` at step k; KeyError if any is not retained."""
+        return self.gather(idx, torch.full_like(idx, k))
 
     def release(self) -> None:
         self.items = []
+        self._where = {}
         self.released = True
 
 
@@ -73,6 +92,19 @@ def retained_velocity(rollout: Rollout, k: int, idx: torch.Tensor) -> torch.Tens
     if store is None:
         raise KeyError("this rollout kept no graphs (run it with the retain engine's rollout hooks)")
     return store.velocity(k, idx)
+
+
+def usable_store(rollout: Rollout, epoch: int) -> RetainedSteps | None:
+    """The rollout's retained graphs when they are still exact (epoch 0, not yet released), else None.
+
+    At epoch > 0 θ has moved, so the graphs are stale: they are released here and the caller recomputes."""
+    store = rollout.extras.get(RETAIN_KEY)
+    if store is None or store.released:
+        return None
+    if epoch > 0:
+        store.release()
+        return None
+    return store
 
 
 def make_retain_hook(ctx: EngineContext, plan, sigmas: torch.Tensor, store: RetainedSteps):
@@ -93,6 +125,15 @@ def make_retain_hook(ctx: EngineContext, plan, sigmas: torch.Tensor, store: Reta
     return on_grad_step
 
 
+def retain_hooks(ctx: EngineContext, plan, sigmas: torch.Tensor, mask: torch.Tensor):
+    """(grad_mask, on_grad_step) keeping the graphs of the (B, T) pairs ``mask`` in a fresh
+    :class:`RetainedSteps` stored under ``plan.extras[RETAIN_KEY]`` (the trainer copies plan.extras into
+    rollout.extras, same object)."""
+    store = RetainedSteps(mask.shape[0], mask.shape[1], mask.device)
+    plan.extras[RETAIN_KEY] = store
+    return mask, make_retain_hook(ctx, plan, sigmas, store)
+
+
 class RetainEngine:
     name = "retain"
 
@@ -110,9 +151,7 @@ class RetainEngine:
     def rollout_hooks(self, ctx: EngineContext, plan):
         if self._sigmas is None:
             raise RuntimeError("retain: plan the batch with Trainer.plan_batch before the rollout")
-        store = RetainedSteps(plan.selected.shape[0], plan.selected.shape[1], plan.selected.device)
-        plan.extras[RETAIN_KEY] = store  # the trainer copies plan.extras into rollout.extras (same object)
-        return plan.selected, make_retain_hook(ctx, plan, self._sigmas, store)
+        return retain_hooks(ctx, plan, self._sigmas, plan.selected)
 
     def backward(self, ctx: EngineContext, rollout: Rollout, epoch: int = 0) -> EngineStats:
         acc = StatsAccumulator()

@@ -14,8 +14,15 @@ the selected steps; the forward of all selected samples runs as one batch (σ pe
 nothing but the floating-point summation order.
 Cost per sample: 1 forward + 1 backward (≈ 3F; +1 no-grad reference forward when β > 0) on top of the
 rollout's T no-grad forwards, against K forwards + K backwards for ``recompute`` on K steps: ideal
-iteration speedup (T+3K)/(T+3). With a retained rollout graph (LeanGRPO's ``retain``) the forward goes too;
-that composition plugs in at :meth:`SingleStepEngine.velocity_with_graph`.
+iteration speedup (T+3K)/(T+3).
+Retained graph (``engine.evaluation=retain``, Flash-GRPO ∘ LeanGRPO Retain): the trained step k_i is planned
+before sampling, so the rollout runs that one forward per sample with grad and keeps its graph (and, with
+β > 0, runs the reference forward there too); on the first update (epoch 0, θ = θ_old) ``backward`` runs no
+forward at all and back-propagates the loss built on the retained velocities in ONE backward call: per sample
+0 forwards + 1 backward instead of 1 + 1 (ideal train-phase speedup 3/2 over recompute evaluation; ≈ 3K/2 over
+``recompute`` on K steps). Exact (same gradient up to float summation order). Later epochs release the graphs
+and recompute. ``stats.retained_graphs`` counts retained sample graphs (one per sample);
+``stats.seconds["rollout_extra"]`` is the reference-forward time spent inside the rollout.
 Source: Flash-GRPO (single-step GRPO training of video diffusion models with iso-temporal grouping and
 temporal gradient rectification).
 """
@@ -30,6 +37,7 @@ import torch
 from ..samplers import flow_sde
 from ..types import EngineStats, Rollout
 from .base import EngineContext, StatsAccumulator, chunks, engine_run, reference_velocity, step_loss, take_cond
+from .retain import RetainedSteps, retain_hooks, usable_store
 
 CANDIDATE_PRESETS = ("first_half", "all")
 STEP_KEY = "single_step_k"  # rollout.extras / plan.extras key: (B,) long, the trained step of each sample
@@ -151,6 +159,11 @@ class SingleStepEngine:
         self.candidate_spec = str(getattr(cfg, "candidate_steps", "first_half"))
         self.rectify = bool(getattr(cfg, "rectify", True))
         self.all_reduce = all_reduce
+        self.evaluation = str(getattr(cfg, "evaluation", "recompute"))
+        if self.evaluation not in ("recompute", "retain"):
+            raise NotImplementedError(f"single_step: engine.evaluation={self.evaluation!r} is not available; "
+                                      "use 'recompute' or 'retain'")
+        self._sigmas = None
         check_candidate_spec(self.candidate_spec)
 
     # -------------------------------------------------------------- planning (before sampling)
@@ -166,6 +179,15 @@ class SingleStepEngine:
         plan.selected = sel
         plan.sde_mask = sel.clone()  # SDE kernel at k_i only, ODE elsewhere
         plan.extras[STEP_KEY] = k
+        self._sigmas = trainer.sigmas
+
+    def rollout_hooks(self, ctx: EngineContext, plan):
+        """``evaluation=retain``: keep the rollout graph of each sample's trained step (from the plan)."""
+        if self.evaluation != "retain":
+            return None, None
+        if self._sigmas is None:
+            raise RuntimeError("single_step: plan the batch with Trainer.plan_batch before the rollout")
+        return retain_hooks(ctx, plan, self._sigmas, plan.selected)
 
     # -------------------------------------------------------------- rectification (after rewards)
     @staticmethod
@@ -190,40 +212,56 @@ class SingleStepEngine:
 
     # -------------------------------------------------------------- gradient
     def velocity_with_graph(self, ctx: EngineContext, rollout: Rollout, idx: torch.Tensor, k: torch.Tensor,
-                            epoch: int) -> torch.Tensor:
+                            epoch: int, store: RetainedSteps | None = None) -> torch.Tensor:
         """v_θ (n, *S) with graph at the stored (x_{i,k_i}, σ_{k_i}) for samples ``idx`` (n,) at steps ``k`` (n,).
 
-        Recompute evaluation: one forward with grad (σ per sample, so mixed steps share one batch). A retained
-        rollout graph (first update only) would be returned here instead, with no forward.
+        Recompute evaluation: one forward with grad (σ per sample, so mixed steps share one batch). With the
+        rollout's retained graphs (``store``, first update only): those rows, no forward.
         """
+        if store is not None:
+            return store.gather(idx, k)
         x = rollout.xs[idx, k]  # (n, *S)
         with torch.enable_grad():
             return ctx.policy.velocity(x, rollout.sigmas[k], take_cond(rollout.cond, idx))
 
     def backward(self, ctx: EngineContext, rollout: Rollout, epoch: int = 0) -> EngineStats:
         acc = StatsAccumulator()
+        store = usable_store(rollout, epoch) if self.evaluation == "retain" else None
         with engine_run(ctx, self.name) as stats:
             trained = rollout.selected.any(1)  # (B,)
             k_all = self.trained_steps(rollout)  # (B,)
             if bool((rollout.selected.sum(1) > 1).any()):
                 raise ValueError("single_step trains one step per sample, but the rollout selects several; "
                                  "build the batch plan with the single_step engine")
-            work = chunks(trained.nonzero().flatten(), ctx.micro_batch_size)
+            if store is not None and not bool(store.mask[rollout.selected].all()):
+                store.release()  # the rollout did not keep every trained step: recompute evaluation
+                store = None
+            # retained graphs: one chunk, so that one backward call covers graphs shared by several rows
+            work = chunks(trained.nonzero().flatten(), 0 if store is not None else ctx.micro_batch_size)
             mult = 2 if getattr(ctx.policy, "uses_cfg", False) else 1
             for j, idx in enumerate(work):
                 k = k_all[idx]  # (n,)
                 final = j == len(work) - 1
                 with torch.enable_grad(), (contextlib.nullcontext() if final else ctx.no_sync()):
-                    v = self.velocity_with_graph(ctx, rollout, idx, k, epoch)  # (n, *S)
+                    v = self.velocity_with_graph(ctx, rollout, idx, k, epoch, store)  # (n, *S)
                     loss = v.new_zeros(())
                     for step in k.unique().tolist():
                         pos = (k == step).nonzero().flatten()  # rows of this chunk at step `step`
-                        v_ref = reference_velocity(ctx, rollout, idx[pos], step)
+                        if store is not None and ctx.beta > 0:  # reference forward ran in the rollout
+                            v_ref = store.gather(idx[pos], k[pos], reference=True)
+                        else:
+                            v_ref = reference_velocity(ctx, rollout, idx[pos], step)
                         part, terms = step_loss(ctx, rollout, idx[pos], step, v[pos], v_ref)
                         loss = loss + part
                         acc.add(terms)
                     loss.backward()
                 stats.backward_calls += 1
                 stats.sample_backwards += len(idx) * mult
+            if store is not None:
+                stats.retained_graphs = int(store.mask.sum())
+                stats.seconds["rollout_extra"] = store.seconds
+                store.release()
         stats.metrics.update(acc.metrics())
+        if self.evaluation == "retain":
+            stats.metrics["fallback_recompute"] = float(store is None)
         return stats
