@@ -19,6 +19,14 @@ aggregated by :func:`diffgrpo.losses.aggregation_weights` ("mean" = token mean o
 u_ij are optional per-token weights (``token_weights`` hook; None = 1) for credit-assignment plug-ins; they
 multiply the policy term only. ``draw_masks`` is the hook for further estimators (e.g. stratified, K forwards).
 
+DACA-GRPO plug-ins (``daca.*``, on any base method):
+  * Denoising Progress Scores (``daca.dps_score`` ≠ none): ``token_weights`` = :func:`credit.family_token_weights`,
+    per-token weights from the sampler records (zero extra forwards), logged as ``dps/*`` in the update metrics.
+  * Stratified Masking Likelihood (``daca.likelihood=sml``): the base masks are refined into K groups
+    (:func:`likelihood.stratify`, strata in ``extras["strata"]``, K in ``extras["sml_groups"]``); every token is
+    scored by exactly one group, so the loss splits over groups and ``backward`` runs one forward + backward per
+    group (peak memory of one base forward). Cost K·M forwards (grad) per update and K·M no-grad for ℓ_old.
+
 Rollout mapping: ``xs`` (B, 1, P+L) final token ids, ``log_probs`` (B, L) old per-token estimates,
 ``selected`` (B, L) trained tokens, ``loss_weights`` (B, L); sampler records in ``extras["sampler"]``.
 Cost per update: B·M forwards with grad and B·M sample-backwards (M = forwards per estimate), plus B·M
@@ -35,7 +43,7 @@ from ..engines.base import EngineContext, chunks, engine_run
 from ..losses import aggregate, aggregation_weights, ppo_clip_loss
 from ..samplers import masked
 from ..types import EngineStats, Rollout
-from . import likelihood
+from . import credit, likelihood
 from .tasks import Example, get_task
 
 METHODS = {
@@ -111,6 +119,9 @@ class DLLMFamily:
         self.gen_sample = torch.Generator(device=trainer.device).manual_seed(cfg.seed + 11)
         self.gen_masks = torch.Generator(device=trainer.device).manual_seed(cfg.seed + 12)
         self.token_weights = None  # optional hook: (family, rollout) -> (B, L) per-token policy-loss weights
+        self.daca = cfg.daca
+        if self.daca.dps_score != "none":
+            self.token_weights = credit.family_token_weights
         self.device = trainer.device
         if self.ctx.clip_range != cfg.loss.clip_range:
             trainer.log(f"dLLM: loss.clip_range left at the flow-model default {cfg.loss.clip_range}; using the "
@@ -128,6 +139,28 @@ class DLLMFamily:
         if name == "coupled":
             return likelihood.coupled(B, P, L, generator=g, device=dev)
         return likelihood.random_mask(B, P, L, num_samples=self.d.num_mask_samples, generator=g, device=dev)
+
+    def refine_masks(self, masks, weights, smp: masked.MaskedSample):
+        """SML (``daca.likelihood=sml``): base masks (B, M, N) → K groups (B, K·M, N), strata (B, L) or None."""
+        d = self.daca
+        if d.likelihood != "sml":
+            return masks, weights, None
+        valid = completion_mask(smp.completions, self.vocab.eos_id)  # (B, L)
+        K = d.sml_strata
+        strata = (torch.zeros_like(valid, dtype=torch.long) if K == 1 else  # K = 1 draws nothing
+                  likelihood.assign_strata(valid, K, d.sml_partition, order=smp.order, generator=self.gen_masks))
+        strata = torch.where(valid, strata, torch.full_like(strata, -1))
+        m, w = likelihood.stratify(masks, weights, strata, K, chain=d.sml_mode == "chain")
+        return m, w, strata
+
+    def estimate(self, ids, masks, weights, groups: int = 1):
+        """ℓ (n, L) summed over ``groups`` consecutive slices of the forwards (one batched forward per group)."""
+        M = masks.shape[1] // groups
+        out = None
+        for k in range(groups):
+            lp = self.log_probs(ids, masks[:, k * M:(k + 1) * M], weights[:, k * M:(k + 1) * M])
+            out = lp if out is None else out + lp
+        return out
 
     def log_probs(self, ids, masks, weights):
         """Per-token estimates (n, L) for rows of a rollout (grad follows the caller's mode), under the rollout's
@@ -177,13 +210,15 @@ class DLLMFamily:
         P = N - L
         selected = completion_mask(comps, self.vocab.eos_id) & keep.to(self.device).unsqueeze(1)  # (B, L)
         masks, mweights = self.draw_masks(B, P, L, smp)
+        masks, mweights, strata = self.refine_masks(masks, mweights, smp)
+        G = 1 if strata is None else self.daca.sml_strata
         with torch.no_grad():
-            old = torch.cat([self.log_probs(smp.sequences[i], masks[i], mweights[i])
+            old = torch.cat([self.estimate(smp.sequences[i], masks[i], mweights[i], G)
                              for i in chunks(torch.arange(B, device=self.device), self.ctx.micro_batch_size)])
             ref = None
             if self.ctx.beta > 0:
                 with self.policy.reference():
-                    ref = torch.cat([self.log_probs(smp.sequences[i], masks[i], mweights[i])
+                    ref = torch.cat([self.estimate(smp.sequences[i], masks[i], mweights[i], G)
                                      for i in chunks(torch.arange(B, device=self.device), self.ctx.micro_batch_size)])
         records = {k: getattr(smp, k) for k in ("commit_step", "confidence", "entropy", "margin", "block_rank",
                                                   "order", "step_log_prob")}
@@ -196,7 +231,8 @@ class DLLMFamily:
                      advantages=adv.to(self.device), metadata=[{"completion": t} for t in texts],
                      timings={"sample": t_sample, "reward": t_reward},
                      extras={"masks": masks, "mask_weights": mweights, "ref_log_probs": ref, "sampler": records,
-                             "examples": examples, "advantage_stats": stats, "completions": texts})
+                             "examples": examples, "advantage_stats": stats, "completions": texts,
+                             "strata": strata, "sml_groups": G})
         sw = None
         ro.loss_weights = aggregation_weights(selected, self.cfg.loss.aggregation, sw)
         if self.token_weights is not None:
@@ -210,21 +246,29 @@ class DLLMFamily:
         ids = ro.xs[:, 0]
         masks, mw = ro.extras["masks"], ro.extras["mask_weights"]
         ref, tw = ro.extras.get("ref_log_probs"), ro.extras.get("token_weights")
+        G = ro.extras.get("sml_groups", 1)
+        Mg = masks.shape[1] // G  # forwards per group
+        strata = ro.extras.get("strata")
+        group = None if strata is None else strata.clamp_min(0)  # (B, L): the group scoring each token
         n_clip = n_tok = 0.0
         kl_sum = ratio_sum = 0.0
         ratio_dev = 0.0
         with engine_run(ctx, f"dllm/{self.d.method}") as stats:
             rows = torch.nonzero(ro.selected.any(1)).flatten()
-            for idx in chunks(rows, ctx.micro_batch_size):
-                lp = self.log_probs(ids[idx], masks[idx], mw[idx])  # (n, L) with grad
+            for idx, k in ((i, k) for i in chunks(rows, ctx.micro_batch_size) for k in range(G)):
+                sl = slice(k * Mg, (k + 1) * Mg)  # group k: tokens of stratum k depend on these forwards only
+                lp = self.log_probs(ids[idx], masks[idx][:, sl], mw[idx][:, sl])  # (n, L) with grad
                 loss, terms = grpo_token_loss(lp, ro.log_probs[idx], ro.advantages[idx], ctx.clip_range,
                                               ref_log_prob=None if ref is None else ref[idx], beta=ctx.beta,
                                               token_weights=None if tw is None else tw[idx])
-                total = aggregate(loss, ro.loss_weights[idx])
+                lw, sel = ro.loss_weights[idx], ro.selected[idx]
+                if group is not None and G > 1:
+                    in_k = group[idx] == k  # (n, L)
+                    lw, sel = torch.where(in_k, lw, torch.zeros_like(lw)), sel & in_k
+                total = aggregate(loss, lw)
                 total.backward()
                 stats.backward_calls += 1
-                stats.sample_backwards += len(idx) * masks.shape[1]
-                sel = ro.selected[idx]
+                stats.sample_backwards += len(idx) * Mg
                 n_tok += float(sel.sum())
                 n_clip += float((terms["clipped"] & sel).sum())
                 kl_sum += float((terms["kl"] * sel).sum())
@@ -233,7 +277,8 @@ class DLLMFamily:
                     ratio_dev = max(ratio_dev, float((terms["ratio"][sel] - 1).abs().max()))
         n = max(n_tok, 1.0)
         stats.metrics.update({"clip_ratio": n_clip / n, "kl": kl_sum / n, "ratio_mean": ratio_sum / n,
-                              "ratio_max_dev": ratio_dev, "trained_tokens": n_tok})
+                              "ratio_max_dev": ratio_dev, "trained_tokens": n_tok,
+                              **ro.extras.get("dps_metrics", {})})
         return stats
 
     @torch.no_grad()

@@ -21,9 +21,21 @@ Estimators (each a small pure function taking a ``torch.Generator``):
                w_mj = 1[masked] / (t_m · M), the ELBO weighting (E[w_mj] = 1 per token and forward average).
   stratified   (SML; the extension point for a K-forward estimator): K strata, forward k masks stratum k.
 
+Stratified Masking Likelihood (DACA-GRPO's SML) as a plug-in on ANY of the estimators above
+(:func:`stratify`): the valid completion tokens are split into K strata (:func:`assign_strata`: random
+balanced, interleaved, or by decode order) and every base forward m is refined into K forwards; forward (k, m)
+masks only the stratum-k part of m's masked completion tokens (``leave_one_out``; ``chain``: strata k..K−1),
+keeps m's prompt mask, and scores stratum k with m's weights. Each token is thus scored by exactly one group
+k with the same total weight as in the base estimator, but sees the other strata as context. K = 1 is the base
+estimator exactly; on the mean field, K strata are the paper's SML (K forwards); K = L with leave_one_out is
+the pseudo-likelihood, K = L with chain and a random partition is a one-order sample of the exact
+any-order log-likelihood (:func:`any_order_log_likelihood`). Cost K·M forwards.
+
 :func:`token_log_probs` evaluates any of them with one batched forward of B·M sequences.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -70,6 +82,87 @@ def stratified(B: int, P: int, L: int, *, strata: torch.Tensor, num_strata: int,
     return masks, score.float()
 
 
+SML_PARTITIONS = ("random", "interleaved", "decode_order")
+SML_MODES = ("leave_one_out", "chain")
+
+
+def assign_strata(valid: torch.Tensor, num_strata: int, partition: str = "random", *,
+                  order: torch.Tensor | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Stratum of every completion token among the valid ones. valid (B, L) bool → strata (B, L) long,
+    −1 where not valid.
+
+    With r_j the rank of valid token j among the row's n valid tokens (by a uniform random key for
+    ``random``, by position for ``interleaved``, by decode order for ``decode_order``; ``order`` (B, L) is the
+    sampler's commit order of positions):
+      random, decode_order  stratum = ⌊r_j·K / n⌋  (balanced contiguous blocks of the ranking; decode_order:
+                            stratum 0 = decoded first, so ``chain`` conditions on earlier-decoded strata)
+      interleaved           stratum = r_j mod K
+    Only ``random`` draws from ``generator``."""
+    B, L = valid.shape
+    dev = valid.device
+    if partition == "random":
+        key = torch.rand(B, L, generator=generator, device=dev)
+    elif partition == "interleaved":
+        key = torch.arange(L, device=dev, dtype=torch.float32).expand(B, L)
+    elif partition == "decode_order":
+        if order is None:
+            raise ValueError("decode_order partition needs the sampler's decode order")
+        key = torch.empty(B, L, device=dev)
+        key.scatter_(1, order, torch.arange(L, device=dev, dtype=torch.float32).expand(B, L).contiguous())
+    else:
+        raise ValueError(f"sml partition must be one of {SML_PARTITIONS}, got {partition!r}")
+    key = torch.where(valid, key, torch.full_like(key, float("inf")))
+    rank = torch.argsort(torch.argsort(key, 1), 1)  # (B, L) rank of each position by key
+    n = valid.sum(1, keepdim=True).clamp_min(1)  # (B, 1)
+    st = rank % num_strata if partition == "interleaved" else torch.div(rank * num_strata, n, rounding_mode="floor")
+    return torch.where(valid, st, torch.full_like(st, -1))
+
+
+def stratify(masks: torch.Tensor, weights: torch.Tensor, strata: torch.Tensor, num_strata: int, *,
+             chain: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Refine base masks into SML groups. masks (B, M, P+L), weights (B, M, L), strata (B, L) long (−1 = not
+    stratified: keeps the base mask in every group and is scored in group 0) → (B, K·M, P+L), (B, K·M, L),
+    row k·M + m being base forward m restricted to stratum k (``chain``: strata ≥ k). K = 1 returns the base
+    tensors' values exactly."""
+    B, M, N = masks.shape
+    L = weights.shape[-1]
+    K = num_strata
+    k = torch.arange(K, device=strata.device).view(1, K, 1, 1)  # (1, K, 1, 1)
+    s = strata.view(B, 1, 1, L)
+    free = s < 0
+    scored = (s == k) | (free & (k == 0))  # (B, K, 1, L)
+    keep = ((s >= k) if chain else (s == k)) | free  # completion positions that group k may mask
+    comp = masks[..., N - L:].unsqueeze(1) & keep  # (B, K, M, L)
+    prompt = masks[..., : N - L].unsqueeze(1).expand(B, K, M, N - L)
+    out_m = torch.cat([prompt, comp], -1).reshape(B, K * M, N)
+    w = weights.unsqueeze(1).expand(B, K, M, L)
+    out_w = torch.where(scored, w, torch.zeros_like(w)).reshape(B, K * M, L)
+    return out_m, out_w
+
+
+def any_order_log_likelihood(logits_fn, ids: torch.Tensor, L: int, mask_id: int) -> torch.Tensor:
+    """Exact any-order log-likelihood of the last L tokens of each row (prompt visible), by enumeration.
+
+        log p(y | prompt) := E_σ Σ_j log p(y_σj | prompt, y_σ<j),  σ uniform over the L! decoding orders
+                           = Σ_{U ⊊ [L]} Σ_{j ∉ U} |U|!(L−|U|−1)!/L! · log p(y_j | prompt, y_U)
+
+    (the probability that a uniform order reveals exactly U before j is |U|!(L−|U|−1)!/L!). One forward per
+    subset U of revealed tokens: 2^L forwards per row, so only for tiny L. ids (B, P+L) → (B,),
+    differentiable through ``logits_fn``."""
+    B, N = ids.shape
+    subsets = torch.tensor([[(u >> j) & 1 for j in range(L)] for u in range(2 ** L)], dtype=torch.bool,
+                           device=ids.device)  # (2^L, L) True = revealed
+    size = subsets.sum(1)  # (2^L,)
+    coef = torch.tensor([math.factorial(int(u)) * math.factorial(L - int(u) - 1) / math.factorial(L)
+                         if u < L else 0.0 for u in size], device=ids.device)  # (2^L,)
+    masks = torch.cat([torch.zeros(2 ** L, N - L, dtype=torch.bool, device=ids.device), ~subsets], -1)
+    w = (~subsets).float() * coef.unsqueeze(1)  # (2^L, L): weight of log p(y_j | y_U) for j ∉ U
+    S = 2 ** L
+    lp = token_log_probs(logits_fn, ids, masks.unsqueeze(0).expand(B, S, N), w.unsqueeze(0).expand(B, S, L),
+                         mask_id)  # (B, L)
+    return lp.sum(1)
+
+
 ESTIMATORS = {"mean_field": mean_field, "coupled": coupled, "random_mask": random_mask}
 
 
@@ -98,4 +191,5 @@ def token_log_probs(logits_fn, input_ids: torch.Tensor, masks: torch.Tensor, wei
     return (lp * weights).sum(1)
 
 
-__all__ = ["ESTIMATORS", "mean_field", "coupled", "random_mask", "stratified", "apply_masks", "token_log_probs"]
+__all__ = ["ESTIMATORS", "SML_MODES", "SML_PARTITIONS", "mean_field", "coupled", "random_mask", "stratified",
+           "assign_strata", "stratify", "any_order_log_likelihood", "apply_masks", "token_log_probs"]
