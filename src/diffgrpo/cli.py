@@ -54,7 +54,10 @@ def cmd_train(args) -> int:
             print("--resume auto: no unfinished run found; starting a new one")
         cfg = _load_cfg(args)
     _threads()
-    summary = Trainer(cfg).train(resume=run is not None)
+    trainer = Trainer(cfg)
+    summary = trainer.train(resume=run is not None)
+    if trainer.world.rank > 0:  # torchrun: rank 0 reports
+        return 0
     if summary.get("interrupted"):
         print(f"interrupted; resume with: diffgrpo train --resume {cfg.log.output_dir}")
         return 0

@@ -118,7 +118,8 @@ class EngineConfig:
     window: int = _f(4, lo=2, doc="jagg: steps per window W")
     jagg_frac: float = _f(1.0, lo=0.0, hi=1.0, doc="jagg: share of windows routed to JAGG")
     jagg_min_score: float = _f(-1.0, lo=-1.0, hi=1.0, doc="jagg: windows scoring below stay exact")
-    evaluation: str = _f("recompute", choices=("recompute", "retain"), doc="jagg: how endpoints get graphs")
+    evaluation: str = _f("recompute", choices=("recompute", "retain"),
+                         doc="jagg, single_step: trained velocities from a recompute forward or rollout graphs")
     wave_size: int = _f(0, lo=0, doc="retain: groups per rollout wave; 0 = whole batch")
     candidate_steps: str = _f("first_half", doc="single_step: 'first_half', 'all' or a list like 0,1,2")
     rectify: bool = _f(True, doc="single_step: temporal gradient rectification")
@@ -204,6 +205,16 @@ class LogConfig:
 
 
 @dataclass
+class DistConfig:
+    """Data parallelism under ``torchrun`` (WORLD_SIZE > 1); ignored in a single process."""
+    mode: str = _f("none", choices=("none", "ddp", "fsdp2"),
+                   doc="ddp: replicated weights; fsdp2: fully_shard per transformer block + root (full fine-tune)")
+    group_layout: str = _f("local", choices=("local", "spread"),
+                           doc="local: each rank samples whole groups; spread: every group's samples split over ranks")
+    backend: str = _f("", doc="process-group backend; empty = nccl with CUDA, gloo otherwise")
+
+
+@dataclass
 class RunConfig:
     seed: int = _f(0)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -219,6 +230,7 @@ class RunConfig:
     log: LogConfig = field(default_factory=LogConfig)
     dllm: DLLMConfig = field(default_factory=DLLMConfig)
     daca: DACAConfig = field(default_factory=DACAConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
 
     # ------------------------------------------------------------------ construction
     @classmethod

@@ -8,6 +8,15 @@ RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT) :func:`init_from_env` creates the
   all_reduce_mean_(t)     in-place mean over ranks; every call is counted in ``COUNTERS["allreduce"]``
   no_sync(module)         context suppressing DDP's gradient all-reduce (nullcontext without DDP)
   wrap_ddp(module)        DistributedDataParallel at world size > 1, the module itself otherwise
+  wrap_fsdp2(module)      FSDP2: ``fully_shard`` on every transformer block, then on the root (in place)
+  wrap(module, mode)      "ddp" / "fsdp2" / "none" → the module that forwards must go through
+  all_reduce_sum(t)       sum over ranks (not counted: statistics, not gradients)
+  all_gather_object(o)    list of every rank's picklable object
+  to_full(obj)            DTensor leaves (FSDP2 shards) of a nested state dict → full tensors (collective)
+  seed_for(seed, rank)    per-rank seed of a stream that must differ across ranks
+
+Gradient scale: DDP and FSDP2 both AVERAGE gradients over ranks, so a loss that must equal the one-process
+loss on the union of the ranks' samples is built with world-size-scaled weights (see ``Trainer.finish_rollout``).
 """
 from __future__ import annotations
 
@@ -93,5 +102,84 @@ def wrap_ddp(module: torch.nn.Module, **kw) -> torch.nn.Module:
     return torch.nn.parallel.DistributedDataParallel(module, **kw)
 
 
-__all__ = ["COUNTERS", "WorldInfo", "info", "init_from_env", "all_gather", "all_reduce_mean_", "no_sync",
-           "wrap_ddp", "is_initialized"]
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """Σ over ranks (a new tensor). Identity at world size 1."""
+    if not is_initialized() or dist.get_world_size() == 1:
+        return t
+    t = t.clone()
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def all_gather_object(obj) -> list:
+    """[obj of rank 0, obj of rank 1, …]. [obj] at world size 1."""
+    if not is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def seed_for(seed: int, rank: int) -> int:
+    """Seed of a per-rank stream (initial and SDE noise): rank 0 keeps ``seed``, so one process is unchanged."""
+    return seed + 1000 * rank
+
+
+BLOCK_LISTS = ("transformer_blocks", "single_transformer_blocks", "blocks", "layers")  # diffusers/transformers names
+
+
+def transformer_blocks(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated blocks FSDP2 shards one by one (every ``nn.ModuleList`` named in ``BLOCK_LISTS``)."""
+    out = []
+    for name in BLOCK_LISTS:
+        blocks = getattr(module, name, None)
+        if isinstance(blocks, torch.nn.ModuleList):
+            out.extend(blocks)
+    return out
+
+
+def wrap_fsdp2(module: torch.nn.Module, **kw) -> torch.nn.Module:
+    """FSDP2 in place: ``fully_shard`` on each transformer block (one all-gather per block in forward and
+    backward, one reduce-scatter per block), then on the root for the remaining parameters. Returns
+    ``module`` (now an ``FSDPModule``: parameters are sharded DTensors, ``set_requires_gradient_sync`` exists).
+    Build optimizers AFTER wrapping. No-op at world size 1."""
+    if not is_initialized() or dist.get_world_size() == 1:
+        return module
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+    for block in transformer_blocks(module):
+        fully_shard(block, mesh=mesh, **kw)
+    fully_shard(module, mesh=mesh, **kw)
+    return module
+
+
+def wrap(module: torch.nn.Module, mode: str) -> torch.nn.Module:
+    """The module forwards must go through for ``mode`` in {"none", "ddp", "fsdp2"}."""
+    if mode == "ddp":
+        return wrap_ddp(module, broadcast_buffers=False)
+    if mode == "fsdp2":
+        return wrap_fsdp2(module)
+    if mode == "none":
+        return module
+    raise ValueError(f"dist.mode must be one of ['none', 'ddp', 'fsdp2'], got {mode!r}")
+
+
+def to_full(obj):
+    """Replace every DTensor in a nested dict/list with its full tensor (a collective: call on every rank)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(obj, DTensor):
+        return obj.full_tensor()
+    if isinstance(obj, dict):
+        return {k: to_full(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_full(v) for v in obj)
+    return obj
+
+
+__all__ = ["COUNTERS", "WorldInfo", "info", "init_from_env", "all_gather", "all_gather_object", "all_reduce_mean_",
+           "all_reduce_sum", "no_sync", "wrap", "wrap_ddp", "wrap_fsdp2", "transformer_blocks", "to_full",
+           "seed_for", "is_initialized"]

@@ -16,8 +16,9 @@ from pathlib import Path
 
 import torch
 
+from . import distributed
 from .advantages import group_advantages
-from .config import RunConfig
+from .config import ConfigError, RunConfig
 from .data import digit_prompt, prompt_digit
 from .engines import build_engine, select_steps
 from .engines.base import EngineContext
@@ -48,11 +49,25 @@ class Trainer:
         self.log = log
         if cfg.model.cache_dir:
             os.environ["DIFFGRPO_CACHE"] = cfg.model.cache_dir
+        # data parallel (torchrun): process group before the model (sets the CUDA device); rank > 0 is silent
+        self.world = (distributed.init_from_env(cfg.dist.backend or None) if cfg.dist.mode != "none"
+                      else distributed.WorldInfo(0, 1, 0))
+        self._spread = self.world.world_size > 1 and cfg.dist.group_layout == "spread"
+        if self.world.rank > 0:
+            self.log = log = _silent
+        self._check_world()
         torch.manual_seed(cfg.seed)
         self.policy = policy if policy is not None else POLICIES[cfg.model.name](
-            cfg, progress=cfg.log.progress, log=log)
+            cfg, progress=cfg.log.progress and self.world.rank == 0, log=log)
         self.device = torch.device(getattr(self.policy, "device", "cpu"))
         self.engine = build_engine(cfg.engine)
+        self.dp_module = None  # the DDP / FSDP2 wrapper velocity() goes through (None in one process)
+        if self.world.world_size > 1:
+            net = self.policy.transformer if hasattr(self.policy, "transformer") else self.policy.net.transformer
+            self.dp_module = distributed.wrap(net, cfg.dist.mode)  # FSDP2 shards in place: build the optimizer after
+            self.policy.forward_module = self.dp_module
+            if hasattr(self.engine, "all_reduce"):  # e.g. single_step's global rectification normaliser
+                self.engine.all_reduce = distributed.all_reduce_sum
         self.params = list(self.policy.trainable_parameters())
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay,
                                            betas=(cfg.train.adam_beta1, cfg.train.adam_beta2))
@@ -61,11 +76,18 @@ class Trainer:
         self.ctx = EngineContext(policy=self.policy, kernel=self.kernel, clip_range=cfg.loss.clip_range,
                                  beta=cfg.loss.beta, kl_flowgrpo_compat=cfg.loss.kl_flowgrpo_compat,
                                  micro_batch_size=cfg.engine.micro_batch_size)
+        if self.dp_module is not None:  # gradient sync only on an engine's last backward
+            self.ctx.no_sync = lambda: distributed.no_sync(self.dp_module)
         self.sigmas = flow_sde.sigma_grid(cfg.sampler.num_steps, cfg.sampler.shift, device=self.device)
-        # one generator per stream so that e.g. changing the eval schedule never changes training samples
-        self.gen_prompts = torch.Generator().manual_seed(cfg.seed)
-        self.gen_noise = torch.Generator(device=self.device).manual_seed(cfg.seed + 1)
-        self.gen_steps = torch.Generator().manual_seed(cfg.seed + 2)
+        # one generator per stream so that e.g. changing the eval schedule never changes training samples.
+        # Noise differs across ranks; prompts and steps too, except in the spread layout where every rank plans
+        # the same whole batch and keeps its share of each group (rank 0 keeps the one-process seeds).
+        rank = self.world.rank
+        plan_seed = (lambda s: s) if self._spread else (lambda s: distributed.seed_for(s, rank))
+        self.gen_prompts = torch.Generator().manual_seed(plan_seed(cfg.seed))
+        self.gen_noise = torch.Generator(device=self.device).manual_seed(distributed.seed_for(cfg.seed + 1, rank))
+        self.gen_steps = torch.Generator().manual_seed(plan_seed(cfg.seed + 2))
+        self.gen_group_noise = torch.Generator(device=self.device).manual_seed(cfg.seed + 3)  # spread + shared x0
         self.iteration = 0
         self.bad_updates = 0  # consecutive skipped (non-finite) updates
         self.ema = None
@@ -79,28 +101,44 @@ class Trainer:
         from .dllm.grpo import family_for  # masked diffusion LMs: rollout/backward/evaluate live in dllm/grpo.py
 
         self.family = family_for(self)
+        if self.family is not None and self.world.world_size > 1:
+            raise ConfigError("dist.mode: data parallelism is implemented for flow-matching image models only")
+
+    def _check_world(self) -> None:
+        """Every rank must hold the same number of samples (all-gathers) and whole shares of the batch."""
+        W, t = self.world.world_size, self.cfg.train
+        if W == 1:
+            return
+        if self._spread and t.group_size % W:
+            raise ConfigError(f"dist.group_layout=spread: train.group_size={t.group_size} must be a multiple of "
+                              f"the world size {W}")
+        if not self._spread and t.prompts_per_batch % W:
+            raise ConfigError(f"dist.group_layout=local: train.prompts_per_batch={t.prompts_per_batch} must be a "
+                              f"multiple of the world size {W}")
 
     # ------------------------------------------------------------------ rollout phase
     def sample_prompts(self) -> tuple[list[str], torch.Tensor]:
         """``prompts_per_batch`` prompts, each repeated ``group_size`` times. → (prompts (B,), group_ids (B,))."""
         t = self.cfg.train
+        n = t.prompts_per_batch if self._spread else t.prompts_per_batch // self.world.world_size  # local: P/W
         if t.prompts_file:  # text prompts, drawn uniformly from the file
             lines = read_prompts(t.prompts_file)
-            pick = torch.randint(len(lines), (t.prompts_per_batch,), generator=self.gen_prompts)
+            pick = torch.randint(len(lines), (n,), generator=self.gen_prompts)
             prompts = [lines[int(i)] for i in pick for _ in range(t.group_size)]
-            return prompts, torch.arange(t.prompts_per_batch).repeat_interleave(t.group_size)
+            return prompts, torch.arange(n).repeat_interleave(t.group_size)
         digits = torch.tensor(t.digits)
-        pick = digits[torch.randint(len(digits), (t.prompts_per_batch,), generator=self.gen_prompts)]
+        pick = digits[torch.randint(len(digits), (n,), generator=self.gen_prompts)]
         prompts = [digit_prompt(int(d)) for d in pick for _ in range(t.group_size)]
-        group_ids = torch.arange(t.prompts_per_batch).repeat_interleave(t.group_size)
+        group_ids = torch.arange(n).repeat_interleave(t.group_size)
         return prompts, group_ids
 
     def initial_noise(self, group_ids: torch.Tensor) -> torch.Tensor:
         """x_0 (B, *S); one draw per group when ``sampler.share_noise_in_group``."""
         shape = self.policy.latent_shape
-        if self.cfg.sampler.share_noise_in_group:
+        if self.cfg.sampler.share_noise_in_group:  # spread: a group's ranks must draw the same x_0
             n = int(group_ids.max()) + 1
-            z = torch.randn(n, *shape, generator=self.gen_noise, device=self.device)
+            gen = self.gen_group_noise if self._spread else self.gen_noise
+            z = torch.randn(n, *shape, generator=gen, device=self.device)
             return z[group_ids.to(self.device)]
         return torch.randn(len(group_ids), *shape, generator=self.gen_noise, device=self.device)
 
@@ -115,6 +153,10 @@ class Trainer:
         B, T = len(prompts), cfg.sampler.num_steps
         selected = select_steps(cfg.steps.mode, T, B, fraction=cfg.steps.fraction, window_start=cfg.steps.window_start,
                                 window_size=cfg.steps.window_size, generator=self.gen_steps).to(self.device)
+        if self._spread:  # the same whole batch on every rank; keep this rank's share of every group
+            rows = rank_rows(group_ids, self.world.rank, self.world.world_size)
+            prompts, group_ids = [prompts[i] for i in rows.tolist()], group_ids[rows]
+            selected = selected[rows.to(self.device)]
         plan = BatchPlan(prompts=list(prompts), group_ids=group_ids, selected=selected,
                          x0=self.initial_noise(group_ids))
         if hasattr(self.engine, "plan"):
@@ -162,9 +204,16 @@ class Trainer:
         over the WHOLE batch's planned steps, so that waves sum to the one-wave objective. (Samples dropped in
         other waves, e.g. for an invalid reward, cannot renormalise this wave; they count as planned.)"""
         a = self.cfg.advantage
+        W, rank, B = self.world.world_size, self.world.rank, len(ro.rewards)
         valid = torch.isfinite(ro.rewards)
-        adv, stats = group_advantages(ro.rewards, ro.group_ids.cpu(), valid=valid, std_mode=a.std_mode,
+        rewards, gids = ro.rewards, ro.group_ids.cpu()
+        if W > 1:  # statistics over every rank's samples (rank r's rows are r·B … r·B+B−1 of the gathered batch)
+            rewards = distributed.all_gather(ro.rewards.float())
+            gids = distributed.all_gather(gids + (0 if self._spread else rank * B))  # local: ids unique per rank
+            ro.extras["batch_rewards"] = rewards
+        adv, stats = group_advantages(rewards, gids, valid=torch.isfinite(rewards), std_mode=a.std_mode,
                                       baseline=a.baseline, clip=a.clip, eps=a.eps)
+        adv = adv[rank * B:(rank + 1) * B] if W > 1 else adv
         keep = valid.clone()
         if a.filter_zero_std:
             keep &= adv != 0
@@ -175,17 +224,22 @@ class Trainer:
         ro.advantages = adv.to(self.device)
         ro.selected = ro.selected & keep.to(self.device).unsqueeze(1)
         sample_weights = self.engine.sample_weights(self.ctx, ro) if hasattr(self.engine, "sample_weights") else None
-        if wave is None:
+        if wave is None and W == 1:
             ro.loss_weights = aggregation_weights(ro.selected, self.cfg.loss.aggregation, sample_weights)
         else:
-            full_sel, rows = wave
+            full_sel, rows = wave if wave is not None else (ro.selected, torch.arange(B, device=ro.selected.device))
             full_sel = full_sel.clone()
             full_sel[rows] = ro.selected
             full_sw = None
             if sample_weights is not None:
                 full_sw = torch.ones(full_sel.shape[0], device=sample_weights.device)
                 full_sw[rows] = sample_weights
-            ro.loss_weights = aggregation_weights(full_sel, self.cfg.loss.aggregation, full_sw)[rows]
+            if W > 1:  # the normaliser counts every rank's selected pairs
+                rows = rows + rank * full_sel.shape[0]
+                full_sel = distributed.all_gather(full_sel.to(torch.uint8)).bool()
+                full_sw = None if full_sw is None else distributed.all_gather(full_sw.float())
+            # DDP and FSDP2 AVERAGE gradients over ranks: × W makes the average the one-process sum
+            ro.loss_weights = aggregation_weights(full_sel, self.cfg.loss.aggregation, full_sw)[rows] * W
         ro.extras["advantage_stats"] = stats
 
     # ------------------------------------------------------------------ update phase
@@ -277,6 +331,9 @@ class Trainer:
         return total, info
 
     def _grad_norm(self) -> float:
+        if self.cfg.dist.mode == "fsdp2" and self.world.world_size > 1:  # sharded DTensor grads
+            norms = [distributed.to_full(p.grad.detach().norm()) for p in self.params if p.grad is not None]
+            return float(torch.stack(norms).norm()) if norms else 0.0
         grads = [p.grad.detach().flatten() for p in self.params if p.grad is not None]
         return float(torch.cat(grads).norm()) if grads else 0.0
 
@@ -291,7 +348,8 @@ class Trainer:
             ro = self.rollout()
             stats, info = self.update(ro)
         self.iteration += 1
-        r = ro.rewards[ro.valid.cpu()]
+        r = ro.extras.get("batch_rewards", ro.rewards)  # every rank's rewards when data parallel
+        r = r[torch.isfinite(r)]
         row = {"iteration": self.iteration, "reward": float(r.mean()) if len(r) else float("nan"),
                "reward_std": float(r.std()) if len(r) > 1 else 0.0,
                **{f"rewards/{n}/mean": float(v[torch.isfinite(v)].mean()) for n, v in ro.reward_components.items()},
@@ -344,25 +402,34 @@ class Trainer:
 
     # ------------------------------------------------------------------ the whole job
     def run_dir(self) -> Path:
-        if not self.cfg.log.output_dir:
-            self.cfg.log.output_dir = str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
+        if not self.cfg.log.output_dir:  # rank 0's timestamp for every rank
+            self.cfg.log.output_dir = distributed.all_gather_object(
+                str(Path("runs") / time.strftime("%Y%m%d-%H%M%S")))[0]
         p = Path(self.cfg.log.output_dir)
-        p.mkdir(parents=True, exist_ok=True)
+        if self.world.rank == 0:
+            p.mkdir(parents=True, exist_ok=True)
         return p
 
     # ------------------------------------------------------------------ checkpoints
     def state(self) -> dict:
         """Everything needed to continue bit-for-bit: weights, optimizer, EMA, RNG states, counters."""
-        return {
+        rng = {"prompts": self.gen_prompts.get_state(), "noise": self.gen_noise.get_state(),
+               "steps": self.gen_steps.get_state(), "torch": torch.get_rng_state(),
+               "group_noise": self.gen_group_noise.get_state()}
+        if self.world.world_size > 1:  # a collective: every rank's streams, restored per rank on resume
+            rng["per_rank"] = distributed.all_gather_object(rng)
+        return distributed.to_full({  # FSDP2 shards → full tensors (a collective; identity otherwise)
             "trainable": {k: v for k, v in self.policy.state_dict().items()},
             "optimizer": self.optimizer.state_dict(),
             "ema": self.ema.state_dict() if self.ema is not None else None,
-            "rng": {"prompts": self.gen_prompts.get_state(), "noise": self.gen_noise.get_state(),
-                    "steps": self.gen_steps.get_state(), "torch": torch.get_rng_state()},
+            "rng": rng,
             "extra": {"bad_updates": self.bad_updates},
-        }
+        })
 
     def load_state(self, ck: dict) -> None:
+        if self.cfg.dist.mode == "fsdp2" and self.world.world_size > 1:
+            raise TrainingError("resuming a dist.mode=fsdp2 run is not supported (checkpoints hold full tensors); "
+                                "resume it with dist.mode=ddp or in one process")
         self.policy.load_state_dict(ck["trainable"])
         self.optimizer.load_state_dict(ck["optimizer"])
         if self.ema is not None:
@@ -370,6 +437,10 @@ class Trainer:
                 raise TrainingError("checkpoint has no EMA state but train.ema_decay > 0")
             self.ema.load_state_dict(ck["ema"])
         rng = ck["rng"]
+        if len(rng.get("per_rank", [])) == self.world.world_size:
+            rng = rng["per_rank"][self.world.rank]
+        if "group_noise" in rng:
+            self.gen_group_noise.set_state(rng["group_noise"])
         self.gen_prompts.set_state(rng["prompts"])
         self.gen_noise.set_state(rng["noise"])
         self.gen_steps.set_state(rng["steps"])
@@ -380,7 +451,9 @@ class Trainer:
     def save_checkpoint(self) -> Path:
         from .checkpoint import save_checkpoint
 
-        st = self.state()
+        st = self.state()  # on every rank (collectives); rank 0 writes
+        if self.world.rank > 0:
+            return self.run_dir()
         return save_checkpoint(self.run_dir(), self.iteration, trainable=st["trainable"], optimizer=st["optimizer"],
                                rng=st["rng"], config=self.cfg.to_dict(), ema=st["ema"], extra=st["extra"],
                                keep_last=self.cfg.train.keep_checkpoints)
@@ -396,9 +469,10 @@ class Trainer:
             return False
         self.load_state(load_checkpoint(ckpt))
         rows = [r for r in read_metrics(out / "metrics.jsonl") if r.get("iteration", 0) <= self.iteration]
-        tmp = out / ".metrics.jsonl.tmp"
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        os.replace(tmp, out / "metrics.jsonl")
+        if self.world.rank == 0:
+            tmp = out / ".metrics.jsonl.tmp"
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+            os.replace(tmp, out / "metrics.jsonl")
         self.log(f"resumed from {ckpt} (iteration {self.iteration})")
         return True
 
@@ -423,19 +497,22 @@ class Trainer:
         cfg = self.cfg
         out = self.run_dir()
         resumed = self._resume(out) if resume else False
+        lead = self.world.rank == 0  # only rank 0 writes files; every rank trains and evaluates
         if not resumed:
-            if (out / "metrics.jsonl").exists():
+            if distributed.all_gather_object((out / "metrics.jsonl").exists())[0]:
                 raise TrainingError(f"log.output_dir: {str(out)!r} already holds a run; resume it with "
                                     "--resume or choose another directory")
-            (out / "config.yaml").write_text(cfg.to_yaml())
-        writer = MetricsWriter(out, tensorboard=cfg.log.tensorboard, wandb=cfg.log.wandb, config=cfg.to_dict())
+            if lead:
+                (out / "config.yaml").write_text(cfg.to_yaml())
+        writer = (MetricsWriter(out, tensorboard=cfg.log.tensorboard, wandb=cfg.log.wandb, config=cfg.to_dict())
+                  if lead else _NullWriter())
         self.log(f"run directory: {out}")
 
         def do_eval(tag: str) -> dict:
             row, images = self.evaluate()
             row["iteration"] = self.iteration
             writer.write(row)
-            if cfg.log.save_images and tag and images is not None:
+            if lead and cfg.log.save_images and tag and images is not None:
                 save_grid(images, out / f"samples_{tag}.png", nrow=cfg.eval.seeds_per_prompt * 2)
             return row
 
@@ -449,7 +526,8 @@ class Trainer:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 handlers[sig] = signal.signal(sig, self._on_signal)
         self._stop_signal = None
-        bar = tqdm(total=cfg.train.num_iterations, initial=self.iteration, desc="GRPO", disable=not cfg.log.progress)
+        bar = tqdm(total=cfg.train.num_iterations, initial=self.iteration, desc="GRPO",
+                   disable=not (cfg.log.progress and lead))
         try:
             while self.iteration < cfg.train.num_iterations:
                 row = self.step()
@@ -474,9 +552,13 @@ class Trainer:
         self.log(f"eval at end:   {_fmt(last_eval)}")
         from safetensors.torch import save_file
 
-        save_file(self.policy.state_dict(), str(out / "weights.safetensors"))
+        weights = distributed.to_full(self.policy.state_dict())  # a collective under FSDP2
+        ema_weights = self.ema.state_dict() if self.ema is not None else None
+        if not lead:
+            return {"start": first, "end": last_eval}
+        save_file(weights, str(out / "weights.safetensors"))
         if self.ema is not None:
-            save_file(self.ema.state_dict(), str(out / "weights_ema.safetensors"))
+            save_file(ema_weights, str(out / "weights_ema.safetensors"))
         if hasattr(self.policy, "save_adapter"):  # diffusers policies: LoRA in diffusers format (load_lora_weights)
             self.policy.save_adapter(out / "lora" if getattr(self.policy, "lora_rank", 0) else out / "transformer")
         if cfg.log.save_images:
@@ -499,3 +581,30 @@ def read_prompts(path: str) -> list[str]:
 
 def _fmt(row: dict) -> str:
     return ", ".join(f"{k}={v:.4f}" for k, v in row.items() if k.startswith("eval/"))
+
+
+def rank_rows(group_ids: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """Rows of this rank's share of every group (the spread layout): rank r keeps members r·m/W … (r+1)·m/W−1
+    of each group of m samples (groups in order of first appearance). → (B/W,) long."""
+    rows = []
+    for g in dict.fromkeys(group_ids.tolist()):
+        members = (group_ids == g).nonzero().flatten()
+        if len(members) % world:
+            raise ValueError(f"group {g} has {len(members)} samples, not a multiple of the world size {world}")
+        m = len(members) // world
+        rows.append(members[rank * m:(rank + 1) * m])
+    return torch.cat(rows)
+
+
+class _NullWriter:
+    """The metrics writer of ranks > 0."""
+
+    def write(self, row: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _silent(*args, **kwargs) -> None:
+    """The log function of ranks > 0."""

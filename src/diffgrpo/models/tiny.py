@@ -213,6 +213,9 @@ class TinyFlowPolicy:
         self._ref = copy.deepcopy(self.net.transformer).requires_grad_(False) if keep_reference else None
         self._use_ref = False
         self.counters = {"forwards_grad": 0, "forwards_nograd": 0}
+        # data parallel: the wrapper forwards go through (DDP / FSDP2, set by the trainer); None = net.transformer.
+        # Weights, state dicts and trainable parameters stay on net.transformer.
+        self.forward_module = None
 
     @property
     def uses_cfg(self) -> bool:
@@ -249,7 +252,8 @@ class TinyFlowPolicy:
 
     def velocity(self, x: torch.Tensor, sigma: torch.Tensor, cond: dict[str, torch.Tensor]) -> torch.Tensor:
         """x (B, 1, S, S), sigma (B,) → guided velocity (B, 1, S, S) float32."""
-        tr = self._ref if self._use_ref else self.net.transformer
+        tr = self._ref if self._use_ref else (self.forward_module if self.forward_module is not None
+                                              else self.net.transformer)
         sigma = torch.as_tensor(sigma, dtype=torch.float32, device=x.device).expand(x.shape[0])
         emb, pooled = cond["prompt_embeds"], cond["pooled"]
         n = x.shape[0] * (2 if self.uses_cfg else 1)
