@@ -33,6 +33,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .tiny import frozen_reference
+
 # ------------------------------------------------------------------------------------------- family table
 
 
@@ -332,14 +334,8 @@ class DiffusersFlowPolicy:
             finally:
                 self.transformer.enable_adapters()
             return
-        if self._ref is None:
-            raise RuntimeError("reference policy requested but the policy was built without keep_reference "
-                               "(set loss.beta > 0 to enable the KL term)")
-        self._use_ref, prev = True, self._use_ref
-        try:
+        with frozen_reference(self):
             yield
-        finally:
-            self._use_ref = prev
 
     # ---------------------------------------------------------------- the velocity field
     def velocity(self, x: torch.Tensor, sigma: torch.Tensor, cond: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -16,7 +16,6 @@ the prompt never masked. Weights are cached per task/architecture/recipe under t
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import hashlib
 import json
@@ -24,7 +23,7 @@ import json
 import torch
 import torch.nn as nn
 
-from .tiny import cache_root, save_dir_atomic
+from .tiny import cache_root, frozen_reference, save_dir_atomic
 
 
 class MaskedLMPolicy:
@@ -61,17 +60,9 @@ class MaskedLMPolicy:
 
     __call__ = logits
 
-    @contextlib.contextmanager
     def reference(self):
         """Inside the block ``logits`` uses the frozen initial weights."""
-        if self._ref is None:
-            raise RuntimeError("reference policy requested but the policy was built without keep_reference "
-                               "(set loss.beta > 0 to enable the KL term)")
-        self._use_ref, prev = True, self._use_ref
-        try:
-            yield
-        finally:
-            self._use_ref = prev
+        return frozen_reference(self)
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]

@@ -194,6 +194,21 @@ def cache_lock(path: Path):
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
+@contextlib.contextmanager
+def frozen_reference(policy):
+    """Context in which ``policy`` runs its frozen reference copy ``policy._ref`` (flag ``policy._use_ref``).
+
+    Shared by the adapters that keep a frozen copy of the initial weights for the KL term."""
+    if policy._ref is None:
+        raise RuntimeError("reference policy requested but the policy was built without keep_reference "
+                           "(set loss.beta > 0 to enable the KL term)")
+    policy._use_ref, prev = True, policy._use_ref
+    try:
+        yield
+    finally:
+        policy._use_ref = prev
+
+
 class TinyFlowPolicy:
     """Policy adapter for :class:`TinyFlowNet` (pixel space, grayscale, data in [−1, 1]).
 
@@ -238,17 +253,9 @@ class TinyFlowPolicy:
             cond["neg_pooled"] = n_pooled.expand_as(pooled).contiguous()
         return cond
 
-    @contextlib.contextmanager
     def reference(self):
         """Inside the block ``velocity`` uses the frozen initial weights."""
-        if self._ref is None:
-            raise RuntimeError("reference policy requested but the policy was built without keep_reference "
-                               "(set loss.beta > 0 to enable the KL term)")
-        self._use_ref, prev = True, self._use_ref
-        try:
-            yield
-        finally:
-            self._use_ref = prev
+        return frozen_reference(self)
 
     def velocity(self, x: torch.Tensor, sigma: torch.Tensor, cond: dict[str, torch.Tensor]) -> torch.Tensor:
         """x (B, 1, S, S), sigma (B,) → guided velocity (B, 1, S, S) float32."""
