@@ -240,6 +240,19 @@ BAD_INPUT = [
     (["sample", "--weights", "/nonexistent/w.safetensors"], "error: --weights: '/nonexistent/w.safetensors' does not exist"),
     (["report", "/nonexistent/run"], "error: report: '/nonexistent/run' is not a run directory (no metrics.jsonl)"),
     (["train", "train.ema_decay=1.0"], "error: train.ema_decay: value 1.0 is out of range; must be <= 0.9999"),
+    (["train", "engine.name=jagg", "engine.window=12"],
+     "error: engine.window: W=12 is larger than the 9 steps selected per trajectory (steps.mode=all, "
+     "sampler.num_steps=10); choose 2 <= W <= 9"),
+    (["train", "engine.name=recompute", "engine.evaluation=retain"],
+     "error: engine.evaluation: 'retain' composes with jagg and single_step, not 'recompute'"),
+    (["train", "engine.name=retain", "engine.wave_size=2", "advantage.std_mode=global"],
+     "error: engine.wave_size: rollout waves need per-group advantages"),
+    (["train", "model.name=diffusers"], "error: model.pretrained: required for model.name=diffusers"),
+    (["train", "model.name=diffusers", "model.pretrained=/nonexistent/sd35"],
+     "error: model.pretrained: path '/nonexistent/sd35' does not exist"),
+    (["train", "model.name=diffusers", "model.pretrained=org/flux", "model.family=flux", "model.negative_prompt=blurry"],
+     "error: model.negative_prompt: FLUX is guidance-distilled"),
+    (["train", "dllm.task=chess"], "error: dllm.task: value 'chess' is not allowed"),
 ]
 
 

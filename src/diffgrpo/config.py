@@ -387,5 +387,40 @@ def validate(cfg: RunConfig) -> None:
             raise ConfigError(f"{key}: file {path!r} does not exist")
         if path and not any(line.strip() for line in Path(path).expanduser().read_text().splitlines()):
             raise ConfigError(f"{key}: file {path!r} holds no prompts")
+    _validate_engine(cfg)
+    pre = cfg.model.pretrained
+    if pre and pre.startswith(("/", "./", "../", "~")) and not Path(pre).expanduser().exists():
+        raise ConfigError(f"model.pretrained: path {pre!r} does not exist (give a pipeline directory or a hub id)")
+    if cfg.model.family == "flux" and (cfg.model.negative_prompt or cfg.model.guidance_scale < 1.0):
+        raise ConfigError("model.negative_prompt: FLUX is guidance-distilled (model.guidance_scale feeds its guidance "
+                          "embedding, one forward); negative prompts and true CFG do not apply")
     if cfg.model.image_size % cfg.model.patch_size:
         raise ConfigError(f"model.patch_size: {cfg.model.patch_size} must divide model.image_size={cfg.model.image_size}")
+
+
+def selected_per_trajectory(cfg: RunConfig) -> int:
+    """How many steps ``steps.*`` selects per trajectory (the final step is never trained)."""
+    import math
+
+    k_max = cfg.sampler.num_steps - 1
+    if cfg.steps.mode == "all":
+        return k_max
+    if cfg.steps.mode == "window":
+        return min(cfg.steps.window_size, k_max)
+    return max(1, min(k_max, math.ceil(cfg.steps.fraction * k_max - 1e-9)))
+
+
+def _validate_engine(cfg: RunConfig) -> None:
+    e = cfg.engine
+    if e.name == "jagg":
+        n = selected_per_trajectory(cfg)
+        if e.window > n:
+            raise ConfigError(f"engine.window: W={e.window} is larger than the {n} steps selected per trajectory "
+                              f"(steps.mode={cfg.steps.mode}, sampler.num_steps={cfg.sampler.num_steps}); "
+                              f"choose 2 <= W <= {n}")
+    if e.evaluation == "retain" and e.name not in ("jagg", "single_step"):
+        raise ConfigError(f"engine.evaluation: 'retain' composes with jagg and single_step, not {e.name!r} "
+                          "(the plain recompute-free engine is engine.name=retain)")
+    if e.wave_size and cfg.advantage.std_mode == "global":
+        raise ConfigError("engine.wave_size: rollout waves need per-group advantages; advantage.std_mode=global "
+                          "couples every group, so use engine.wave_size=0 (whole batch) or std_mode=group")
