@@ -83,11 +83,20 @@ class PerSampleGrads:
         return recs
 
     def grads(self, records: list, out: torch.Tensor, grad_out: torch.Tensor, n: int, *,
-              retain_graph: bool) -> torch.Tensor:
-        """Per-sample ∂(Σ out·grad_out)/∂θ → (n, P) float32, for the forward that produced ``out`` (n, *S)."""
+              retain_graph: bool, into: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Per-sample ∂(Σ out·grad_out)/∂θ for the forward that produced ``out`` (n, *S).
+
+        Returns (n, P) float32, or, with ``into=(buffer (B, P), rows (n,))``, adds sample j's gradient to
+        ``buffer[rows[j]]`` in place (no (n, P) temporary: the buffers are the memory traffic that matters)
+        and returns the buffer."""
         ys = [r[2] for r in records]
         deltas = torch.autograd.grad(out, ys, grad_outputs=grad_out, retain_graph=retain_graph, allow_unused=True)
-        flat = torch.zeros(n, self.numel, device=out.device, dtype=torch.float32)
+        if into is None:
+            flat, rows = torch.zeros(n, self.numel, device=out.device, dtype=torch.float32), None
+        else:
+            flat, rows = into
+            if rows.numel() == flat.shape[0] and torch.equal(rows.cpu(), torch.arange(flat.shape[0])):
+                rows = None  # every row in order: plain in-place adds
         for (mod, a, _), d in zip(records, deltas):
             if d is None:
                 continue
@@ -95,17 +104,20 @@ class PerSampleGrads:
             if N % n:
                 raise RuntimeError(f"network batch {N} is not a multiple of the sample batch {n}")
             gw, gb = _layer_grads(mod, a, d)  # (N, *W.shape), (N, O) or None
-            self._add(flat, mod.weight, gw, n)
+            self._add(flat, rows, mod.weight, gw, n)
             if gb is not None and mod.bias is not None:
-                self._add(flat, mod.bias, gb, n)
+                self._add(flat, rows, mod.bias, gb, n)
         return flat
 
-    def _add(self, flat, p, g, n):
+    def _add(self, flat, rows, p, g, n):
         if id(p) not in self.offsets:
             return
         off, size = self.offsets[id(p)]
-        g = g.reshape(-1, n, size).sum(0)  # rows j and j + n·m belong to sample j
-        flat[:, off:off + size] += g.float()
+        g = g.reshape(-1, n, size).sum(0).to(flat.dtype)  # rows j and j + n·m belong to sample j
+        if rows is None:
+            flat[:, off:off + size] += g
+        else:
+            flat[:, off:off + size].index_add_(0, rows, g)
 
 
 def _layer_grads(mod: nn.Module, a: torch.Tensor, d: torch.Tensor):

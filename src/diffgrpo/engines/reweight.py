@@ -141,12 +141,11 @@ class ReweightEngine:
                     continue
                 keep = g_kl is not None and j == 0
                 if recs is not None:
-                    G = psg.grads(recs, v, g, n, retain_graph=keep)  # (n, P)
+                    psg.grads(recs, v, g, n, retain_graph=keep, into=(dst, idx))  # dst[idx] += per-sample grads
                     buf.backward_calls += 1
                 else:
-                    G = per_sample_grads_loop(params, v, g, retain_graph=keep)
+                    dst.index_add_(0, idx, per_sample_grads_loop(params, v, g, retain_graph=keep))
                     buf.backward_calls += n
-                dst.index_add_(0, idx, G)
                 buf.sample_backwards += n * mult
             if k == last_k:
                 buf.exit.close()
