@@ -305,3 +305,13 @@ def test_html_report_renders_in_headless_chromium(make_trainer, tmp_path):
     img = Image.open(shot).convert("L")
     colours = img.getcolors(maxcolors=1 << 16)
     assert colours is not None and len(colours) > 50  # plots and samples rendered, not a blank page
+
+
+def test_sample_writes_text_completions_for_diffusion_lms(tmp_path, capsys):
+    out = tmp_path / "completions.png"  # an image name is turned into .txt for text models
+    assert main(["sample", "model.name=tiny_mlm", "dllm.task=arithmetic", "pretrain.steps=5", "pretrain.batch_size=8",
+                 "log.progress=false", "--prompt", "3+4=", "--prompt", "9-2=", "--num", "2",
+                 "--out", str(out)]) == 0
+    lines = (tmp_path / "completions.txt").read_text().splitlines()
+    assert [line.split("\t")[0] for line in lines] == ["3+4=", "3+4=", "9-2=", "9-2="]
+    assert lines[0] == lines[1]  # greedy decoding by default: same prompt, same completion

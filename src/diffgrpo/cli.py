@@ -115,6 +115,8 @@ def cmd_sample(args) -> int:
     trainer = Trainer(cfg)
     if src is not None:
         trainer.policy.load_state_dict(load_file(str(src)))
+    if trainer.family is not None:  # masked diffusion LM: text completions
+        return _sample_text(trainer, args)
     prompts = args.prompt or [digit_prompt(d) for d in range(10)]
     prompts = [p for p in prompts for _ in range(args.num)]
     x0 = torch.stack([torch.randn(*trainer.policy.latent_shape, generator=torch.Generator().manual_seed(args.seed + i))
@@ -129,6 +131,31 @@ def cmd_sample(args) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     save_grid(images, out, nrow=args.num)
     print(f"wrote {len(prompts)} samples to {out}")
+    return 0
+
+
+def _sample_text(trainer, args) -> int:
+    """Completions of a masked diffusion LM for ``--prompt`` (default: the task's first test prompts)."""
+    import torch
+
+    from .dllm.tasks import Example
+
+    fam = trainer.family
+    if args.prompt:
+        examples = [Example(prompt=p, answer="") for p in args.prompt]
+    else:
+        examples = fam.task.instances("test")[:8]
+    examples = [e for e in examples for _ in range(args.num)]
+    temperature = 0.0 if args.sde_type == "ode" else fam.d.temperature  # ode: deterministic (greedy) decoding
+    g = torch.Generator(device=trainer.device).manual_seed(args.seed)
+    with torch.no_grad():
+        smp = fam.generate(examples, temperature=temperature, generator=g)
+    lines = [f"{e.prompt}\t{fam.vocab.decode(c)}" for e, c in zip(examples, smp.completions)]
+    out = Path(args.out if not args.out.endswith(".png") else args.out[:-4] + ".txt")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    print(f"wrote {len(lines)} completions to {out}")
     return 0
 
 
@@ -179,12 +206,14 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--task", choices=["arithmetic", "sudoku", "countdown", "json_schema"],
                     help="pretrain the built-in masked diffusion LM on this task instead")
     sp.set_defaults(func=cmd_pretrain)
-    sp = sub.add_parser("sample", help="write a grid of samples from a run directory or weights file")
+    sp = sub.add_parser("sample", help="write samples (an image grid, or text completions for diffusion LMs) "
+                                       "from a run directory or weights file")
     sp.add_argument("--weights", help="run directory or weights.safetensors (default: the pretrained model)")
     sp.add_argument("--prompt", action="append", help="prompt (repeatable); default: digits 0-9")
     sp.add_argument("--seed", type=int, default=0)
     sp.add_argument("--num", type=int, default=8, help="samples per prompt")
-    sp.add_argument("--sde-type", default="ode", choices=["ode", "flow_sde", "dance_sde", "cps"])
+    sp.add_argument("--sde-type", default="ode", choices=["ode", "flow_sde", "dance_sde", "cps"],
+                    help="sampler; for diffusion LMs 'ode' means greedy decoding, anything else dllm.temperature")
     sp.add_argument("--out", default="samples.png")
     sp.add_argument("overrides", nargs="*")
     sp.set_defaults(func=cmd_sample)
