@@ -123,7 +123,7 @@ def main(argv=None) -> int:
     report = {"overrides": args.overrides, "batch": ro.batch_size, "num_steps": ro.num_steps,
               "sde_type": cfg.sampler.sde_type, "seconds": time.perf_counter() - t0,
               "results": {str(k): v for k, v in results.items()}}
-    lines = [f"# JAGG routing score vs per-window gradient error",
+    lines = ["# JAGG routing score vs per-window gradient error",
              "", f"{'Random-init' if args.random_init else 'Pretrained'} built-in model, one rollout of {ro.batch_size} trajectories, T = {ro.num_steps}, "
              f"{cfg.sampler.sde_type}, all trainable steps selected. Command: "
              f"`python benchmarks/jagg_routing.py --windows {args.windows} {'--random-init ' if args.random_init else ''}"

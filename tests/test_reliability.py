@@ -17,7 +17,6 @@ from diffgrpo.checkpoint import latest_complete, list_checkpoints, load_checkpoi
 from diffgrpo.cli import main
 from diffgrpo.rewards import REWARDS, RewardError
 from diffgrpo.trainer import TrainingError
-from tests.conftest import flat_grad
 
 TINY_CLI = ["model.image_size=8", "model.num_layers=1", "model.num_heads=2", "model.head_dim=8", "model.text_dim=16",
             "pretrain.steps=20", "pretrain.batch_size=16", "sampler.num_steps=4", "train.prompts_per_batch=2",

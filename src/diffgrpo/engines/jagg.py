@@ -311,7 +311,7 @@ class JaggEngine:
         retained rollout graphs)."""
         dev = rollout.xs.device
         # anchor rows: endpoints of every window; member rows: every step of every window
-        a_traj, a_step, a_win = [], [], []
+        a_traj, a_step = [], []
         m_traj, m_step, m_anchor, m_alpha, m_interior = [], [], [], [], []
         for w in wins:
             alpha = self.alpha_fn(rollout.sigmas[w.steps])  # (W,)

@@ -44,6 +44,18 @@ def recompute_pairs(ctx: EngineContext, rollout: Rollout, stats: EngineStats, ac
         acc.add(terms)
 
 
+def recompute_fallback(ctx: EngineContext, rollout: Rollout, name: str) -> EngineStats:
+    """Exact recompute of every selected pair, reported as engine ``name`` with ``fallback_recompute = 1``.
+
+    Used by the recompute-free engines once θ has moved away from the rollout's θ_old (inner epochs > 0)."""
+    acc = StatsAccumulator()
+    with engine_run(ctx, name) as stats:
+        recompute_pairs(ctx, rollout, stats, acc, rollout.selected)
+    stats.metrics.update(acc.metrics())
+    stats.metrics["fallback_recompute"] = 1.0
+    return stats
+
+
 class RecomputeEngine:
     name = "recompute"
 

@@ -25,7 +25,7 @@ import torch
 
 from ..types import EngineStats, Rollout
 from .base import EngineContext, StatsAccumulator, engine_run, step_loss, take_cond
-from .recompute import recompute_pairs
+from .recompute import recompute_fallback, recompute_pairs
 
 RETAIN_KEY = "retained_graphs"
 
@@ -159,11 +159,7 @@ class RetainEngine:
         if epoch > 0 or store is None or store.released:
             if store is not None:
                 store.release()
-            with engine_run(ctx, self.name) as stats:
-                recompute_pairs(ctx, rollout, stats, acc, rollout.selected)
-            stats.metrics.update(acc.metrics())
-            stats.metrics["fallback_recompute"] = 1.0
-            return stats
+            return recompute_fallback(ctx, rollout, self.name)
         mult = 2 if getattr(ctx.policy, "uses_cfg", False) else 1
         with engine_run(ctx, self.name) as stats:
             stats.retained_graphs = store.num_graphs

@@ -34,7 +34,7 @@ from ..samplers import flow_sde
 from ..types import EngineStats, Rollout
 from ._per_sample import PerSampleGrads, per_sample_grads_loop
 from .base import EngineContext, StatsAccumulator, engine_run, take_cond
-from .recompute import recompute_pairs
+from .recompute import recompute_fallback, recompute_pairs
 
 REWEIGHT_KEY = "reweight_buffers"
 
@@ -163,11 +163,7 @@ class ReweightEngine:
         if c is None:
             if buf is not None:
                 buf.release()
-            with engine_run(ctx, self.name) as stats:
-                recompute_pairs(ctx, rollout, stats, acc, rollout.selected)
-            stats.metrics.update(acc.metrics())
-            stats.metrics["fallback_recompute"] = 1.0
-            return stats
+            return recompute_fallback(ctx, rollout, self.name)
         params = list(ctx.policy.trainable_parameters())
         with engine_run(ctx, self.name) as stats:
             stats.grad_buffers = buf.count
