@@ -186,18 +186,26 @@ class JaggEngine:
 
     def windows(self, rollout: Rollout) -> list[Window]:
         """Every trajectory's selected steps split into windows, scored from the rollout velocities."""
-        out = []
         sel = rollout.selected.cpu()
+        by_steps: dict[tuple, list[int]] = {}  # trajectories sharing their selected steps are scored together
         for i in range(rollout.batch_size):
-            steps = sel[i].nonzero().flatten().tolist()
-            for ws in split_windows(steps, self.window):
-                w = Window(i, ws)
+            by_steps.setdefault(tuple(sel[i].nonzero().flatten().tolist()), []).append(i)
+        found: dict[int, list[Window]] = {}
+        for steps, trajs in by_steps.items():
+            per_traj = [found.setdefault(i, []) for i in trajs]
+            rows = torch.tensor(trajs, device=rollout.velocities.device)
+            for ws in split_windows(list(steps), self.window):
+                cos = res = None
                 if len(ws) > 2:
                     alpha = self.alpha_fn(rollout.sigmas[ws])
-                    cos, res = linearity_scores(rollout.velocities[i, ws].unsqueeze(1), alpha)
-                    w.score, w.residual = float(cos[0]), float(res[0])
-                out.append(w)
-        return out
+                    v = rollout.velocities[rows][:, ws].transpose(0, 1)  # (W, n, *S)
+                    cos, res = (t.tolist() for t in linearity_scores(v, alpha))
+                for j, (i, lst) in enumerate(zip(trajs, per_traj)):
+                    w = Window(i, ws)
+                    if cos is not None:
+                        w.score, w.residual = cos[j], res[j]
+                    lst.append(w)
+        return [w for i in sorted(found) for w in found[i]]  # trajectory order, windows in step order
 
     def route(self, windows: list[Window]) -> list[bool]:
         """True for windows that use JAGG.
