@@ -15,7 +15,7 @@ def test_defaults_and_overrides():
                                     "train.digits=[1, 7]", "log.progress=false"])
     assert cfg.seed == 3 and cfg.train.lr == 5e-5 and cfg.loss.beta == 0.01 and cfg.train.digits == [1, 7]
     assert cfg.log.progress is False
-    assert RunConfig().train.lr == 3e-4  # defaults untouched
+    assert RunConfig().train.lr == 1e-4  # defaults untouched
 
 
 def test_yaml_roundtrip_and_file_plus_overrides(tmp_path):
