@@ -1,3 +1,7 @@
+"""Probe a built-in dLLM base model pretrained for a given number of steps: held-out greedy accuracy, train-split
+greedy accuracy, T = 1 sample reward and the share of reward groups with variance (is there anything for GRPO
+to learn?). Usage: OMP_NUM_THREADS=1 python benchmarks/dllm_base_probe.py <task> <pretrain.steps>
+"""
 import sys, time, torch
 torch.set_num_threads(1)
 from diffgrpo import RunConfig, Trainer
