@@ -18,7 +18,7 @@ import torch
 
 from . import distributed
 from .advantages import group_advantages
-from .config import ConfigError, RunConfig
+from .config import ConfigError, RunConfig, validate
 from .data import digit_prompt, prompt_digit
 from .engines import build_engine, select_steps
 from .engines.base import EngineContext
@@ -46,6 +46,7 @@ class BatchPlan:
 class Trainer:
     def __init__(self, cfg: RunConfig | None = None, *, policy=None, log=print):
         self.cfg = cfg = cfg or RunConfig()
+        validate(cfg)  # also for configs built in Python rather than read by RunConfig.from_overrides
         self.log = log
         if cfg.model.cache_dir:
             os.environ["DIFFGRPO_CACHE"] = cfg.model.cache_dir
@@ -79,6 +80,7 @@ class Trainer:
         if self.dp_module is not None:  # gradient sync only on an engine's last backward
             self.ctx.no_sync = lambda: distributed.no_sync(self.dp_module)
         self.sigmas = flow_sde.sigma_grid(cfg.sampler.num_steps, cfg.sampler.shift, device=self.device)
+        self.ctx.sigmas = self.sigmas
         # one generator per stream so that e.g. changing the eval schedule never changes training samples.
         # Noise differs across ranks; prompts and steps too, except in the spread layout where every rank plans
         # the same whole batch and keeps its share of each group (rank 0 keeps the one-process seeds).

@@ -29,6 +29,7 @@ class EngineContext:
     beta: float = 0.0
     kl_flowgrpo_compat: bool = False
     micro_batch_size: int = 0  # 0: one chunk per step
+    sigmas: torch.Tensor | None = None  # (T+1,) the run's σ grid, for engines that work during the rollout
     no_sync: Any = field(default=contextlib.nullcontext)  # callable → context suppressing gradient all-reduce
 
 

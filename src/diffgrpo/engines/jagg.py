@@ -169,20 +169,16 @@ class JaggEngine:
         if self.evaluation not in ("recompute", "retain"):
             raise NotImplementedError(f"jagg: engine.evaluation={self.evaluation!r} is not available; "
                                       "use 'recompute' or 'retain'")
-        self._sigmas = None
 
     # -- planning ------------------------------------------------------------------------------------------
-
-    def plan(self, trainer, plan) -> None:
-        self._sigmas = trainer.sigmas
 
     def rollout_hooks(self, ctx: EngineContext, plan):
         """``evaluation=retain``: keep the rollout graphs of the window endpoints (from ``plan.selected``)."""
         if self.evaluation != "retain":
             return None, None
-        if self._sigmas is None:
-            raise RuntimeError("jagg: plan the batch with Trainer.plan_batch before the rollout")
-        return retain_hooks(ctx, plan, self._sigmas, anchor_mask(plan.selected, self.window))
+        if ctx.sigmas is None:
+            raise RuntimeError("jagg: EngineContext.sigmas is not set (the Trainer sets it)")
+        return retain_hooks(ctx, plan, ctx.sigmas, anchor_mask(plan.selected, self.window))
 
     def windows(self, rollout: Rollout) -> list[Window]:
         """Every trajectory's selected steps split into windows, scored from the rollout velocities."""

@@ -140,18 +140,11 @@ class RetainEngine:
     def __init__(self, cfg=None):
         self.cfg = cfg
         self.wave_size = int(getattr(cfg, "wave_size", 0) or 0) if cfg is not None else 0
-        self._sigmas = None
-
-    def plan(self, trainer, plan) -> None:
-        self._sigmas = trainer.sigmas
-        if self.wave_size and trainer.cfg.advantage.std_mode == "global":
-            raise ValueError("engine.wave_size > 0 with advantage.std_mode=global: global-std advantages couple "
-                             "every group, so retain must hold the whole batch; set engine.wave_size=0")
 
     def rollout_hooks(self, ctx: EngineContext, plan):
-        if self._sigmas is None:
-            raise RuntimeError("retain: plan the batch with Trainer.plan_batch before the rollout")
-        return retain_hooks(ctx, plan, self._sigmas, plan.selected)
+        if ctx.sigmas is None:
+            raise RuntimeError("retain: EngineContext.sigmas is not set (the Trainer sets it)")
+        return retain_hooks(ctx, plan, ctx.sigmas, plan.selected)
 
     def backward(self, ctx: EngineContext, rollout: Rollout, epoch: int = 0) -> EngineStats:
         acc = StatsAccumulator()

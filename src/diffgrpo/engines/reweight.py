@@ -93,15 +93,11 @@ class ReweightEngine:
 
     def __init__(self, cfg=None):
         self.cfg = cfg
-        self._sigmas = None
-
-    def plan(self, trainer, plan) -> None:
-        self._sigmas = trainer.sigmas
 
     def rollout_hooks(self, ctx: EngineContext, plan):
-        if self._sigmas is None:
-            raise RuntimeError("reweight: plan the batch with Trainer.plan_batch before the rollout")
-        sigmas = self._sigmas
+        if ctx.sigmas is None:
+            raise RuntimeError("reweight: EngineContext.sigmas is not set (the Trainer sets it)")
+        sigmas = ctx.sigmas
         params = list(ctx.policy.trainable_parameters())
         psg = PerSampleGrads(ctx.policy, params)
         planned = plan.selected

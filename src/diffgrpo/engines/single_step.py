@@ -163,7 +163,6 @@ class SingleStepEngine:
         if self.evaluation not in ("recompute", "retain"):
             raise NotImplementedError(f"single_step: engine.evaluation={self.evaluation!r} is not available; "
                                       "use 'recompute' or 'retain'")
-        self._sigmas = None
         check_candidate_spec(self.candidate_spec)
 
     # -------------------------------------------------------------- planning (before sampling)
@@ -179,15 +178,14 @@ class SingleStepEngine:
         plan.selected = sel
         plan.sde_mask = sel.clone()  # SDE kernel at k_i only, ODE elsewhere
         plan.extras[STEP_KEY] = k
-        self._sigmas = trainer.sigmas
 
     def rollout_hooks(self, ctx: EngineContext, plan):
         """``evaluation=retain``: keep the rollout graph of each sample's trained step (from the plan)."""
         if self.evaluation != "retain":
             return None, None
-        if self._sigmas is None:
-            raise RuntimeError("single_step: plan the batch with Trainer.plan_batch before the rollout")
-        return retain_hooks(ctx, plan, self._sigmas, plan.selected)
+        if ctx.sigmas is None:
+            raise RuntimeError("single_step: EngineContext.sigmas is not set (the Trainer sets it)")
+        return retain_hooks(ctx, plan, ctx.sigmas, plan.selected)
 
     # -------------------------------------------------------------- rectification (after rewards)
     @staticmethod
