@@ -83,12 +83,17 @@ class CharVocab:
 
     def encode_completions(self, completions: list[str], length: int) -> torch.Tensor:
         """Completion ids (B, length) long, <eos>-padded (truncated if longer)."""
-        out = torch.full((len(completions), length), self.eos_id, dtype=torch.long)
-        for b, c in enumerate(completions):
-            ids = self.encode(c)[:length]
-            if ids:
-                out[b, : len(ids)] = torch.tensor(ids)
-        return out
+        return pad_right([self.encode(c) for c in completions], length, self.eos_id)
+
+
+def pad_right(seqs: list[list[int]], length: int, fill: int) -> torch.Tensor:
+    """Token lists → (B, length) long, each truncated to ``length`` and padded with ``fill`` on the right."""
+    out = torch.full((len(seqs), length), fill, dtype=torch.long)
+    for b, ids in enumerate(seqs):
+        ids = ids[:length]
+        if ids:
+            out[b, : len(ids)] = torch.tensor(ids)
+    return out
 
 
 VOCAB = CharVocab()

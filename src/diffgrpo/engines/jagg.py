@@ -395,9 +395,7 @@ class JaggEngine:
             for j, part in enumerate(parts):
                 self._jagg_chunk(ctx, rollout, part, epoch, stats, acc, final=j == len(parts) - 1, store=store)
             if store is not None:
-                stats.retained_graphs = int(store.mask.sum())
-                stats.seconds["rollout_extra"] = store.seconds
-                store.release()
+                store.settle(stats)
         stats.metrics.update(acc.metrics())
         if self.evaluation == "retain":
             stats.metrics["fallback_recompute"] = float(store is None)

@@ -80,6 +80,12 @@ class RetainedSteps:
         """v (len(idx), *S) with graph for trajectories ``idx`` at step k; KeyError if any is not retained."""
         return self.gather(idx, torch.full_like(idx, k))
 
+    def settle(self, stats: EngineStats) -> None:
+        """Report the retained per-sample graphs and the rollout-time training seconds, then release them."""
+        stats.retained_graphs = int(self.mask.sum())
+        stats.seconds["rollout_extra"] = self.seconds
+        self.release()
+
     def release(self) -> None:
         self.items = []
         self._where = {}

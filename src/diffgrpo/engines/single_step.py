@@ -256,9 +256,7 @@ class SingleStepEngine:
                 stats.backward_calls += 1
                 stats.sample_backwards += len(idx) * mult
             if store is not None:
-                stats.retained_graphs = int(store.mask.sum())
-                stats.seconds["rollout_extra"] = store.seconds
-                store.release()
+                store.settle(stats)
         stats.metrics.update(acc.metrics())
         if self.evaluation == "retain":
             stats.metrics["fallback_recompute"] = float(store is None)

@@ -211,12 +211,9 @@ class HFTokenizerVocab:
         return out
 
     def encode_completions(self, completions, length):
-        out = torch.full((len(completions), length), self.eos_id, dtype=torch.long)
-        for b, c in enumerate(completions):
-            ids = self.encode(c)[:length]
-            if ids:
-                out[b, : len(ids)] = torch.tensor(ids)
-        return out
+        from ..dllm.tasks import pad_right
+
+        return pad_right([self.encode(c) for c in completions], length, self.eos_id)
 
 
 def load_hf_masked_lm(path: str, *, trust_remote_code: bool = False, logits_shift: bool | None = None,
