@@ -1,11 +1,14 @@
 """The Trainer under data parallelism (two gloo processes on CPU): one DDP or FSDP2 update on 2 ranks equals
-one update on 1 rank on the union of the same samples, for both group layouts; ranks draw different noise."""
+one update on 1 rank on the union of the same samples, for the recompute engine and LeanGRPO's recompute-free
+retain / reweight, in both group layouts; gradient collectives per optimizer step are counted; ranks draw
+different noise."""
 import os
 import socket
 import tempfile
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from diffgrpo import RunConfig, distributed
 from diffgrpo.config import ConfigError
@@ -14,11 +17,20 @@ from diffgrpo.types import Rollout
 from tests.conftest import TINY, rel_err
 
 LR = 1e-2
-CASES = [(mode, layout) for mode in ("ddp", "fsdp2") for layout in ("local", "spread")]
-COMMON = ["engine.name=recompute", "train.group_size=4", "train.prompts_per_batch=2", "loss.beta=0.1",
-          "train.max_grad_norm=0", f"train.lr={LR}", "steps.mode=random", "steps.fraction=0.5"]
+ENGINES = ("recompute", "retain", "reweight")
+CASES = [(engine, mode, layout) for engine in ENGINES for mode in ("ddp", "fsdp2") for layout in ("local", "spread")]
+IDS = ["-".join(case) for case in CASES]
+COMMON = ["train.group_size=4", "train.prompts_per_batch=2", "loss.beta=0.1", "train.max_grad_norm=0", f"train.lr={LR}",
+          "eval.seeds_per_prompt=1"]
+# DDP: per-trajectory random steps (rows of one step split into a grad and a no-grad forward). FSDP2 all-gathers on
+# every network call, so it needs the same steps on every trajectory (Trainer._check_world refuses random ones).
+STEPS = {"ddp": ["steps.mode=random", "steps.fraction=0.5"],
+         "fsdp2": ["steps.mode=first_fraction", "steps.fraction=0.5"]}
 KEEP = ("group_ids", "xs", "velocities", "log_probs", "noise", "selected", "rewards", "advantages", "loss_weights",
         "sigmas")
+# the entry points gradient syncs go through: the library's own (all_reduce, reduce_scatter_tensor) and FSDP2's
+# post-backward reduce-scatter (reduce_scatter_single in torch 2.13, reduce_scatter_tensor in earlier ones)
+COLLECTIVES = ("all_reduce", "reduce_scatter_tensor", "reduce_scatter_single")
 
 
 def _free_port() -> int:
@@ -31,6 +43,18 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return distributed.to_full(t).detach().clone()
 
 
+def _count_collectives(counts: dict) -> None:
+    """Count every call of the COLLECTIVES in this process (``counts[name] += 1``); DDP's own bucket all-reduces
+    run in C++ and are counted by a comm hook instead (``counts["ddp_bucket"]``)."""
+    for name in COLLECTIVES:
+        orig = getattr(dist, name, None)
+        if orig is not None:
+            def counted(*a, _orig=orig, _name=name, **kw):
+                counts[_name] += 1
+                return _orig(*a, **kw)
+            setattr(dist, name, counted)
+
+
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     from diffgrpo import Trainer
     from diffgrpo.models.tiny import build_tiny_policy
@@ -38,20 +62,46 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
-    for mode, layout in CASES:  # one process group, one fresh trainer per case
-        cfg = RunConfig.from_overrides([*TINY, "seed=0", *COMMON, f"dist.mode={mode}", f"dist.group_layout={layout}",
-                                        "dist.backend=gloo"])
+    counts = dict.fromkeys((*COLLECTIVES, "ddp_bucket"), 0)
+    bucket_all_reduce = dist.all_reduce  # DDP's hook below: not counted as an explicit all-reduce
+    _count_collectives(counts)
+
+    def ddp_bucket_hook(state, bucket):  # DDP's default: average the bucket over ranks
+        counts["ddp_bucket"] += 1
+        fut = bucket_all_reduce(bucket.buffer().div_(world), async_op=True).get_future()
+        return fut.then(lambda f: f.value()[0])
+
+    for engine, mode, layout in CASES:  # one process group, one fresh trainer per case
+        cfg = RunConfig.from_overrides([*TINY, "seed=0", f"engine.name={engine}", *COMMON, *STEPS[mode],
+                                        f"dist.mode={mode}", f"dist.group_layout={layout}", "dist.backend=gloo"])
         torch.manual_seed(0)
         policy = build_tiny_policy(cfg, progress=False, log=lambda *a: None, pretrained=False)
         tr = Trainer(cfg, policy=policy, log=lambda *a: None)
         assert tr.world == (rank, world, rank)
-        ro = tr.rollout()
-        stats, info = tr.update(ro)  # backward (no_sync on all but the last) + one AdamW step
+        if mode == "ddp":
+            tr.dp_module.register_comm_hook(None, ddp_bucket_hook)
+        else:  # as Trainer.train does: its no-grad forwards leave FSDP2's root unsharded (its parameters swapped)
+            tr.evaluate()
+        counts.update(dict.fromkeys(counts, 0))
+        ro = tr.rollout()  # retain keeps graphs, reweight back-propagates here (gradient sync off)
+        in_rollout = dict(counts)
+        counts.update(dict.fromkeys(counts, 0))
+        stats, info = tr.update(ro)  # the engine's backward (gradient sync once) + one AdamW step
         torch.save({"grads": [_full(p.grad) for p in tr.params], "params": [_full(p) for p in tr.params],
                     "grad_norm": info["grad_norm"], "backward_calls": stats.backward_calls, "prompts": ro.prompts,
-                    "cond": ro.cond, "batch_rewards": ro.extras["batch_rewards"],
+                    "cond": ro.cond, "batch_rewards": ro.extras["batch_rewards"], "comm_rollout": in_rollout,
+                    "comm_update": dict(counts), "allreduce_calls": stats.allreduce_calls,
+                    "fsdp_units": len(distributed.transformer_blocks(tr.dp_module)) + 1,  # blocks + root
                     **{k: getattr(ro, k) for k in KEEP}},
-                   os.path.join(out_dir, f"{mode}-{layout}-rank{rank}.pt"))
+                   os.path.join(out_dir, f"{engine}-{mode}-{layout}-rank{rank}.pt"))
+    refused = []  # FSDP2 with per-trajectory random steps is refused before any collective could mismatch
+    for steps in (["steps.mode=random"], ["steps.mode=window", "steps.window_start=-1"]):
+        try:
+            Trainer(RunConfig.from_overrides([*TINY, *COMMON, *steps, "dist.mode=fsdp2"]), policy=policy)
+            refused.append("")
+        except ConfigError as e:
+            refused.append(str(e))
+    torch.save(refused, os.path.join(out_dir, f"refused-rank{rank}.pt"))
     torch.distributed.destroy_process_group()
 
 
@@ -61,15 +111,18 @@ def two_rank_results():
 
     with tempfile.TemporaryDirectory() as d:
         mp.spawn(_worker, args=(2, _free_port(), d), nprocs=2, join=True)
-        yield {case: [torch.load(os.path.join(d, f"{case[0]}-{case[1]}-rank{r}.pt"), weights_only=False)
-                      for r in range(2)] for case in CASES}
+        load = lambda name: torch.load(os.path.join(d, name), weights_only=False)  # noqa: E731
+        out = {case: [load(f"{'-'.join(case)}-rank{r}.pt") for r in range(2)] for case in CASES}
+        out["refused"] = [load(f"refused-rank{r}.pt") for r in range(2)]
+        yield out
 
 
-@pytest.mark.parametrize("mode,layout", CASES)
-def test_two_ranks_equal_one_rank(two_rank_results, make_trainer, mode, layout):
+@pytest.mark.parametrize("engine,mode,layout", CASES, ids=IDS)
+def test_two_ranks_equal_one_rank(two_rank_results, make_trainer, engine, mode, layout):
     """Same samples, one update: every rank ends with the same gradient and weights, equal to the one-process
-    update on the union of the ranks' samples (advantages and the loss normaliser computed over the union)."""
-    parts = two_rank_results[(mode, layout)]
+    recompute update (the exact gradient) on the union of the ranks' samples (advantages and the loss normaliser
+    computed over the union)."""
+    parts = two_rank_results[(engine, mode, layout)]
     B = len(parts[0]["prompts"])
     assert B == 4  # 2 prompts × 4 samples over 2 ranks
     for a, b in zip(parts[0]["params"], parts[1]["params"]):
@@ -79,7 +132,7 @@ def test_two_ranks_equal_one_rank(two_rank_results, make_trainer, mode, layout):
     gids = torch.cat([p["group_ids"] + (0 if layout == "spread" else r * B) for r, p in enumerate(parts)])
     assert gids.unique().numel() == 2
     torch.testing.assert_close(parts[0]["batch_rewards"], cat("rewards"))
-    tr = make_trainer(*COMMON)
+    tr = make_trainer("engine.name=recompute", *COMMON)
     ro = Rollout(prompts=parts[0]["prompts"] + parts[1]["prompts"], group_ids=gids,
                  cond={k: torch.cat([p["cond"][k] for p in parts]) for k in parts[0]["cond"]},
                  sigmas=parts[0]["sigmas"], xs=cat("xs"), velocities=cat("velocities"), log_probs=cat("log_probs"),
@@ -93,19 +146,67 @@ def test_two_ranks_equal_one_rank(two_rank_results, make_trainer, mode, layout):
     for p in parts:
         assert rel_err(torch.cat([g.flatten() for g in p["grads"]]), g1) < 1e-5
         assert abs(p["grad_norm"] - info["grad_norm"]) < 1e-5 * info["grad_norm"]
-        for a, b in zip(p["params"], tr.params):
-            # AdamW's first step is lr·g/(|g|+eps): where |g| ~ eps, float rounding of g moves θ by a fraction of
-            # lr, so weights are compared to 1e-3 of a step (the gradient itself is compared to 1e-5 above)
-            torch.testing.assert_close(a, b.detach(), rtol=0, atol=1e-3 * LR)
+    # The weights: AdamW's first step lr·g/(|g|+eps) is ill-conditioned where |g| ~ eps (a float rounding of g,
+    # well within the 1e-5 above, moves θ by up to a sizeable fraction of lr; recompute-free engines round
+    # differently), so they are compared with the one-process AdamW step taken on the ranks' gradient, which the
+    # lines above tie to the exact one-process gradient.
+    ref = make_trainer("engine.name=recompute", *COMMON)
+    for q, g in zip(ref.params, parts[0]["grads"]):
+        q.grad = g.clone()
+    ref.optimizer.step()
+    for a, b in zip(parts[0]["params"], ref.params):
+        torch.testing.assert_close(a, b.detach(), rtol=0, atol=1e-6)
     moved = sum(float((a - b.detach()).abs().max()) for a, b in zip(parts[0]["params"], make_trainer().params))
     assert moved > 1e-3  # the optimizer step did change the weights
+
+
+def _expected_collectives(engine: str, mode: str, units: int) -> dict:
+    """Gradient collectives of one optimizer step on one rank. DDP: one bucket all-reduce for the one synced
+    backward (the tiny transformer's gradient fits DDP's first, 1 MiB, bucket); FSDP2: one reduce-scatter per
+    fully_shard unit. reweight forms its gradient outside autograd, so neither wrapper sees it: the library
+    syncs it itself with ONE all-reduce (DDP) or ONE reduce-scatter of every unit's rows at once (FSDP2)."""
+    exp = dict.fromkeys(("ddp_bucket", "all_reduce", "reduce_scatter"), 0)
+    if engine == "reweight":
+        exp["all_reduce" if mode == "ddp" else "reduce_scatter"] = 1
+    elif mode == "ddp":
+        exp["ddp_bucket"] = 1
+    else:
+        exp["reduce_scatter"] = units
+    return exp
+
+
+@pytest.mark.parametrize("engine,mode,layout", CASES, ids=IDS)
+def test_gradient_sync_once_per_step(two_rank_results, engine, mode, layout):
+    """No gradient collective during the rollout (retain keeps graphs, reweight back-propagates under no_sync),
+    then exactly one sync per optimizer step: recompute's several backwards sync only on the last one, retain's
+    one backward through the kept graphs syncs once, reweight's buffers are synced by one library collective."""
+    for p in two_rank_results[(engine, mode, layout)]:
+        assert sum(p["comm_rollout"].values()) == 0, p["comm_rollout"]
+        c = p["comm_update"]
+        got = {"ddp_bucket": c["ddp_bucket"], "all_reduce": c["all_reduce"],
+               "reduce_scatter": c["reduce_scatter_tensor"] + c["reduce_scatter_single"]}
+        assert p["fsdp_units"] == 2 or mode == "ddp"  # one transformer block + the root
+        assert got == _expected_collectives(engine, mode, p["fsdp_units"])
+        if engine == "reweight":
+            assert p["allreduce_calls"] == 1  # EngineStats counts the library's one collective
+        elif engine == "recompute":
+            assert p["backward_calls"] >= 3  # syncing every backward would multiply the counts above
+        else:
+            assert p["backward_calls"] == 1
+
+
+def test_fsdp2_refuses_per_trajectory_random_steps(two_rank_results):
+    """FSDP2 collectives need the same network calls on every rank; random steps per trajectory differ."""
+    for random_steps, random_window in two_rank_results["refused"]:
+        assert "dist.mode=fsdp2" in random_steps and "steps.mode=random" in random_steps
+        assert "steps.mode=window with window_start=-1" in random_window
 
 
 @pytest.mark.parametrize("layout", ["local", "spread"])
 def test_ranks_draw_different_noise(two_rank_results, layout):
     """Spread: both ranks hold the same prompts (a share of every group) but different initial and SDE noise.
     Local: each rank samples its own groups, again with its own noise stream."""
-    p0, p1 = two_rank_results[("ddp", layout)]
+    p0, p1 = two_rank_results[("recompute", "ddp", layout)]
     if layout == "spread":
         assert p0["prompts"] == p1["prompts"]
         assert torch.equal(p0["group_ids"], p1["group_ids"])

@@ -6,10 +6,14 @@ RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT) :func:`init_from_env` creates the
   info()                  → WorldInfo(rank, world_size, local_rank)
   all_gather(t)           → (world·n, …) concatenation of every rank's (n, …) tensor (same n on every rank)
   all_reduce_mean_(t)     in-place mean over ranks; every call is counted in ``COUNTERS["allreduce"]``
+  add_mean_grad_(ps, g)   .grad += rank-mean of a flat gradient made outside autograd: ONE all-reduce (DDP) or
+                          ONE reduce-scatter into the FSDP2 shards (counted in ``COUNTERS["reduce_scatter"]``)
+  sharded(params)         whether the parameters are FSDP2 shards (DTensors)
   no_sync(module)         context suppressing DDP's gradient all-reduce (nullcontext without DDP)
   wrap_ddp(module)        DistributedDataParallel at world size > 1, the module itself otherwise
   wrap_fsdp2(module)      FSDP2: ``fully_shard`` on every transformer block, then on the root (in place)
   wrap(module, mode)      "ddp" / "fsdp2" / "none" → the module that forwards must go through
+  reshard(module)         FSDP2: register the sharded parameters again (the root keeps unsharded ones after forward)
   all_reduce_sum(t)       sum over ranks (not counted: statistics, not gradients)
   all_gather_object(o)    list of every rank's picklable object
   to_full(obj)            DTensor leaves (FSDP2 shards) of a nested state dict → full tensors (collective)
@@ -27,7 +31,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-COUNTERS = {"allreduce": 0}  # gradient all-reduces issued through this module (per process)
+COUNTERS = {"allreduce": 0, "reduce_scatter": 0}  # gradient collectives issued through this module (per process)
 
 
 class WorldInfo(NamedTuple):
@@ -77,6 +81,62 @@ def all_reduce_mean_(t: torch.Tensor) -> torch.Tensor:
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
     t.div_(dist.get_world_size())
     return t
+
+
+def sharded(params: list[torch.Tensor]) -> bool:
+    """Whether ``params`` are FSDP2 shards (DTensors over several ranks)."""
+    if not params or not is_initialized() or dist.get_world_size() == 1:
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(params[0], DTensor)
+
+
+def add_mean_grad_(params: list[torch.Tensor], flat: torch.Tensor) -> None:
+    """``p.grad += `` the rank-mean of ``flat`` (P,), this rank's gradient of ``params`` flattened in order.
+
+    For gradients formed outside autograd (``reweight`` combines per-trajectory buffers), which DDP's bucket
+    hooks and FSDP2's post-backward reduce-scatters never see, so the sync is done here with ONE collective:
+    an all-reduce for plain (replicated) parameters, or, for FSDP2's sharded DTensor parameters, one
+    reduce-scatter that leaves each rank only the rows it owns. Existing ``.grad`` must already be synced.
+    At world size 1 it only adds ``flat``."""
+    if sharded(params):
+        parts = _reduce_scatter_mean(params, flat)
+    else:
+        all_reduce_mean_(flat)
+        parts = [g.view_as(p).clone() for p, g in zip(params, flat.split([p.numel() for p in params]))]
+    for p, g in zip(params, parts):
+        p.grad = g if p.grad is None else p.grad + g
+
+
+def _reduce_scatter_mean(params: list[torch.Tensor], flat: torch.Tensor) -> list[torch.Tensor]:
+    """FSDP2 layout (``Shard(0)``, split like ``torch.chunk``: rank r owns rows r·c … r·c+c−1, c = ⌈d₀/W⌉, the
+    last ranks possibly fewer or none). Every parameter's gradient is padded to W·c rows so that rank r's rows
+    of all parameters form the r-th of W equal segments; one reduce-scatter then hands each rank its segment.
+    → this rank's averaged shard of each parameter's gradient, as a DTensor like the parameter."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    W = dist.get_world_size()
+    segments, rows = [], []
+    for p, g in zip(params, flat.split([p.numel() for p in params])):
+        if tuple(p.placements) != (Shard(0),):
+            raise ValueError(f"expected FSDP2's Shard(0) parameters, got {p.placements}")
+        c = -(-p.shape[0] // W)
+        padded = g.new_zeros(W * c, *p.shape[1:])
+        padded[:p.shape[0]] = g.view(p.shape)
+        segments.append(padded.view(W, -1))  # row r: rank r's rows of this parameter (zero padded)
+        rows.append(c)
+    send = torch.cat(segments, dim=1).flatten()  # (W·S,) rank-major
+    mine = send.new_empty(send.numel() // W)
+    COUNTERS["reduce_scatter"] += 1
+    dist.reduce_scatter_tensor(mine, send, op=dist.ReduceOp.SUM)
+    mine.div_(W)
+    out = []
+    for p, seg, c in zip(params, mine.split([s.shape[1] for s in segments]), rows):
+        local = seg.view(c, *p.shape[1:])[:p.to_local().shape[0]]  # drop this rank's padding rows
+        out.append(DTensor.from_local(local.contiguous(), p.device_mesh, p.placements, run_check=False,
+                                      shape=p.shape, stride=p.stride()))
+    return out
 
 
 def no_sync(module) -> contextlib.AbstractContextManager:
@@ -156,6 +216,13 @@ def wrap_fsdp2(module: torch.nn.Module, **kw) -> torch.nn.Module:
     return module
 
 
+def reshard(module) -> None:
+    """Register FSDP2's sharded parameters on ``module`` again (freeing unsharded copies; no communication).
+    No-op for anything that is not an FSDP2 module (DDP, None)."""
+    if hasattr(module, "reshard") and hasattr(module, "set_requires_gradient_sync"):
+        module.reshard()
+
+
 def wrap(module: torch.nn.Module, mode: str) -> torch.nn.Module:
     """The module forwards must go through for ``mode`` in {"none", "ddp", "fsdp2"}."""
     if mode == "ddp":
@@ -181,5 +248,5 @@ def to_full(obj):
 
 
 __all__ = ["COUNTERS", "WorldInfo", "info", "init_from_env", "all_gather", "all_gather_object", "all_reduce_mean_",
-           "all_reduce_sum", "no_sync", "wrap", "wrap_ddp", "wrap_fsdp2", "transformer_blocks", "to_full",
-           "seed_for", "is_initialized"]
+           "add_mean_grad_", "all_reduce_sum", "no_sync", "reshard", "sharded", "wrap", "wrap_ddp", "wrap_fsdp2",
+           "transformer_blocks", "to_full", "seed_for", "is_initialized"]

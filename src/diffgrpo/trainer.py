@@ -76,7 +76,7 @@ class Trainer:
                            reduce=cfg.sampler.logprob_reduce, cps_flowgrpo_compat=cfg.sampler.cps_flowgrpo_compat)
         self.ctx = EngineContext(policy=self.policy, kernel=self.kernel, clip_range=cfg.loss.clip_range,
                                  beta=cfg.loss.beta, kl_flowgrpo_compat=cfg.loss.kl_flowgrpo_compat,
-                                 micro_batch_size=cfg.engine.micro_batch_size)
+                                 micro_batch_size=cfg.engine.micro_batch_size, params=self.params)
         if self.dp_module is not None:  # gradient sync only on an engine's last backward
             self.ctx.no_sync = lambda: distributed.no_sync(self.dp_module)
         self.sigmas = flow_sde.sigma_grid(cfg.sampler.num_steps, cfg.sampler.shift, device=self.device)
@@ -117,6 +117,15 @@ class Trainer:
         if not self._spread and t.prompts_per_batch % W:
             raise ConfigError(f"dist.group_layout=local: train.prompts_per_batch={t.prompts_per_batch} must be a "
                               f"multiple of the world size {W}")
+        s = self.cfg.steps
+        if self.cfg.dist.mode == "fsdp2" and (s.mode == "random" or (s.mode == "window" and s.window_start < 0)):
+            # FSDP2 all-gathers weights in every forward and backward, so every rank must run the same sequence of
+            # network calls. That sequence follows each rank's selected steps (a step's rows split into a grad and
+            # a no-grad forward, a backward per step with selected rows); steps drawn per trajectory differ across
+            # ranks, and the mismatched collectives crash or hang.
+            raise ConfigError(f"dist.mode=fsdp2 needs the same trained steps on every trajectory; steps.mode="
+                              f"{s.mode}{' with window_start=-1' if s.mode == 'window' else ''} draws them per "
+                              "trajectory (use all, first_fraction or window with window_start >= 0, or dist.mode=ddp)")
 
     # ------------------------------------------------------------------ rollout phase
     def sample_prompts(self) -> tuple[list[str], torch.Tensor]:
@@ -180,6 +189,9 @@ class Trainer:
         t0 = time.perf_counter()
         grad_mask, hook = (None, None)
         if hasattr(self.engine, "rollout_hooks"):
+            # FSDP2 leaves the root's parameters unsharded from a forward (e.g. evaluation) until the next backward;
+            # hooks map the modules' registered parameters to the optimizer's (sharded) ones, so reshard first
+            distributed.reshard(self.dp_module)
             grad_mask, hook = self.engine.rollout_hooks(self.ctx, plan)
         cond = self.policy.encode(prompts)
         traj = sample_trajectories(self.policy, cond, plan.x0, self.sigmas, kernel=self.kernel,

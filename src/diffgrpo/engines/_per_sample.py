@@ -40,6 +40,10 @@ class PerSampleGrads:
             off += p.numel()
         self.numel = off
         self.owners: list[nn.Module] = []
+        # owner → (offset, size) of its weight and bias, fixed here: under FSDP2 a module's registered parameters
+        # are swapped for unsharded copies during (and, for the root, after) its forward, so they are never
+        # looked up again by identity
+        self.slots: dict[nn.Module, tuple] = {}
         covered = set()
         for root in _root_modules(policy):
             for m in root.modules():
@@ -50,6 +54,7 @@ class PerSampleGrads:
                                                   and not isinstance(m.padding, str) and m.padding_mode == "zeros")
                 if ok:
                     self.owners.append(m)
+                    self.slots[m] = tuple(self.offsets.get(id(getattr(m, n))) for n in ("weight", "bias"))
                     covered.update(id(p) for p in own)
         self._supported = covered == set(self.offsets)
         self._records: list[tuple[nn.Module, torch.Tensor, torch.Tensor]] = []
@@ -104,15 +109,16 @@ class PerSampleGrads:
             if N % n:
                 raise RuntimeError(f"network batch {N} is not a multiple of the sample batch {n}")
             gw, gb = _layer_grads(mod, a, d)  # (N, *W.shape), (N, O) or None
-            self._add(flat, rows, mod.weight, gw, n)
-            if gb is not None and mod.bias is not None:
-                self._add(flat, rows, mod.bias, gb, n)
+            w_slot, b_slot = self.slots[mod]
+            self._add(flat, rows, w_slot, gw, n)
+            if gb is not None:
+                self._add(flat, rows, b_slot, gb, n)
         return flat
 
-    def _add(self, flat, rows, p, g, n):
-        if id(p) not in self.offsets:
+    def _add(self, flat, rows, slot, g, n):
+        if slot is None:  # a frozen weight or bias
             return
-        off, size = self.offsets[id(p)]
+        off, size = slot
         g = g.reshape(-1, n, size).sum(0).to(flat.dtype)  # rows j and j + n·m belong to sample j
         if rows is None:
             flat[:, off:off + size] += g

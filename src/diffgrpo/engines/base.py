@@ -31,6 +31,15 @@ class EngineContext:
     micro_batch_size: int = 0  # 0: one chunk per step
     sigmas: torch.Tensor | None = None  # (T+1,) the run's σ grid, for engines that work during the rollout
     no_sync: Any = field(default=contextlib.nullcontext)  # callable → context suppressing gradient all-reduce
+    # the trainable parameters as the optimizer holds them (None: the policy's). Under FSDP2 these are the sharded
+    # DTensors, while a module holds unsharded copies from its forward until the next backward (the root one even
+    # across iterations), so engines must not re-read them from the modules.
+    params: list | None = None
+
+
+def trainable_params(ctx: EngineContext) -> list[torch.Tensor]:
+    """The parameters whose ``.grad`` an engine fills (see ``EngineContext.params``)."""
+    return list(ctx.params) if ctx.params is not None else list(ctx.policy.trainable_parameters())
 
 
 class Engine(Protocol):

@@ -19,7 +19,8 @@ Cost per selected step: 0 extra forwards + 1 backward (≈ 2F; +1 backward with 
 Memory: one graph in flight at a time (like recompute) plus B·P floats of buffers (2·B·P with β > 0; tiny
 with LoRA); reported as metric ``grad_buffer_bytes``.
 Gradient sync is deferred: the rollout-time forwards/backwards run under ``ctx.no_sync()`` and never touch
-``.grad``; the final gradient is averaged over ranks with exactly ONE all-reduce per optimizer step.
+``.grad``; the final gradient is averaged over ranks with exactly ONE collective per optimizer step (an
+all-reduce under DDP, a reduce-scatter into the shards under FSDP2; see ``distributed.add_mean_grad_``).
 Source: LeanGRPO (recompute-free GRPO schedules), "Reweight".
 """
 from __future__ import annotations
@@ -33,7 +34,7 @@ from .. import distributed
 from ..samplers import flow_sde
 from ..types import EngineStats, Rollout
 from ._per_sample import PerSampleGrads, per_sample_grads_loop
-from .base import EngineContext, StatsAccumulator, engine_run, take_cond
+from .base import EngineContext, StatsAccumulator, engine_run, take_cond, trainable_params
 from .recompute import recompute_fallback, recompute_pairs
 
 REWEIGHT_KEY = "reweight_buffers"
@@ -98,8 +99,13 @@ class ReweightEngine:
         if ctx.sigmas is None:
             raise RuntimeError("reweight: EngineContext.sigmas is not set (the Trainer sets it)")
         sigmas = ctx.sigmas
-        params = list(ctx.policy.trainable_parameters())
+        params = trainable_params(ctx)
         psg = PerSampleGrads(ctx.policy, params)
+        if not psg.supported() and distributed.sharded(params):
+            # the fallback differentiates w.r.t. the parameters, but FSDP2's graph holds unsharded copies of them:
+            # autograd would return no gradient at all, silently
+            raise RuntimeError("reweight under dist.mode=fsdp2 needs per-sample gradients of every trainable layer "
+                               "(nn.Linear / nn.Conv2d); use dist.mode=ddp or another engine")
         planned = plan.selected
         buf = GradBuffers(planned.shape[0], psg.numel, ctx.beta > 0, planned)
         plan.extras[REWEIGHT_KEY] = buf
@@ -160,25 +166,21 @@ class ReweightEngine:
             if buf is not None:
                 buf.release()
             return recompute_fallback(ctx, rollout, self.name)
-        params = list(ctx.policy.trainable_parameters())
+        params = trainable_params(ctx)
         with engine_run(ctx, self.name) as stats:
             stats.grad_buffers = buf.count
             stats.backward_calls += buf.backward_calls
             stats.sample_backwards += buf.sample_backwards
             missing = rollout.selected & ~buf.planned  # pairs not back-propagated during the rollout
-            if bool(missing.any()):
-                recompute_pairs(ctx, rollout, stats, acc, missing, last_backward=False)
+            if bool(missing.any()):  # (not through the Trainer, which plans every trained pair)
+                # synced: under FSDP2 a no_sync gradient stays in FSDP's own buffers, out of add_mean_grad_'s reach
+                recompute_pairs(ctx, rollout, stats, acc, missing, last_backward=True)
             flat = combine(buf.pg, buf.kl, rollout.advantages.float(), c.float(), ctx.beta)  # (P,)
-            n_ar = distributed.COUNTERS["allreduce"]
-            # .grad may already hold a part of this step's gradient (missing pairs, earlier waves): keep it
-            flat = flat + torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten()
-                                     for p in params])
-            distributed.all_reduce_mean_(flat)  # the one gradient sync of this optimizer step
-            stats.allreduce_calls += distributed.COUNTERS["allreduce"] - n_ar
-            off = 0
-            for p in params:
-                p.grad = flat[off:off + p.numel()].view_as(p).clone()
-                off += p.numel()
+            n_comm = sum(distributed.COUNTERS.values())
+            # the one gradient sync of this optimizer step: one all-reduce (DDP) or reduce-scatter (FSDP2 shards),
+            # added to .grad, which may hold an already synced part of it (missing pairs)
+            distributed.add_mean_grad_(params, flat)
+            stats.allreduce_calls += sum(distributed.COUNTERS.values()) - n_comm
             sel = rollout.selected
             n_pairs = int(sel.sum())
             acc.n += n_pairs
