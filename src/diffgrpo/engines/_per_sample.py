@@ -6,7 +6,9 @@ record the inputs a and outputs y of every module that owns trainable parameters
 forward, ask autograd for δ = ∂(out·g)/∂y w.r.t. those outputs (which skips the summed weight gradients
 altogether), and contract per sample. Supported owners: ``nn.Linear`` and ``nn.Conv2d`` (groups = 1, numeric
 padding). Anything else makes :meth:`PerSampleGrads.supported` False and callers fall back to one backward
-per sample (:func:`per_sample_grads_loop`), which is exact but costs n backwards.
+per sample (:func:`per_sample_grads_loop`), which is exact but costs n backwards. peft LoRA adapters are
+covered: their ``lora_A`` / ``lora_B`` are ``nn.Linear`` owners, and the frozen base layers own no trainable
+parameter, so they are neither hooked nor contracted.
 
 Network batches larger than the sample batch (classifier-free guidance runs [x; x]) map network row j to
 sample j mod n.

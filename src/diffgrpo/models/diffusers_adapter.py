@@ -33,6 +33,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .lora import ATTN_TARGETS, JOINT_TARGETS, adapter_disabled, add_lora, load_lora_state_dict, lora_state_dict
 from .tiny import frozen_reference
 
 # ------------------------------------------------------------------------------------------- family table
@@ -53,18 +54,15 @@ class Family:
     max_sequence_length: int  # default text length of the pipeline's encode_prompt
 
 
-_ATTN = ("to_q", "to_k", "to_v", "to_out.0")
-_JOINT = _ATTN + ("add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
-
 FAMILIES: dict[str, Family] = {
     "sd3": Family("sd3", "SD3Transformer2DModel", "StableDiffusion3Pipeline", 1000.0, False, False, True, False,
-                  ("prompt_embeds", "pooled"), _JOINT, 256),
+                  ("prompt_embeds", "pooled"), JOINT_TARGETS, 256),
     "flux": Family("flux", "FluxTransformer2DModel", "FluxPipeline", 1.0, True, False, False, False,
-                   ("prompt_embeds", "pooled"), _JOINT, 512),
+                   ("prompt_embeds", "pooled"), JOINT_TARGETS, 512),
     "wan": Family("wan", "WanTransformer3DModel", "WanPipeline", 1000.0, False, True, True, False,
-                  ("prompt_embeds",), _ATTN, 512),
+                  ("prompt_embeds",), ATTN_TARGETS, 512),
     "qwenimage": Family("qwenimage", "QwenImageTransformer2DModel", "QwenImagePipeline", 1.0, True, False, True, True,
-                        ("prompt_embeds", "prompt_mask"), _JOINT, 1024),
+                        ("prompt_embeds", "prompt_mask"), JOINT_TARGETS, 1024),
 }
 
 
@@ -259,20 +257,10 @@ class DiffusersFlowPolicy:
         self.amp_dtype = {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16}[mixed_precision]
         self.counters = {"forwards_grad": 0, "forwards_nograd": 0}
 
-        self.transformer.requires_grad_(False)
         self.lora_rank = int(lora_rank)
         if self.lora_rank > 0:
-            from peft import LoraConfig
-
-            targets = lora_target_modules or self.family.lora_targets
-            if isinstance(targets, str):
-                targets = [t.strip() for t in targets.split(",") if t.strip()]
-            self.transformer.add_adapter(LoraConfig(r=self.lora_rank, lora_alpha=float(lora_alpha or lora_rank),
-                                                    init_lora_weights=True, target_modules=list(targets)))
-            for n, p in self.transformer.named_parameters():  # trainable adapter weights in float32
-                if "lora_" in n:
-                    p.data = p.data.float()
-                    p.requires_grad_(True)
+            add_lora(self.transformer, self.lora_rank, lora_alpha, lora_target_modules,
+                     default_targets=self.family.lora_targets)
             self._ref = None
         else:
             self.transformer.requires_grad_(True)
@@ -327,14 +315,7 @@ class DiffusersFlowPolicy:
     @contextlib.contextmanager
     def reference(self):
         """Inside the block ``velocity`` uses the reference weights (LoRA disabled, or the frozen copy)."""
-        if self.lora_rank > 0:
-            self.transformer.disable_adapters()
-            try:
-                yield
-            finally:
-                self.transformer.enable_adapters()
-            return
-        with frozen_reference(self):
+        with adapter_disabled(self.transformer) if self.lora_rank > 0 else frozen_reference(self):
             yield
 
     # ---------------------------------------------------------------- the velocity field
@@ -380,20 +361,12 @@ class DiffusersFlowPolicy:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The trainable weights: the LoRA adapter (peft names) or the whole transformer."""
         if self.lora_rank > 0:
-            from peft.utils import get_peft_model_state_dict
-
-            sd = get_peft_model_state_dict(self.transformer)
-        else:
-            sd = self.transformer.state_dict()
-        return {k: v.detach().contiguous() for k, v in sd.items()}
+            return lora_state_dict(self.transformer)
+        return {k: v.detach().contiguous() for k, v in self.transformer.state_dict().items()}
 
     def load_state_dict(self, sd):
         if self.lora_rank > 0:
-            from peft.utils import set_peft_model_state_dict
-
-            res = set_peft_model_state_dict(self.transformer, sd)
-            if getattr(res, "unexpected_keys", None):
-                raise KeyError(f"unexpected LoRA keys: {res.unexpected_keys[:5]}")
+            load_lora_state_dict(self.transformer, sd)
         else:
             self.transformer.load_state_dict(sd)
 

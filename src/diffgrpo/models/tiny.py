@@ -25,6 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..data import NUMBER_WORDS, digit_prompt, digits_split
+from .lora import adapter_disabled, add_lora, load_lora_state_dict, lora_state_dict
 
 VOCAB = ["<pad>", "<bos>", "<unk>", "a", "an", "the", "handwritten", "digit", "number", "of", "image", "picture",
          *[str(i) for i in range(10)], *NUMBER_WORDS]
@@ -212,20 +213,28 @@ def frozen_reference(policy):
 class TinyFlowPolicy:
     """Policy adapter for :class:`TinyFlowNet` (pixel space, grayscale, data in [−1, 1]).
 
-    Trainable: the transformer (the prompt encoder is frozen, as text encoders are in SD3 post-training).
-    Reference policy: a frozen copy of the initial transformer, made on construction when ``keep_reference``.
+    Trainable: the transformer (the prompt encoder is frozen, as text encoders are in SD3 post-training), or,
+    with ``lora_rank`` > 0, only a peft LoRA adapter on it (default targets: SD3's joint-attention projections;
+    see :mod:`.lora`). Reference policy: with LoRA the transformer with the adapter disabled; otherwise a frozen
+    copy of the initial transformer, made on construction when ``keep_reference``. ``state_dict`` holds the
+    trainable weights (the adapter alone with LoRA).
     ``counters`` counts sample-forwards with and without grad (a CFG call counts two per sample).
     """
 
-    def __init__(self, net: TinyFlowNet, *, guidance_scale: float = 1.0, device="cpu", keep_reference=False):
+    def __init__(self, net: TinyFlowNet, *, guidance_scale: float = 1.0, device="cpu", keep_reference=False,
+                 lora_rank: int = 0, lora_alpha: float = 0.0, lora_target_modules: str | tuple | list = ""):
         self.net = net.to(device)
         self.device = torch.device(device)
         self.guidance_scale = float(guidance_scale)
         self.latent_shape = (1, net.image_size, net.image_size)
         for p in self.net.text.parameters():
             p.requires_grad_(False)
+        self.lora_rank = int(lora_rank)
+        if self.lora_rank > 0:
+            add_lora(self.net.transformer, self.lora_rank, lora_alpha, lora_target_modules)
         self.net.transformer.train()
-        self._ref = copy.deepcopy(self.net.transformer).requires_grad_(False) if keep_reference else None
+        self._ref = (copy.deepcopy(self.net.transformer).requires_grad_(False)
+                     if keep_reference and not self.lora_rank else None)
         self._use_ref = False
         self.counters = {"forwards_grad": 0, "forwards_nograd": 0}
         # data parallel: the wrapper forwards go through (DDP / FSDP2, set by the trainer); None = net.transformer.
@@ -254,8 +263,8 @@ class TinyFlowPolicy:
         return cond
 
     def reference(self):
-        """Inside the block ``velocity`` uses the frozen initial weights."""
-        return frozen_reference(self)
+        """Inside the block ``velocity`` uses the reference weights (LoRA disabled, or the frozen copy)."""
+        return adapter_disabled(self.net.transformer) if self.lora_rank else frozen_reference(self)
 
     def velocity(self, x: torch.Tensor, sigma: torch.Tensor, cond: dict[str, torch.Tensor]) -> torch.Tensor:
         """x (B, 1, S, S), sigma (B,) → guided velocity (B, 1, S, S) float32."""
@@ -281,18 +290,25 @@ class TinyFlowPolicy:
         return ((x.float() + 1) / 2).clamp(0, 1)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
+        """The trainable weights: the LoRA adapter (peft names) or the whole transformer."""
+        if self.lora_rank:
+            return lora_state_dict(self.net.transformer)
         return {k: v.detach().contiguous() for k, v in self.net.transformer.state_dict().items()}
 
     def load_state_dict(self, sd):
-        self.net.transformer.load_state_dict(sd)
+        if self.lora_rank:
+            load_lora_state_dict(self.net.transformer, sd)
+        else:
+            self.net.transformer.load_state_dict(sd)
 
 
 def build_tiny_policy(cfg, *, progress=True, log=print, pretrained=True) -> TinyFlowPolicy:
     """Adapter factory used by the trainer: cached pretrained network (or random init) → policy."""
     net = load_or_pretrain(cfg.model, cfg.pretrain, progress=progress, log=log) if pretrained else \
         TinyFlowNet(**arch_kwargs(cfg.model))
-    return TinyFlowPolicy(net, guidance_scale=cfg.model.guidance_scale, device=cfg.model.device,
-                          keep_reference=cfg.loss.beta > 0)
+    m = cfg.model
+    return TinyFlowPolicy(net, guidance_scale=m.guidance_scale, device=m.device, keep_reference=cfg.loss.beta > 0,
+                          lora_rank=m.lora_rank, lora_alpha=m.lora_alpha, lora_target_modules=m.lora_target_modules)
 
 
 __all__ = ["TinyFlowNet", "TinyFlowPolicy", "PromptEncoder", "build_tiny_policy", "load_or_pretrain", "pretrain",
