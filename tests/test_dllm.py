@@ -347,3 +347,23 @@ def test_dllm_clip_range_default():
     assert dllm_clip_range(0.05) == 0.05
     tr = make_dllm_trainer("loss.clip_range=0.3")
     assert tr.family.ctx.clip_range == 0.3
+
+
+def test_score_averages_samples_per_prompt_and_is_not_training_cost():
+    """eval_samples > 1 decodes every prompt that many times (seeded) and averages; greedy repeats are identical;
+    the policy's forward counters are left as they were."""
+    tr = make_dllm_trainer("dllm.eval_temperature=1.0", "dllm.eval_samples=3")
+    fam = tr.family
+    ex = fam.task.instances("test")[:4]
+    before = dict(tr.policy.counters)
+    one = fam.score(ex, temperature=0.0, samples=1, seed=5)
+    three = fam.score(ex, temperature=0.0, samples=3, seed=5)
+    assert one == three  # greedy: every repeat decodes the same completion
+    assert tr.policy.counters == before
+    calls = []
+    orig = fam.generate
+    fam.generate = lambda e, **kw: calls.append(len(e)) or orig(e, **kw)
+    ev, _ = tr.evaluate()
+    assert calls == [3 * 8] and 0 <= ev["eval/accuracy"] <= 1  # eval_size 8 prompts × 3 samples
+    a = fam.score(ex, temperature=1.0, samples=3, seed=5)
+    assert a == fam.score(ex, temperature=1.0, samples=3, seed=5)  # seeded

@@ -103,3 +103,38 @@ def test_json_schema_rewards():
     assert t.reward("[1,2]", ex)["reward"] == pytest.approx(0.5)  # wrong top-level type
     for bad in ['{"a":3,', "", "{a:3}", "<answer>{}</answer>"]:
         assert t.reward(bad, ex)["reward"] == 0.0, bad
+
+
+@pytest.mark.parametrize("name", ["arithmetic", "sudoku"])
+def test_slips_are_wrong_answers_in_the_right_format(name):
+    """pretrain.answer_noise's slips: every one is scored wrong, yet well formed (arithmetic: a number in tags;
+    sudoku: a valid grid), and fits the completion length."""
+    from diffgrpo.dllm.tasks import _valid_grid
+
+    task = get_task(name)
+    for ex in task.instances("train") + task.instances("test"):
+        s = task.slip(ex)
+        r = task.reward(s, ex)
+        assert r["correct"] == 0.0
+        assert len(VOCAB.encode(s)) <= task.gen_length
+        if name == "arithmetic":
+            assert r["format"] == 1.0
+        else:
+            assert _valid_grid([int(c) for c in s])  # a valid grid that contradicts the givens
+
+
+def test_answer_noise_changes_the_pretraining_recipe_only_when_on():
+    from dataclasses import replace
+
+    from diffgrpo.config import PretrainConfig
+    from diffgrpo.models.hf_masked_lm import TINY_ARCH, _recipe_key
+
+    clean = replace(PretrainConfig(), answer_noise=0.0)
+    keys = {_recipe_key("arithmetic", TINY_ARCH, replace(clean, answer_noise=a)) for a in (0.0, 0.2, 0.4)}
+    assert len(keys) == 3
+    # a clean recipe's key does not mention the noise, so clean models cached before the knob stay valid
+    import hashlib
+    import json
+    blob = json.dumps({"task": "arithmetic", "arch": TINY_ARCH, "steps": clean.steps, "bs": clean.batch_size,
+                       "lr": clean.lr, "seed": clean.seed, "kind": "mdm", "v": 1}, sort_keys=True)
+    assert _recipe_key("arithmetic", TINY_ARCH, clean) == hashlib.sha256(blob.encode()).hexdigest()[:12]

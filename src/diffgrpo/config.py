@@ -53,9 +53,11 @@ class ModelConfig:
     num_frames: int = _f(33, lo=1, doc="diffusers (wan): video frames")
     negative_prompt: str = _f("", doc="diffusers: negative prompt of true CFG")
     max_sequence_length: int = _f(0, lo=0, doc="diffusers: text tokens; 0 = the family's pipeline default")
-    lora_rank: int = _f(0, lo=0, doc="diffusers: LoRA rank; 0 = full fine-tune")
-    lora_alpha: float = _f(0.0, lo=0.0, doc="diffusers: LoRA alpha; 0 = lora_rank")
-    lora_target_modules: str = _f("", doc="diffusers: comma-separated LoRA targets; empty = the family's defaults")
+    # LoRA (peft) for the flow models (model.name=tiny or diffusers); the KL reference is the base (adapter off)
+    lora_rank: int = _f(0, lo=0, doc="tiny, diffusers: LoRA rank (train a peft adapter only); 0 = full fine-tune")
+    lora_alpha: float = _f(0.0, lo=0.0, doc="tiny, diffusers: LoRA alpha; 0 = lora_rank")
+    lora_target_modules: str = _f("", doc="tiny, diffusers: comma-separated LoRA targets; empty = the attention "
+                                          "projections (the family's defaults; tiny: SD3's)")
     gradient_checkpointing: bool = _f(False, doc="diffusers: activation checkpointing in the transformer")
 
 
@@ -66,6 +68,9 @@ class PretrainConfig:
     lr: float = _f(2e-3, lo=0.0)
     cond_dropout: float = _f(0.1, lo=0.0, hi=1.0, doc="probability of the null prompt (enables CFG)")
     seed: int = _f(0)
+    answer_noise: float = _f(0.4, lo=0.0, hi=1.0,
+                             doc="tiny dLLM only: fraction of pretraining answers replaced by the task's systematic "
+                                 "slip (off by one, swapped digits): a base with a habit a verifier can train away")
 
 
 @dataclass
@@ -162,6 +167,7 @@ class DLLMConfig:
     temperature: float = _f(1.0, lo=0.0, doc="rollout sampling temperature")
     eval_temperature: float = _f(0.0, lo=0.0, doc="held-out evaluation temperature (0 = greedy)")
     eval_size: int = _f(128, lo=0, doc="held-out test prompts per evaluation; 0 = the whole test split")
+    eval_samples: int = _f(1, lo=1, doc="completions per held-out prompt (use > 1 with eval_temperature > 0)")
     p_mask_prompt: float = _f(0.15, lo=0.0, hi=1.0, doc="diffu_grpo: probability of masking each prompt token")
     num_mask_samples: int = _f(2, lo=1, doc="random_mask: mask ratios per completion (forwards)")
     model_path: str = _f("", doc="hf_masked_lm: local directory or hub id")

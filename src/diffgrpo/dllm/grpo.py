@@ -282,22 +282,31 @@ class DLLMFamily:
         return stats
 
     @torch.no_grad()
-    def evaluate(self, trainer):
-        """Held-out test split (first ``dllm.eval_size`` instances), ``dllm.eval_temperature`` decoding."""
-        pool = self.task.instances("test")
-        ex = pool[: self.d.eval_size] if self.d.eval_size else pool
+    def score(self, examples: list[Example], *, temperature: float, samples: int = 1, seed: int = 0,
+              prefix: str = "eval/") -> dict[str, float]:
+        """Decode ``samples`` completions per example (seeded, batches of 256) and average the task's reward
+        components: → {prefix+"reward", prefix+"accuracy", prefix+"rewards/<k>/mean"}. Not counted as cost."""
+        ex = [e for e in examples for _ in range(samples)]
         saved = dict(self.policy.counters)
-        g = torch.Generator(device=self.device).manual_seed(self.cfg.eval.seed)
+        g = torch.Generator(device=self.device).manual_seed(seed)
         outs = []
         for i in range(0, len(ex), 256):
-            smp = self.generate(ex[i:i + 256], temperature=self.d.eval_temperature, generator=g)
+            smp = self.generate(ex[i:i + 256], temperature=temperature, generator=g)
             outs += [self.vocab.decode(c) for c in smp.completions]
         self.policy.counters.update(saved)  # evaluation is not training cost
         scored = self.task.rewards(outs, ex)
-        row = {"eval/reward": float(scored["reward"].mean()), "eval/accuracy": float(scored["correct"].mean())}
+        row = {f"{prefix}reward": float(scored["reward"].mean()), f"{prefix}accuracy": float(scored["correct"].mean())}
         for k, v in scored.items():
-            row[f"eval/rewards/{k}/mean"] = float(v.mean())
-        return row, None
+            row[f"{prefix}rewards/{k}/mean"] = float(v.mean())
+        return row
+
+    def evaluate(self, trainer):
+        """Held-out test split (first ``dllm.eval_size`` instances), ``dllm.eval_samples`` completions each at
+        ``dllm.eval_temperature``."""
+        pool = self.task.instances("test")
+        ex = pool[: self.d.eval_size] if self.d.eval_size else pool
+        return self.score(ex, temperature=self.d.eval_temperature, samples=self.d.eval_samples,
+                          seed=self.cfg.eval.seed), None
 
 
 def family_for(trainer):

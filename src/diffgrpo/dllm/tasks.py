@@ -144,6 +144,12 @@ class Task:
         """→ {"reward": float, <components>: float, "correct": 0/1}."""
         raise NotImplementedError
 
+    def slip(self, ex: Example) -> str | None:
+        """A wrong answer in the right format made by the task's systematic slip (same rule for every prompt),
+        or None when the task has none. Used by ``pretrain.answer_noise`` to give the built-in base a habit
+        that a verifiable reward can train away."""
+        return None
+
     def rewards(self, completions: list[str], examples: list[Example]) -> dict[str, torch.Tensor]:
         rows = [self.reward(c, e) for c, e in zip(completions, examples)]
         return {k: torch.tensor([r[k] for r in rows], dtype=torch.float32) for k in rows[0]}
@@ -173,6 +179,10 @@ class Arithmetic(Task):
         fmt = ans is not None and re.fullmatch(r"-?\d+", ans) is not None
         correct = fmt and int(ans) == ex.meta["target"]
         return {"reward": 0.1 * fmt + 0.9 * correct, "format": float(fmt), "correct": float(correct)}
+
+    def slip(self, ex):
+        """Off by one: the answer plus one."""
+        return f"<answer>{ex.meta['target'] + 1}</answer>"
 
 
 # ---------------------------------------------------------------------------------------------- sudoku 4x4
@@ -266,6 +276,10 @@ class Sudoku(Task):
         solved = (len(text) == 16 and text.isdigit() and _valid_grid([int(c) for c in text])
                   and all(p == "." or p == t for p, t in zip(puzzle, text)))
         return {"reward": 0.5 * acc + 0.5 * solved, "cell_accuracy": acc, "correct": float(solved)}
+
+    def slip(self, ex):
+        """Digits 1 and 2 swapped in the solution: still a valid grid, but it contradicts the givens."""
+        return ex.meta["solution"].translate(str.maketrans("12", "21"))
 
 
 # ---------------------------------------------------------------------------------------------- countdown

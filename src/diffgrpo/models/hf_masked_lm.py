@@ -117,13 +117,23 @@ def masked_diffusion_loss(logits_fn, prompt_ids: torch.Tensor, completion_ids: t
 
 
 def _recipe_key(task: str, arch: dict, pcfg) -> str:
-    blob = json.dumps({"task": task, "arch": arch, "steps": pcfg.steps, "bs": pcfg.batch_size, "lr": pcfg.lr,
-                       "seed": pcfg.seed, "kind": "mdm", "v": 1}, sort_keys=True)
+    recipe = {"task": task, "arch": arch, "steps": pcfg.steps, "bs": pcfg.batch_size, "lr": pcfg.lr,
+              "seed": pcfg.seed, "kind": "mdm", "v": 1}
+    if pcfg.answer_noise > 0:  # absent when 0, so clean bases keep their cache key
+        recipe["answer_noise"] = pcfg.answer_noise
+        recipe["noise_kind"] = "slip"
+    blob = json.dumps(recipe, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
 def pretrain_tiny_mlm(task, pcfg, *, progress: bool = True, arch: dict | None = None) -> nn.Module:
-    """Masked-diffusion pretraining of the tiny BERT on the task's train split. Returns the model (eval mode)."""
+    """Masked-diffusion pretraining of the tiny BERT on the task's train split. Returns the model (eval mode).
+
+    With ``pcfg.answer_noise`` = ρ > 0 each drawn example keeps its prompt but, with probability ρ, its answer
+    is replaced by the task's systematic slip (:meth:`Task.slip`: off by one in arithmetic, digits 1/2 swapped
+    in sudoku; another example's answer for tasks without one). The base then answers in the right format but
+    wrongly about ρ of the time when sampled: one habit shared by all prompts, which GRPO with a verifiable
+    reward can train away and which therefore shows on held-out prompts too."""
     from tqdm.auto import tqdm
 
     from ..dllm.tasks import VOCAB
@@ -133,7 +143,9 @@ def pretrain_tiny_mlm(task, pcfg, *, progress: bool = True, arch: dict | None = 
     net = tiny_bert(len(VOCAB), max_positions=task.prompt_length + task.gen_length, **(arch or {}))
     pool = task.instances("train")
     prompts = VOCAB.encode_prompts([e.prompt for e in pool], task.prompt_length)
-    comps = VOCAB.encode_completions([e.answer for e in pool], task.gen_length)
+    comps = VOCAB.encode_completions([e.answer for e in pool], task.gen_length)  # (n, L)
+    slips = [task.slip(e) for e in pool]
+    slips = None if slips[0] is None else VOCAB.encode_completions(slips, task.gen_length)  # (n, L)
     opt = torch.optim.AdamW(net.parameters(), lr=pcfg.lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=pcfg.lr, total_steps=pcfg.steps, pct_start=0.05)
     net.train()
@@ -144,8 +156,13 @@ def pretrain_tiny_mlm(task, pcfg, *, progress: bool = True, arch: dict | None = 
     bar = tqdm(range(pcfg.steps), desc=f"pretraining tiny dLLM ({task.name})", disable=not progress, leave=False)
     ema = None
     for _ in bar:
-        idx = torch.randint(len(pool), (pcfg.batch_size,), generator=g)
-        loss = masked_diffusion_loss(fn, prompts[idx], comps[idx], VOCAB.mask_id, generator=g)
+        idx = torch.randint(len(pool), (pcfg.batch_size,), generator=g)  # (b,)
+        target = comps[idx]  # (b, L)
+        if pcfg.answer_noise > 0:
+            noisy = (torch.rand(idx.shape, generator=g) < pcfg.answer_noise).unsqueeze(1)  # (b, 1)
+            wrong = comps[torch.randint(len(pool), idx.shape, generator=g)] if slips is None else slips[idx]
+            target = torch.where(noisy, wrong, target)
+        loss = masked_diffusion_loss(fn, prompts[idx], target, VOCAB.mask_id, generator=g)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
