@@ -90,6 +90,14 @@ def tables(rows: list[dict], head: str) -> list[str]:
     return lines
 
 
+def command(a: dict) -> str:
+    """The command line that reproduces a run from its recorded arguments."""
+    return (f"OMP_NUM_THREADS=1 python benchmarks/dllm_train.py --tasks {' '.join(a['tasks'])} --methods "
+            f"{' '.join(a['methods'])} --variants {' '.join(a.get('variants', ['base']))} --seeds "
+            f"{' '.join(map(str, a['seeds']))} --iterations {a['iterations']} --lr {a['lr']} --eval-samples "
+            f"{a['eval_samples']} --out {a['out']} {' '.join(a['overrides'])}")
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--tasks", nargs="+", default=["arithmetic", "sudoku"])
@@ -112,17 +120,16 @@ def main():
     if args.from_json:
         runs = [json.loads(Path(f).read_text()) for f in args.from_json]
         rows = [{"variant": "base", **r} for run_ in runs for r in run_["rows"]]
-        head = "Merged from " + ", ".join(f"`{f}` (`{r.get('command', '')}`)" for f, r in zip(args.from_json, runs))
+        head = "Merged from:\n\n" + "\n".join(f"- `{f}`: `{command(r['args'])}`" for f, r in zip(args.from_json, runs))
+        head += ("\n\nHeld-out = the whole test split: greedy decoding, and sampled at temperature 1 "
+                 f"({runs[0]['args']['eval_samples']} completions per prompt).")
         (out / "dllm_train.md").write_text("\n".join(tables(rows, head)) + "\n")
         print("\n".join(tables(rows, head)))
         return
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     rows = [run(t, m, v, s, args) for t in args.tasks for m in args.methods for v in args.variants
             for s in args.seeds]
-    cmd = (f"OMP_NUM_THREADS=1 python benchmarks/dllm_train.py --tasks {' '.join(args.tasks)} --methods "
-           f"{' '.join(args.methods)} --variants {' '.join(args.variants)} --seeds {' '.join(map(str, args.seeds))} "
-           f"--iterations {args.iterations} --lr {args.lr} --eval-samples {args.eval_samples} "
-           f"{' '.join(args.overrides)}")
+    cmd = command(vars(args))
     head = (f"{args.iterations} iterations, {args.prompts} prompts × {args.group} samples, lr {args.lr}, beta "
             f"{args.beta}, overrides {' '.join(args.overrides) or '(none)'}. Held-out = the whole test split: "
             f"greedy decoding, and sampled at temperature 1 with {args.eval_samples} completions per prompt.\n\n"

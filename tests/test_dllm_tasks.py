@@ -105,10 +105,10 @@ def test_json_schema_rewards():
         assert t.reward(bad, ex)["reward"] == 0.0, bad
 
 
-@pytest.mark.parametrize("name", ["arithmetic", "sudoku"])
+@pytest.mark.parametrize("name", list(TASKS))
 def test_slips_are_wrong_answers_in_the_right_format(name):
-    """pretrain.answer_noise's slips: every one is scored wrong, yet well formed (arithmetic: a number in tags;
-    sudoku: a valid grid), and fits the completion length."""
+    """pretrain.answer_noise's slips: every one is scored wrong, yet well formed (a number or an expression of the
+    right numbers in tags, a valid grid, valid JSON with one type error), and fits the completion length."""
     from diffgrpo.dllm.tasks import _valid_grid
 
     task = get_task(name)
@@ -117,10 +117,12 @@ def test_slips_are_wrong_answers_in_the_right_format(name):
         r = task.reward(s, ex)
         assert r["correct"] == 0.0
         assert len(VOCAB.encode(s)) <= task.gen_length
-        if name == "arithmetic":
+        if name in ("arithmetic", "countdown"):
             assert r["format"] == 1.0
-        else:
+        elif name == "sudoku":
             assert _valid_grid([int(c) for c in s])  # a valid grid that contradicts the givens
+        else:
+            assert r["errors"] == 1.0  # valid JSON, one type error
 
 
 def test_answer_noise_changes_the_pretraining_recipe_only_when_on():

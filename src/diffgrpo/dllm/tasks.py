@@ -357,6 +357,16 @@ class Countdown(Task):
         correct = sorted(nums) == sorted(ex.meta["numbers"]) and abs(val - ex.meta["target"]) < 1e-6
         return {"reward": 1.0 if correct else 0.1, "format": 1.0, "correct": float(correct)}
 
+    def slip(self, ex):
+        """The first operator replaced (+ → −, − → *, * → +; once more if the value happens to stay right)."""
+        expr = extract_answer(ex.answer)
+        i = next(j for j, ch in enumerate(expr) if j > 0 and ch in "+-*")
+        for op in ({"+": "-", "-": "*", "*": "+"}[expr[i]], {"+": "*", "-": "+", "*": "-"}[expr[i]]):
+            wrong = expr[:i] + op + expr[i + 1:]
+            if safe_eval(wrong)[0] != ex.meta["target"]:
+                return f"<answer>{wrong}</answer>"
+        return None
+
 
 # ---------------------------------------------------------------------------------------------- JSON schema
 _TYPES = {"int": "integer", "str": "string", "bool": "boolean"}
@@ -403,6 +413,14 @@ class JsonSchema(Task):
             return {"reward": 0.0, "errors": -1.0, "correct": 0.0}
         n_err = sum(1 for _ in jsonschema.Draft7Validator(ex.meta["schema"]).iter_errors(obj))
         return {"reward": 1.0 / (1 + n_err), "errors": float(n_err), "correct": float(n_err == 0)}
+
+    def slip(self, ex):
+        """The first value written with the wrong type (an integer quoted, a boolean as 0/1, a string as 0)."""
+        vals = json.loads(ex.answer)
+        k = next(iter(vals))
+        v = vals[k]
+        vals[k] = int(v) if isinstance(v, bool) else (0 if isinstance(v, str) else str(v))
+        return json.dumps(vals, separators=(",", ":"))
 
 
 TASKS: dict[str, type[Task]] = {"arithmetic": Arithmetic, "sudoku": Sudoku, "countdown": Countdown,
