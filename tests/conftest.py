@@ -50,3 +50,11 @@ def flat_grad(params) -> torch.Tensor:
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp(min=1e-30))
+
+
+def perturb(tr, scale=0.02, seed=7):
+    """Move θ away from the frozen reference so that the KL gradient is not zero."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for q in tr.params:
+            q.add_(scale * torch.randn(q.shape, generator=g))

@@ -12,17 +12,9 @@ from diffgrpo.engines.jagg import JaggEngine, anchor_mask
 from diffgrpo.engines.recompute import RecomputeEngine
 from diffgrpo.engines.retain import RETAIN_KEY, RetainedSteps
 from diffgrpo.engines.single_step import SingleStepEngine
-from tests.conftest import flat_grad, rel_err
+from tests.conftest import flat_grad, perturb, rel_err
 
 TOL = 1e-5
-
-
-def _perturb(tr, scale=0.02, seed=7):
-    """Move θ away from the frozen reference so that the KL gradient is not zero."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in tr.params:
-            p.add_(scale * torch.randn(p.shape, generator=g))
 
 
 def _grad(tr, ro, engine, epoch=0):
@@ -58,7 +50,7 @@ def test_jagg_retain_equals_jagg_on_first_update(make_trainer, extra):
     tr = make_trainer("engine.name=jagg", "engine.evaluation=retain", "engine.window=4", *extra)
     beta = any(o.startswith("loss.beta") for o in extra)
     if beta:
-        _perturb(tr)
+        perturb(tr)
     mult = 2 if tr.policy.uses_cfg else 1
     ro, roll = _rollout(tr)
     B, T = ro.batch_size, ro.num_steps
@@ -100,7 +92,7 @@ def test_jagg_retain_two_graphs_per_window(make_trainer):
 
 def test_jagg_retain_window_two_is_exact(make_trainer):
     tr = make_trainer("engine.name=jagg", "engine.evaluation=retain", "engine.window=2", "loss.beta=0.05")
-    _perturb(tr)
+    perturb(tr)
     ro = tr.rollout()
     g, s = _grad(tr, ro, tr.engine)
     g_ref, _ = _grad(tr, ro, RecomputeEngine())
@@ -112,7 +104,7 @@ def test_jagg_retain_exact_windows_use_retained_endpoints(make_trainer, frac):
     """Windows routed to the exact path: retained endpoints + recomputed interiors (3 of 5 steps)."""
     tr = make_trainer("engine.name=jagg", "engine.evaluation=retain", "engine.window=5",
                       f"engine.jagg_frac={frac}", "loss.beta=0.05")
-    _perturb(tr)
+    perturb(tr)
     ro = tr.rollout()
     B = ro.batch_size
     n_j = math.ceil(frac * B)
@@ -183,7 +175,7 @@ def test_single_step_retain_equals_single_step(make_trainer, extra):
                       "train.prompts_per_batch=4", *extra)
     beta = any(o.startswith("loss.beta") for o in extra)
     if beta:
-        _perturb(tr)
+        perturb(tr)
     mult = 2 if tr.policy.uses_cfg else 1
     ro, roll = _rollout(tr)
     B = ro.batch_size

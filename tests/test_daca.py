@@ -6,10 +6,9 @@ import math
 import pytest
 import torch
 
-from diffgrpo import RunConfig, Trainer
 from diffgrpo.dllm import credit, likelihood
-from diffgrpo.dllm.tasks import VOCAB, get_task
-from diffgrpo.models.hf_masked_lm import MaskedLMPolicy, tiny_bert
+from diffgrpo.dllm.tasks import VOCAB
+from tests.test_dllm import make_dllm_trainer
 
 METHODS = ["diffu_grpo", "coupled_grpo", "random_mask"]
 
@@ -177,18 +176,11 @@ def test_dps_weights_mean_one_and_clipped():
 
 
 # ---------------------------------------------------------------------------------------------- GRPO wiring
-TINY = ["model.name=tiny_mlm", "train.prompts_per_batch=2", "train.group_size=4", "log.progress=false",
-        "log.save_images=false", "dllm.eval_size=8", "loss.clip_range=0.2", "loss.beta=0.04",
-        "dllm.p_mask_prompt=0.3", "dllm.num_mask_samples=2"]
+DACA_DEFAULTS = ["loss.beta=0.04", "dllm.p_mask_prompt=0.3", "dllm.num_mask_samples=2"]
 
 
 def make_trainer(*overrides, seed=0):
-    cfg = RunConfig.from_overrides([*TINY, f"seed={seed}", *overrides])
-    torch.manual_seed(seed)
-    task = get_task(cfg.dllm.task)
-    net = tiny_bert(len(VOCAB), max_positions=task.prompt_length + task.gen_length, hidden_size=32,
-                    num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
-    return Trainer(cfg, policy=MaskedLMPolicy(net, vocab=VOCAB, keep_reference=True), log=lambda *a: None)
+    return make_dllm_trainer(*DACA_DEFAULTS, *overrides, seed=seed)
 
 
 def grads_after_update(tr, ro):

@@ -15,17 +15,9 @@ from diffgrpo.engines.retain import RETAIN_KEY, retained_velocity
 from diffgrpo.engines.reweight import REWEIGHT_KEY
 from diffgrpo.losses import aggregation_weights
 from diffgrpo.types import Rollout
-from tests.conftest import TINY, flat_grad, rel_err
+from tests.conftest import TINY, flat_grad, perturb, rel_err
 
 TOL = 1e-5
-
-
-def _perturb(tr, scale=0.02, seed=7):
-    """Move θ away from the frozen reference so that the KL gradient is not zero."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in tr.params:
-            p.add_(scale * torch.randn(p.shape, generator=g))
 
 
 def _engine_vs_recompute(tr):
@@ -54,7 +46,7 @@ def test_first_update_equals_recompute(make_trainer, engine, overrides):
     tr = make_trainer(f"engine.name={engine}", *overrides)
     beta = any(o.startswith("loss.beta") for o in overrides)
     if beta:
-        _perturb(tr)
+        perturb(tr)
     ro, stats, g, g_ref = _engine_vs_recompute(tr)
     assert g_ref.norm() > 0
     assert rel_err(g, g_ref) < TOL
@@ -70,11 +62,11 @@ def test_kl_gradient_is_included(make_trainer):
     for beta in (0.0, 0.5):
         tr = make_trainer("engine.name=reweight", f"loss.beta={beta}", "model.guidance_scale=1.0")
         if beta:
-            _perturb(tr)
+            perturb(tr)
         else:
             tr2 = make_trainer("engine.name=reweight", "loss.beta=0.5")  # same init, then same perturbation
             tr.policy.load_state_dict(tr2.policy.state_dict())
-            _perturb(tr)
+            perturb(tr)
         _, _, g, g_ref = _engine_vs_recompute(tr)
         assert rel_err(g, g_ref) < TOL
         grads[beta] = g

@@ -23,7 +23,7 @@ import json
 import torch
 import torch.nn as nn
 
-from .tiny import cache_root, frozen_reference, save_dir_atomic
+from .tiny import cache_root, frozen_reference, pretrain_step, save_dir_atomic
 
 
 class MaskedLMPolicy:
@@ -163,13 +163,7 @@ def pretrain_tiny_mlm(task, pcfg, *, progress: bool = True, arch: dict | None = 
             wrong = comps[torch.randint(len(pool), idx.shape, generator=g)] if slips is None else slips[idx]
             target = torch.where(noisy, wrong, target)
         loss = masked_diffusion_loss(fn, prompts[idx], target, VOCAB.mask_id, generator=g)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        ema = loss.item() if ema is None else 0.98 * ema + 0.02 * loss.item()
-        bar.set_postfix(loss=f"{ema:.4f}")
+        ema = pretrain_step(loss, net, opt, sched, bar, ema)
     return net.eval()
 
 

@@ -135,14 +135,21 @@ def pretrain(mcfg, pcfg, *, progress: bool = True) -> TinyFlowNet:
         xt = (1 - s) * x0 + s * eps
         emb, pooled = net.text(tokenize(_training_prompts(y, g, pcfg.cond_dropout)))
         loss = F.mse_loss(net(xt, sigma, emb, pooled), eps - x0)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        ema = loss.item() if ema is None else 0.98 * ema + 0.02 * loss.item()
-        bar.set_postfix(loss=f"{ema:.4f}")
+        ema = pretrain_step(loss, net, opt, sched, bar, ema)
     return net.eval()
+
+
+def pretrain_step(loss: torch.Tensor, net: nn.Module, opt, sched, bar, ema: float | None) -> float:
+    """One pretraining update of a built-in model (backward, clip at 1, step, schedule) and the progress bar's
+    smoothed loss. Returns the new smoothed loss."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+    opt.step()
+    sched.step()
+    ema = loss.item() if ema is None else 0.98 * ema + 0.02 * loss.item()
+    bar.set_postfix(loss=f"{ema:.4f}")
+    return ema
 
 
 def save_dir_atomic(target: Path, write) -> Path:
