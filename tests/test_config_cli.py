@@ -52,6 +52,8 @@ def test_dict_entry_override():
     (["loss.aggregation=median"], "loss.aggregation: value 'median' is not allowed"),
     (["seed"], "override 'seed' must look like key=value"),
     (["engine=recompute"], "engine: is a section"),
+    (["model.name=tiny_mlm", "model.lora_rank=8"], "model.lora_rank: LoRA is implemented for model.name in "
+                                                   "['tiny', 'diffusers'], not 'tiny_mlm'"),
 ])
 def test_bad_input_is_one_clear_line(overrides, message):
     with pytest.raises(ConfigError) as e:

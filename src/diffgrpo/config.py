@@ -403,6 +403,9 @@ def validate(cfg: RunConfig) -> None:
                           "embedding, one forward); negative prompts and true CFG do not apply")
     if cfg.model.image_size % cfg.model.patch_size:
         raise ConfigError(f"model.patch_size: {cfg.model.patch_size} must divide model.image_size={cfg.model.image_size}")
+    if cfg.model.lora_rank > 0 and cfg.model.name not in ("tiny", "diffusers"):
+        raise ConfigError(f"model.lora_rank: LoRA is implemented for model.name in ['tiny', 'diffusers'], not "
+                          f"{cfg.model.name!r}; use model.lora_rank=0 (full fine-tune)")
 
 
 def selected_per_trajectory(cfg: RunConfig) -> int:
