@@ -20,7 +20,7 @@ from dllm_train import command, tables  # noqa: E402
 
 TASKS = ("arithmetic", "sudoku", "countdown", "json_schema")
 METHODS = ("diffu_grpo", "coupled_grpo", "random_mask")
-VARIANTS = ("base", "+dps", "+sml", "+both")
+VARIANTS = ("base", "+dps", "+sml", "+both", "+sml_chain")
 ITERATIONS = {"arithmetic": 300, "sudoku": 300, "countdown": 150, "json_schema": 150}
 
 HEAD = """Same protocol as `../../dllm/slip_base/` (slip bases, `pretrain.answer_noise=0.4`; 16 prompts × 8, lr 1e-4, β 0,

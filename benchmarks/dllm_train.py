@@ -6,8 +6,10 @@ split decoded twice: greedy (temperature 0) and sampled (temperature 1, ``--eval
 prompt; the policy GRPO optimises). Writes <out>/dllm_train.{json,md} and one run directory per run.
 
 Variants (``--variants``) add DACA-GRPO's plug-ins at equal steps: +dps (Denoising Progress Scores), +sml
-(Stratified Masking Likelihood), +both. Forwards are the policy's sequence-forwards over the run (sampling,
-ℓ_old and training; evaluation excluded).
+(Stratified Masking Likelihood, K = 2, random partition, leave-one-out), +both; +sml_chain = SML with the
+decode-order partition in chain mode (the half decoded first is scored with the whole completion masked, the
+rest with that half visible: the contexts the sampler decided them in). Forwards are the policy's
+sequence-forwards over the run (sampling, ℓ_old and training; evaluation excluded).
 
 The configuration was fixed from training-split quantities only (benchmarks/dllm_tune.py); the test split is
 decoded only here.
@@ -30,7 +32,9 @@ from diffgrpo import RunConfig, Trainer
 
 VARIANTS = {"base": [], "+dps": ["daca.dps_score=entropy", "daca.dps_mix=0.5"],
             "+sml": ["daca.likelihood=sml", "daca.sml_strata=2"],
-            "+both": ["daca.dps_score=entropy", "daca.dps_mix=0.5", "daca.likelihood=sml", "daca.sml_strata=2"]}
+            "+both": ["daca.dps_score=entropy", "daca.dps_mix=0.5", "daca.likelihood=sml", "daca.sml_strata=2"],
+            "+sml_chain": ["daca.likelihood=sml", "daca.sml_strata=2", "daca.sml_partition=decode_order",
+                           "daca.sml_mode=chain"]}
 
 
 def heldout(tr: Trainer, samples: int) -> dict[str, float]:
