@@ -30,9 +30,10 @@ import torch
 
 from diffgrpo import RunConfig, Trainer
 
+SML_LOO = ["daca.likelihood=sml", "daca.sml_strata=2", "daca.sml_partition=random", "daca.sml_mode=leave_one_out"]
 VARIANTS = {"base": [], "+dps": ["daca.dps_score=entropy", "daca.dps_mix=0.5"],
-            "+sml": ["daca.likelihood=sml", "daca.sml_strata=2"],
-            "+both": ["daca.dps_score=entropy", "daca.dps_mix=0.5", "daca.likelihood=sml", "daca.sml_strata=2"],
+            "+sml": SML_LOO,
+            "+both": ["daca.dps_score=entropy", "daca.dps_mix=0.5", *SML_LOO],
             "+sml_chain": ["daca.likelihood=sml", "daca.sml_strata=2", "daca.sml_partition=decode_order",
                            "daca.sml_mode=chain"]}
 
