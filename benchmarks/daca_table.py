@@ -27,7 +27,8 @@ HEAD = """Same protocol as `../../dllm/slip_base/` (slip bases, `pretrain.answer
 `dllm.p_mask_prompt=0`; seeds 0 1 2; whole test split, greedy and T = 1 sampled with 4 completions per prompt),
 equal iterations within a task: 300 for arithmetic and sudoku, 150 for countdown and json_schema. Variants:
 +dps = Denoising Progress Scores (entropy at commit, λ = 0.5, clip [0.2, 5]); +sml = Stratified Masking
-Likelihood (K = 2, random partition, leave_one_out); +both. Forwards are sequence-forwards per run (sampling,
+Likelihood (K = 2, random partition, leave_one_out); +both; +sml_chain = SML with K = 2 in chain mode over the
+decode-order partition (the library default since this study). Forwards are sequence-forwards per run (sampling,
 ℓ_old and training; evaluation excluded). Only (task, method, variant) cells with all seeds are listed.
 Rebuilt by `python benchmarks/daca_table.py` from the files below (each run's directory is under `<dir>/runs/`)."""
 
