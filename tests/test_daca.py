@@ -284,3 +284,26 @@ def test_daca_train_step_runs():
     assert math.isfinite(row["reward"]) and "first_epoch/dps/mean" in row
     assert row["sample_backwards"] % (2 * 2) == 0  # K = 2 groups × M = 2 coupled forwards per row
     assert 0.2 <= row["first_epoch/dps/top20_share"] <= 1
+
+
+@pytest.mark.parametrize("blocks", [1, 2])
+def test_decode_order_chain_with_one_stratum_per_token_is_the_sampler_path_log_likelihood(blocks):
+    """SML chain mode with the decode_order partition and K = L scores every token in the context the sampler
+    committed it in (one token per step, semi-autoregressive blocks included), so it reproduces the sampler's
+    recorded step log-probs: the path log-likelihood of the policy GRPO optimises. Random partitions do not."""
+    tr = make_trainer("dllm.p_mask_prompt=0", f"dllm.block_length={8 // blocks}", "dllm.gen_length=8",
+                      "dllm.diffusion_steps=8", "dllm.task=arithmetic")
+    fam = tr.family
+    ex = fam.task.sample("train", 6, torch.Generator().manual_seed(0))
+    smp = fam.generate(ex, temperature=1.0, generator=torch.Generator().manual_seed(1))
+    B, N = smp.sequences.shape
+    L = fam.gen_length
+    m, w = likelihood.mean_field(B, N - L, L)
+    everything = torch.ones(B, L, dtype=torch.bool)
+    with torch.no_grad():
+        for part, exact in (("decode_order", True), ("random", False)):
+            st = likelihood.assign_strata(everything, L, part, order=smp.order, generator=torch.Generator().manual_seed(2))
+            sm, sw = likelihood.stratify(m, w, st, L, chain=True)
+            lp = fam.log_probs(smp.sequences, sm, sw)  # (B, L)
+            err = float((lp - smp.step_log_prob).abs().max())
+            assert (err < 1e-5) if exact else (err > 1e-4), (part, err)

@@ -39,6 +39,8 @@ import math
 
 import torch
 
+from ..samplers import masked
+
 
 def mean_field(B: int, P: int, L: int, *, p_mask_prompt: float = 0.0, generator: torch.Generator | None = None,
                device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
@@ -178,12 +180,13 @@ def token_log_probs(logits_fn, input_ids: torch.Tensor, masks: torch.Tensor, wei
     """Σ_m w_mj · log p(y_j | x^(m)) for the completion tokens. → (B, L) float32.
 
     input_ids (B, P+L) the full sequences; masks (B, M, P+L); weights (B, M, L). One forward of B·M rows.
-    p = softmax(logits / temperature): the distribution the rollout sampled from (temperature ≤ 0 → 1).
+    p = softmax(logits / temperature) over the real tokens (<mask> excluded): the distribution the rollout
+    sampled from (temperature ≤ 0 → 1).
     Differentiable through ``logits_fn`` (call under no_grad for old/reference values).
     """
     B, M, N = masks.shape
     L = weights.shape[-1]
-    logits = logits_fn(apply_masks(input_ids, masks, mask_id))[:, N - L:].float()  # (B·M, L, V)
+    logits = masked.token_logits(logits_fn(apply_masks(input_ids, masks, mask_id))[:, N - L:].float(), mask_id)
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature
     y = input_ids[:, N - L:].unsqueeze(1).expand(B, M, L).reshape(B * M, L, 1)

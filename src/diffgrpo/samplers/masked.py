@@ -10,7 +10,9 @@ the Gumbel-max trick) and the n positions with the highest score are committed, 
   low_confidence  p(proposed token) under softmax(logits)   (LLaDA's default)
   random          an independent uniform draw               (the original any-order masked diffusion sampler)
 
-Committed tokens are never re-masked. Because the logits of every position are computed at every step, the
+The <mask> token itself is never proposed: its logit is removed (:func:`token_logits`), so every committed
+position holds a real token and is committed exactly once; the likelihood estimators score under the same
+distribution. Committed tokens are never re-masked. Because the logits of every position are computed at every step, the
 sampler records per completion token, at zero extra forwards: the step it was committed at, its
 confidence (probability of the committed token), the entropy and the top-1 − top-2 probability margin of the
 predictive distribution at commit, and its within-block commit rank; plus the decode order.
@@ -65,11 +67,19 @@ def schedule(gen_length: int, block_length: int, steps: int) -> list[tuple[int, 
     return [(b, k) for b in range(n_blocks) for k in num_transfer_tokens(block_length, per_block)]
 
 
+def token_logits(logits: torch.Tensor, mask_id: int) -> torch.Tensor:
+    """logits (..., V) with the <mask> entry set to −inf (when ``mask_id`` is a column): the distribution over
+    real tokens that the sampler draws from and the estimators score under."""
+    if 0 <= mask_id < logits.shape[-1]:
+        logits = logits.index_fill(-1, torch.tensor([mask_id], device=logits.device), float("-inf"))
+    return logits
+
+
 def predictive_stats(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """logits (..., V) → (probs (..., V), entropy (...), margin (...)) in float32."""
     logp = torch.log_softmax(logits.float(), dim=-1)
     p = logp.exp()
-    ent = -(p * logp).sum(-1)
+    ent = -(p * torch.where(p > 0, logp, torch.zeros_like(logp))).sum(-1)  # 0·log 0 = 0 (the removed <mask>)
     top2 = p.topk(2, dim=-1).values
     return p, ent, top2[..., 0] - top2[..., 1]
 
@@ -109,7 +119,7 @@ def sample(logits_fn, prompt_ids: torch.Tensor, *, mask_id: int, gen_length: int
     for s, (blk, k) in enumerate(sched):
         if blk != prev_block:
             done_in_block, prev_block = 0, blk
-        logits = logits_fn(x)[:, P:].float()  # (B, L, V)
+        logits = token_logits(logits_fn(x)[:, P:].float(), mask_id)  # (B, L, V)
         p, e, m = predictive_stats(logits)
         x0 = gumbel_argmax(logits, temperature, generator)  # (B, L)
         p0 = p.gather(-1, x0.unsqueeze(-1)).squeeze(-1)  # (B, L)
