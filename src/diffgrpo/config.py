@@ -187,10 +187,12 @@ class DACAConfig:
     likelihood: str = _f("base", choices=("base", "sml"),
                          doc="base = the method's estimator; sml = Stratified Masking Likelihood on top of it")
     sml_strata: int = _f(2, lo=1, doc="SML: strata K (K forwards per base forward; 1 = the base estimator)")
-    sml_partition: str = _f("random", choices=("random", "interleaved", "decode_order"),
-                            doc="SML: how valid completion tokens are split into strata")
-    sml_mode: str = _f("leave_one_out", choices=("leave_one_out", "chain"),
-                       doc="SML: forward k masks stratum k (leave_one_out) or strata k..K-1 (chain)")
+    sml_partition: str = _f("decode_order", choices=("random", "interleaved", "decode_order"),
+                            doc="SML: how valid completion tokens are split into strata (decode_order: stratum 0 = "
+                                "decoded first)")
+    sml_mode: str = _f("chain", choices=("leave_one_out", "chain"),
+                       doc="SML: forward k masks stratum k (leave_one_out) or strata k..K-1 (chain: with decode_order, "
+                           "each stratum is scored in the context the sampler decided it in)")
 
 
 @dataclass
