@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from dllm_train import command, tables  # noqa: E402
+from dllm_train import load_runs, tables  # noqa: E402
 
 TASKS = ("arithmetic", "sudoku", "countdown", "json_schema")
 METHODS = ("diffu_grpo", "coupled_grpo", "random_mask")
@@ -31,23 +31,6 @@ Likelihood (K = 2, random partition, leave_one_out); +both; +sml_chain = SML wit
 decode-order partition (the library default since this study). Forwards are sequence-forwards per run (sampling,
 ℓ_old and training; evaluation excluded). Only (task, method, variant) cells with all seeds are listed.
 Rebuilt by `python benchmarks/daca_table.py` from the files below (each run's directory is under `<dir>/runs/`)."""
-
-
-def load(paths: list[Path]) -> tuple[list[dict], list[str]]:
-    """Rows (deduplicated by task, method, variant, seed; first file wins) and one command line per file."""
-    rows, seen, cmds = [], set(), []
-    for p in paths:
-        d = json.loads(p.read_text())
-        cmds.append(f"- `{p}`: `{command(d['args'])}`" + (f" ({d['note']})" if d.get("note") else ""))
-        for r in d["rows"]:
-            r = {"variant": "base", **r}
-            if d["args"]["iterations"] != ITERATIONS[r["task"]]:  # not the study's equal-steps protocol
-                continue
-            key = (r["task"], r["method"], r["variant"], r["seed"])
-            if key not in seen:
-                seen.add(key)
-                rows.append(r)
-    return rows, cmds
 
 
 def complete(rows: list[dict], seeds: list[int]) -> tuple[list[dict], dict]:
@@ -80,7 +63,8 @@ def main():
     args = p.parse_args()
     root = Path(args.dir)
     paths = [Path(b) for b in args.base] + sorted(root.glob("*/dllm_train.json"))
-    rows, cmds = load(paths)
+    rows, cmds = load_runs(paths)
+    rows = [r for r in rows if r["iterations"] == ITERATIONS[r["task"]]]  # the study's equal-steps protocol
     keep, cov = complete(rows, args.seeds)
     head = HEAD + "\n\n" + "\n".join(cmds)
     lines = tables(keep, head)

@@ -103,6 +103,24 @@ def command(a: dict) -> str:
             f"{a['eval_samples']} --out {a['out']} {' '.join(a['overrides'])}")
 
 
+def load_runs(paths) -> tuple[list[dict], list[str]]:
+    """Rows of earlier dllm_train.json files, each tagged with its run's ``iterations`` and ``eval_samples``
+    (variant defaults to base; a repeated task/method/variant/seed keeps the first file's row), and one
+    "- `file`: `command`" line per file."""
+    rows, seen, cmds = [], set(), []
+    for path in map(Path, paths):
+        d = json.loads(path.read_text())
+        a = d["args"]
+        cmds.append(f"- `{path}`: `{command(a)}`" + (f" ({d['note']})" if d.get("note") else ""))
+        for r in d["rows"]:
+            r = {"variant": "base", **r, "iterations": a["iterations"], "eval_samples": a["eval_samples"]}
+            key = (r["task"], r["method"], r["variant"], r["seed"])
+            if key not in seen:
+                seen.add(key)
+                rows.append(r)
+    return rows, cmds
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--tasks", nargs="+", default=["arithmetic", "sudoku"])
@@ -123,11 +141,10 @@ def main():
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.from_json:
-        runs = [json.loads(Path(f).read_text()) for f in args.from_json]
-        rows = [{"variant": "base", **r} for run_ in runs for r in run_["rows"]]
-        head = "Merged from:\n\n" + "\n".join(f"- `{f}`: `{command(r['args'])}`" for f, r in zip(args.from_json, runs))
+        rows, cmds = load_runs(args.from_json)
+        head = "Merged from:\n\n" + "\n".join(cmds)
         head += ("\n\nHeld-out = the whole test split: greedy decoding, and sampled at temperature 1 "
-                 f"({runs[0]['args']['eval_samples']} completions per prompt).")
+                 f"({rows[0]['eval_samples']} completions per prompt).")
         (out / "dllm_train.md").write_text("\n".join(tables(rows, head)) + "\n")
         print("\n".join(tables(rows, head)))
         return
