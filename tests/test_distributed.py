@@ -20,6 +20,11 @@ LR = 1e-2
 ENGINES = ("recompute", "retain", "reweight")
 CASES = [(engine, mode, layout) for engine in ENGINES for mode in ("ddp", "fsdp2") for layout in ("local", "spread")]
 IDS = ["-".join(case) for case in CASES]
+# a rank whose samples all drop out of the loss (rank 1's group: equal rewards under filter_zero_std, or non-finite
+# rewards) must still run its planned calls, or the other rank's gradient collectives wait for it forever
+DROPS = {"zero_std": ["advantage.filter_zero_std=true"], "nonfinite": []}
+DROP_CASES = [(engine, mode, drop) for engine in ENGINES for mode in ("ddp", "fsdp2") for drop in DROPS]
+DROP_IDS = ["-".join(case) for case in DROP_CASES]
 COMMON = ["train.group_size=4", "train.prompts_per_batch=2", "loss.beta=0.1", "train.max_grad_norm=0", f"train.lr={LR}",
           "eval.seeds_per_prompt=1"]
 # DDP: per-trajectory random steps (rows of one step split into a grad and a no-grad forward). FSDP2 all-gathers on
@@ -55,13 +60,31 @@ def _count_collectives(counts: dict) -> None:
             setattr(dist, name, counted)
 
 
+def _drop_rank1_rewards(drop: str, rank: int):
+    """The trainer's reward function, with rank 1's rewards made equal (zero_std) or NaN (nonfinite)."""
+    from diffgrpo import trainer
+
+    score = trainer.compute_rewards
+
+    def patched(*a, **kw):
+        rewards, comps = score(*a, **kw)
+        if rank == 1:
+            rewards = torch.full_like(rewards, 0.5 if drop == "zero_std" else float("nan"))
+        return rewards, comps
+    return patched
+
+
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    from diffgrpo import Trainer
+    from datetime import timedelta
+
+    from diffgrpo import Trainer, trainer
     from diffgrpo.models.tiny import build_tiny_policy
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
+    # a collective one rank never joins fails after the timeout instead of hanging the test run
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     counts = dict.fromkeys((*COLLECTIVES, "ddp_bucket"), 0)
     bucket_all_reduce = dist.all_reduce  # DDP's hook below: not counted as an explicit all-reduce
     _count_collectives(counts)
@@ -71,8 +94,12 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         fut = bucket_all_reduce(bucket.buffer().div_(world), async_op=True).get_future()
         return fut.then(lambda f: f.value()[0])
 
-    for engine, mode, layout in CASES:  # one process group, one fresh trainer per case
-        cfg = RunConfig.from_overrides([*TINY, "seed=0", f"engine.name={engine}", *COMMON, *STEPS[mode],
+    compute_rewards = trainer.compute_rewards
+    for case in CASES + DROP_CASES:  # one process group, one fresh trainer per case
+        engine, mode, layout = case if case in CASES else (*case[:2], "local")
+        drop = [] if case in CASES else DROPS[case[2]]
+        trainer.compute_rewards = compute_rewards if case in CASES else _drop_rank1_rewards(case[2], rank)
+        cfg = RunConfig.from_overrides([*TINY, "seed=0", f"engine.name={engine}", *COMMON, *STEPS[mode], *drop,
                                         f"dist.mode={mode}", f"dist.group_layout={layout}", "dist.backend=gloo"])
         torch.manual_seed(0)
         policy = build_tiny_policy(cfg, progress=False, log=lambda *a: None, pretrained=False)
@@ -93,7 +120,8 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
                     "comm_update": dict(counts), "allreduce_calls": stats.allreduce_calls,
                     "fsdp_units": len(distributed.transformer_blocks(tr.dp_module)) + 1,  # blocks + root
                     **{k: getattr(ro, k) for k in KEEP}},
-                   os.path.join(out_dir, f"{engine}-{mode}-{layout}-rank{rank}.pt"))
+                   os.path.join(out_dir, f"{'-'.join(case)}-rank{rank}.pt"))
+    trainer.compute_rewards = compute_rewards
     refused = []  # FSDP2 with per-trajectory random steps is refused before any collective could mismatch
     for steps in (["steps.mode=random"], ["steps.mode=window", "steps.window_start=-1"]):
         try:
@@ -112,7 +140,7 @@ def two_rank_results():
     with tempfile.TemporaryDirectory() as d:
         mp.spawn(_worker, args=(2, _free_port(), d), nprocs=2, join=True)
         load = lambda name: torch.load(os.path.join(d, name), weights_only=False)  # noqa: E731
-        out = {case: [load(f"{'-'.join(case)}-rank{r}.pt") for r in range(2)] for case in CASES}
+        out = {case: [load(f"{'-'.join(case)}-rank{r}.pt") for r in range(2)] for case in CASES + DROP_CASES}
         out["refused"] = [load(f"refused-rank{r}.pt") for r in range(2)]
         yield out
 
@@ -158,6 +186,39 @@ def test_two_ranks_equal_one_rank(two_rank_results, make_trainer, engine, mode, 
         torch.testing.assert_close(a, b.detach(), rtol=0, atol=1e-6)
     moved = sum(float((a - b.detach()).abs().max()) for a, b in zip(parts[0]["params"], make_trainer().params))
     assert moved > 1e-3  # the optimizer step did change the weights
+
+
+@pytest.mark.parametrize("engine,mode,drop", DROP_CASES, ids=DROP_IDS)
+def test_rank_whose_samples_all_drop_out_still_syncs(two_rank_results, make_trainer, engine, mode, drop):
+    """Rank 1's only group drops out of the loss (equal rewards with filter_zero_std, or non-finite rewards).
+    It still runs its planned steps with loss weight 0, so both ranks join the one gradient sync and end with
+    the one-process gradient of the union, in which that group drops out the same way."""
+    parts = two_rank_results[(engine, mode, drop)]
+    busy, idle = parts
+    assert float(busy["loss_weights"].abs().sum()) > 0
+    assert bool(idle["selected"].any()) and float(idle["loss_weights"].abs().sum()) == 0
+    assert float(idle["advantages"].abs().sum()) == 0
+    for p in parts:
+        c = p["comm_update"]
+        got = {"ddp_bucket": c["ddp_bucket"], "all_reduce": c["all_reduce"],
+               "reduce_scatter": c["reduce_scatter_tensor"] + c["reduce_scatter_single"]}
+        assert got == _expected_collectives(engine, mode, p["fsdp_units"])
+    cat = lambda k: torch.cat([p[k] for p in parts])  # noqa: E731
+    B = len(busy["prompts"])
+    gids = torch.cat([p["group_ids"] + r * B for r, p in enumerate(parts)])  # local layout: ids unique per rank
+    tr = make_trainer("engine.name=recompute", *COMMON, *DROPS[drop])
+    ro = Rollout(prompts=busy["prompts"] + idle["prompts"], group_ids=gids,
+                 cond={k: torch.cat([p["cond"][k] for p in parts]) for k in busy["cond"]},
+                 sigmas=busy["sigmas"], xs=cat("xs"), velocities=cat("velocities"), log_probs=cat("log_probs"),
+                 noise=cat("noise"), selected=cat("selected"), rewards=cat("rewards"))
+    tr.finish_rollout(ro)
+    assert not bool(ro.selected[B:].any())  # one process drops rank 1's group from the selection itself
+    torch.testing.assert_close(ro.loss_weights, cat("loss_weights") / 2)
+    tr.update(ro)
+    g1 = torch.cat([p.grad.flatten() for p in tr.params])
+    assert g1.norm() > 0
+    for p in parts:
+        assert rel_err(torch.cat([g.flatten() for g in p["grads"]]), g1) < 1e-5
 
 
 def _expected_collectives(engine: str, mode: str, units: int) -> dict:

@@ -236,7 +236,8 @@ class Trainer:
                      "from the statistics and the loss")
         ro.valid = valid.to(self.device)
         ro.advantages = adv.to(self.device)
-        ro.selected = ro.selected & keep.to(self.device).unsqueeze(1)
+        planned = ro.selected
+        ro.selected = planned & keep.to(self.device).unsqueeze(1)
         sample_weights = self.engine.sample_weights(self.ctx, ro) if hasattr(self.engine, "sample_weights") else None
         if wave is None and W == 1:
             ro.loss_weights = aggregation_weights(ro.selected, self.cfg.loss.aggregation, sample_weights)
@@ -254,6 +255,13 @@ class Trainer:
                 full_sw = None if full_sw is None else distributed.all_gather(full_sw.float())
             # DDP and FSDP2 AVERAGE gradients over ranks: × W makes the average the one-process sum
             ro.loss_weights = aggregation_weights(full_sel, self.cfg.loss.aggregation, full_sw)[rows] * W
+            if W > 1 and bool(full_sel.any()):
+                # Some rank trains, so every rank must run its planned network calls: the gradient collectives
+                # (DDP's synced backward, FSDP2's all-gathers and reduce-scatters) pair up across ranks, and a rank
+                # whose samples were all filtered out (zero-std groups, non-finite rewards) would otherwise skip
+                # them and leave the others waiting. Its filtered pairs stay selected with loss weight 0 (their
+                # advantage is 0 too), which adds nothing to the gradient. If no rank trains, all skip together.
+                ro.selected = planned
         ro.extras["advantage_stats"] = stats
 
     # ------------------------------------------------------------------ update phase
