@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from diffgrpo import RunConfig, distributed
 from diffgrpo.config import ConfigError
+from diffgrpo.engines.single_step import STEP_KEY
 from diffgrpo.trainer import rank_rows
 from diffgrpo.types import Rollout
 from tests.conftest import TINY, rel_err
@@ -25,6 +26,11 @@ IDS = ["-".join(case) for case in CASES]
 DROPS = {"zero_std": ["advantage.filter_zero_std=true"], "nonfinite": []}
 DROP_CASES = [(engine, mode, drop) for engine in ENGINES for mode in ("ddp", "fsdp2") for drop in DROPS]
 DROP_IDS = ["-".join(case) for case in DROP_CASES]
+# engines with their own estimator (JAGG's windows, Flash-GRPO's one step per group with global rectification):
+# two ranks must equal the same engine in one process on the union of the samples
+OWN = {"jagg": ["engine.window=2"], "single_step": []}
+OWN_CASES = [(engine, mode, layout) for engine in OWN for mode in ("ddp", "fsdp2") for layout in ("local", "spread")]
+OWN_IDS = ["-".join(case) for case in OWN_CASES]
 COMMON = ["train.group_size=4", "train.prompts_per_batch=2", "loss.beta=0.1", "train.max_grad_norm=0", f"train.lr={LR}",
           "eval.seeds_per_prompt=1"]
 # DDP: per-trajectory random steps (rows of one step split into a grad and a no-grad forward). FSDP2 all-gathers on
@@ -95,11 +101,12 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         return fut.then(lambda f: f.value()[0])
 
     compute_rewards = trainer.compute_rewards
-    for case in CASES + DROP_CASES:  # one process group, one fresh trainer per case
-        engine, mode, layout = case if case in CASES else (*case[:2], "local")
-        drop = [] if case in CASES else DROPS[case[2]]
-        trainer.compute_rewards = compute_rewards if case in CASES else _drop_rank1_rewards(case[2], rank)
-        cfg = RunConfig.from_overrides([*TINY, "seed=0", f"engine.name={engine}", *COMMON, *STEPS[mode], *drop,
+    for case in CASES + DROP_CASES + OWN_CASES:  # one process group, one fresh trainer per case
+        dropping = case in DROP_CASES
+        engine, mode, layout = (*case[:2], "local") if dropping else case
+        extra = DROPS[case[2]] if dropping else OWN.get(engine, [])
+        trainer.compute_rewards = _drop_rank1_rewards(case[2], rank) if dropping else compute_rewards
+        cfg = RunConfig.from_overrides([*TINY, "seed=0", f"engine.name={engine}", *COMMON, *STEPS[mode], *extra,
                                         f"dist.mode={mode}", f"dist.group_layout={layout}", "dist.backend=gloo"])
         torch.manual_seed(0)
         policy = build_tiny_policy(cfg, progress=False, log=lambda *a: None, pretrained=False)
@@ -119,11 +126,14 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
                     "cond": ro.cond, "batch_rewards": ro.extras["batch_rewards"], "comm_rollout": in_rollout,
                     "comm_update": dict(counts), "allreduce_calls": stats.allreduce_calls,
                     "fsdp_units": len(distributed.transformer_blocks(tr.dp_module)) + 1,  # blocks + root
+                    "extras": {k: v for k, v in ro.extras.items() if k == STEP_KEY},  # single_step's planned k
                     **{k: getattr(ro, k) for k in KEEP}},
                    os.path.join(out_dir, f"{'-'.join(case)}-rank{rank}.pt"))
     trainer.compute_rewards = compute_rewards
     refused = []  # FSDP2 with per-trajectory random steps is refused before any collective could mismatch
-    for steps in (["steps.mode=random"], ["steps.mode=window", "steps.window_start=-1"]):
+    for steps in (["steps.mode=random"], ["steps.mode=window", "steps.window_start=-1"],
+                  ["engine.name=jagg", "engine.window=2", "engine.jagg_frac=0.5"],
+                  ["engine.name=jagg", "engine.window=2", "engine.jagg_min_score=0.5"]):
         try:
             Trainer(RunConfig.from_overrides([*TINY, *COMMON, *steps, "dist.mode=fsdp2"]), policy=policy)
             refused.append("")
@@ -140,7 +150,8 @@ def two_rank_results():
     with tempfile.TemporaryDirectory() as d:
         mp.spawn(_worker, args=(2, _free_port(), d), nprocs=2, join=True)
         load = lambda name: torch.load(os.path.join(d, name), weights_only=False)  # noqa: E731
-        out = {case: [load(f"{'-'.join(case)}-rank{r}.pt") for r in range(2)] for case in CASES + DROP_CASES}
+        out = {case: [load(f"{'-'.join(case)}-rank{r}.pt") for r in range(2)]
+               for case in CASES + DROP_CASES + OWN_CASES}
         out["refused"] = [load(f"refused-rank{r}.pt") for r in range(2)]
         yield out
 
@@ -221,6 +232,40 @@ def test_rank_whose_samples_all_drop_out_still_syncs(two_rank_results, make_trai
         assert rel_err(torch.cat([g.flatten() for g in p["grads"]]), g1) < 1e-5
 
 
+@pytest.mark.parametrize("engine,mode,layout", OWN_CASES, ids=OWN_IDS)
+def test_two_ranks_equal_one_rank_for_jagg_and_single_step(two_rank_results, make_trainer, engine, mode, layout):
+    """JAGG and Flash-GRPO's single_step are not the exact gradient, so two ranks are compared with the same
+    engine in one process on the union of the ranks' samples: equal gradients, one gradient sync per step.
+    single_step in the spread layout: both ranks train the same step for a group (iso-temporal across ranks),
+    and the rectification is normalised over both ranks' samples."""
+    parts = two_rank_results[(engine, mode, layout)]
+    B = len(parts[0]["prompts"])
+    cat = lambda k: torch.cat([p[k] for p in parts])  # noqa: E731
+    gids = torch.cat([p["group_ids"] + (0 if layout == "spread" else r * B) for r, p in enumerate(parts)])
+    extras = {}
+    if engine == "single_step":
+        k = torch.cat([p["extras"][STEP_KEY] for p in parts])  # (2B,)
+        extras[STEP_KEY] = k
+        for g in gids.unique():
+            assert k[gids == g].unique().numel() == 1  # one trained step per group, on both ranks
+    tr = make_trainer(f"engine.name={engine}", *COMMON, *STEPS[mode], *OWN[engine])
+    ro = Rollout(prompts=parts[0]["prompts"] + parts[1]["prompts"], group_ids=gids,
+                 cond={k: torch.cat([p["cond"][k] for p in parts]) for k in parts[0]["cond"]},
+                 sigmas=parts[0]["sigmas"], xs=cat("xs"), velocities=cat("velocities"), log_probs=cat("log_probs"),
+                 noise=cat("noise"), selected=cat("selected"), rewards=cat("rewards"), extras=extras)
+    tr.finish_rollout(ro)
+    torch.testing.assert_close(ro.loss_weights, cat("loss_weights") / 2)
+    tr.update(ro)
+    g1 = torch.cat([p.grad.flatten() for p in tr.params])
+    assert g1.norm() > 0
+    for p in parts:
+        assert rel_err(torch.cat([g.flatten() for g in p["grads"]]), g1) < 1e-5
+        c = p["comm_update"]
+        got = {"ddp_bucket": c["ddp_bucket"], "all_reduce": c["all_reduce"],
+               "reduce_scatter": c["reduce_scatter_tensor"] + c["reduce_scatter_single"]}
+        assert got == _expected_collectives(engine, mode, p["fsdp_units"])
+
+
 def _expected_collectives(engine: str, mode: str, units: int) -> dict:
     """Gradient collectives of one optimizer step on one rank. DDP: one bucket all-reduce for the one synced
     backward (the tiny transformer's gradient fits DDP's first, 1 MiB, bucket); FSDP2: one reduce-scatter per
@@ -257,10 +302,12 @@ def test_gradient_sync_once_per_step(two_rank_results, engine, mode, layout):
 
 
 def test_fsdp2_refuses_per_trajectory_random_steps(two_rank_results):
-    """FSDP2 collectives need the same network calls on every rank; random steps per trajectory differ."""
-    for random_steps, random_window in two_rank_results["refused"]:
+    """FSDP2 collectives need the same network calls on every rank; random steps per trajectory differ, and so do
+    JAGG's windows routed to the exact path by score."""
+    for random_steps, random_window, jagg_frac, jagg_min_score in two_rank_results["refused"]:
         assert "dist.mode=fsdp2" in random_steps and "steps.mode=random" in random_steps
         assert "steps.mode=window with window_start=-1" in random_window
+        assert "engine.jagg_frac=0.5" in jagg_frac and "engine.jagg_min_score=0.5" in jagg_min_score
 
 
 @pytest.mark.parametrize("layout", ["local", "spread"])

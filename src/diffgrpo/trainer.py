@@ -126,6 +126,14 @@ class Trainer:
             raise ConfigError(f"dist.mode=fsdp2 needs the same trained steps on every trajectory; steps.mode="
                               f"{s.mode}{' with window_start=-1' if s.mode == 'window' else ''} draws them per "
                               "trajectory (use all, first_fraction or window with window_start >= 0, or dist.mode=ddp)")
+        e = self.cfg.engine
+        if self.cfg.dist.mode == "fsdp2" and e.name == "jagg" and (0 < e.jagg_frac < 1 or e.jagg_min_score > -1):
+            # routing by window score sends different steps of each rank to the exact path, so the ranks' network
+            # calls differ; all-JAGG (jagg_frac=1, jagg_min_score=-1) or all-exact (jagg_frac=0) keep them equal
+            raise ConfigError(f"dist.mode=fsdp2 with engine.name=jagg needs the same network calls on every rank; "
+                              f"engine.jagg_frac={e.jagg_frac} / engine.jagg_min_score={e.jagg_min_score} route "
+                              "windows by their score, which differs across ranks (use jagg_frac=1 with "
+                              "jagg_min_score=-1, jagg_frac=0, or dist.mode=ddp)")
 
     # ------------------------------------------------------------------ rollout phase
     def sample_prompts(self) -> tuple[list[str], torch.Tensor]:
