@@ -26,10 +26,11 @@ IDS = ["-".join(case) for case in CASES]
 DROPS = {"zero_std": ["advantage.filter_zero_std=true"], "nonfinite": []}
 DROP_CASES = [(engine, mode, drop) for engine in ENGINES for mode in ("ddp", "fsdp2") for drop in DROPS]
 DROP_IDS = ["-".join(case) for case in DROP_CASES]
-# engines with their own estimator (JAGG's windows, Flash-GRPO's one step per group with global rectification):
-# two ranks must equal the same engine in one process on the union of the samples
-OWN = {"jagg": ["engine.window=2"], "single_step": []}
-OWN_CASES = [(engine, mode, layout) for engine in OWN for mode in ("ddp", "fsdp2") for layout in ("local", "spread")]
+# engines with their own estimator (JAGG's windows, Flash-GRPO's one step per group with global rectification) and
+# a LoRA adapter: two ranks must equal the same configuration in one process on the union of the samples
+OWN = {"jagg": ["engine.name=jagg", "engine.window=2"], "single_step": ["engine.name=single_step"],
+       "lora": ["engine.name=recompute", "model.lora_rank=4"]}
+OWN_CASES = [(label, mode, layout) for label in OWN for mode in ("ddp", "fsdp2") for layout in ("local", "spread")]
 OWN_IDS = ["-".join(case) for case in OWN_CASES]
 COMMON = ["train.group_size=4", "train.prompts_per_batch=2", "loss.beta=0.1", "train.max_grad_norm=0", f"train.lr={LR}",
           "eval.seeds_per_prompt=1"]
@@ -105,6 +106,8 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         dropping = case in DROP_CASES
         engine, mode, layout = (*case[:2], "local") if dropping else case
         extra = DROPS[case[2]] if dropping else OWN.get(engine, [])
+        if engine in OWN:  # a label, its overrides name the engine
+            extra, engine = OWN[engine], OWN[engine][0].split("=")[1]
         trainer.compute_rewards = _drop_rank1_rewards(case[2], rank) if dropping else compute_rewards
         cfg = RunConfig.from_overrides([*TINY, "seed=0", f"engine.name={engine}", *COMMON, *STEPS[mode], *extra,
                                         f"dist.mode={mode}", f"dist.group_layout={layout}", "dist.backend=gloo"])
@@ -232,13 +235,15 @@ def test_rank_whose_samples_all_drop_out_still_syncs(two_rank_results, make_trai
         assert rel_err(torch.cat([g.flatten() for g in p["grads"]]), g1) < 1e-5
 
 
-@pytest.mark.parametrize("engine,mode,layout", OWN_CASES, ids=OWN_IDS)
-def test_two_ranks_equal_one_rank_for_jagg_and_single_step(two_rank_results, make_trainer, engine, mode, layout):
+@pytest.mark.parametrize("label,mode,layout", OWN_CASES, ids=OWN_IDS)
+def test_two_ranks_equal_one_rank_for_jagg_single_step_and_lora(two_rank_results, make_trainer, label, mode, layout):
     """JAGG and Flash-GRPO's single_step are not the exact gradient, so two ranks are compared with the same
     engine in one process on the union of the ranks' samples: equal gradients, one gradient sync per step.
     single_step in the spread layout: both ranks train the same step for a group (iso-temporal across ranks),
-    and the rectification is normalised over both ranks' samples."""
-    parts = two_rank_results[(engine, mode, layout)]
+    and the rectification is normalised over both ranks' samples. A LoRA adapter (frozen base weights sharded
+    or replicated beside it) trains the same adapter gradient as one process."""
+    parts = two_rank_results[(label, mode, layout)]
+    engine = OWN[label][0].split("=")[1]
     B = len(parts[0]["prompts"])
     cat = lambda k: torch.cat([p[k] for p in parts])  # noqa: E731
     gids = torch.cat([p["group_ids"] + (0 if layout == "spread" else r * B) for r, p in enumerate(parts)])
@@ -248,7 +253,7 @@ def test_two_ranks_equal_one_rank_for_jagg_and_single_step(two_rank_results, mak
         extras[STEP_KEY] = k
         for g in gids.unique():
             assert k[gids == g].unique().numel() == 1  # one trained step per group, on both ranks
-    tr = make_trainer(f"engine.name={engine}", *COMMON, *STEPS[mode], *OWN[engine])
+    tr = make_trainer(*COMMON, *STEPS[mode], *OWN[label])
     ro = Rollout(prompts=parts[0]["prompts"] + parts[1]["prompts"], group_ids=gids,
                  cond={k: torch.cat([p["cond"][k] for p in parts]) for k in parts[0]["cond"]},
                  sigmas=parts[0]["sigmas"], xs=cat("xs"), velocities=cat("velocities"), log_probs=cat("log_probs"),
@@ -263,7 +268,10 @@ def test_two_ranks_equal_one_rank_for_jagg_and_single_step(two_rank_results, mak
         c = p["comm_update"]
         got = {"ddp_bucket": c["ddp_bucket"], "all_reduce": c["all_reduce"],
                "reduce_scatter": c["reduce_scatter_tensor"] + c["reduce_scatter_single"]}
-        assert got == _expected_collectives(engine, mode, p["fsdp_units"])
+        # LoRA's adapters sit in the attention of the one transformer block; the root unit holds only frozen
+        # weights, so FSDP2 has nothing to reduce-scatter for it
+        units = 1 if label == "lora" else p["fsdp_units"]
+        assert got == _expected_collectives(engine, mode, units)
 
 
 def _expected_collectives(engine: str, mode: str, units: int) -> dict:
