@@ -217,7 +217,7 @@ class LogConfig:
 class DistConfig:
     """Data parallelism under ``torchrun`` (WORLD_SIZE > 1); ignored in a single process."""
     mode: str = _f("none", choices=("none", "ddp", "fsdp2"),
-                   doc="ddp: replicated weights; fsdp2: fully_shard per transformer block + root (full fine-tune)")
+                   doc="ddp: replicated weights; fsdp2: fully_shard per transformer block + root (full fine-tune or LoRA)")
     group_layout: str = _f("local", choices=("local", "spread"),
                            doc="local: each rank samples whole groups; spread: every group's samples split over ranks")
     backend: str = _f("", doc="process-group backend; empty = nccl with CUDA, gloo otherwise")
