@@ -446,6 +446,8 @@ class Trainer:
         rng = {"prompts": self.gen_prompts.get_state(), "noise": self.gen_noise.get_state(),
                "steps": self.gen_steps.get_state(), "torch": torch.get_rng_state(),
                "group_noise": self.gen_group_noise.get_state()}
+        if self.family is not None:  # e.g. the dLLM sampler's and mask estimator's streams
+            rng["family"] = self.family.rng_state()
         if self.world.world_size > 1:  # a collective: every rank's streams, restored per rank on resume
             rng["per_rank"] = distributed.all_gather_object(rng)
         return distributed.to_full({  # FSDP2 shards → full tensors (a collective; identity otherwise)
@@ -474,6 +476,11 @@ class Trainer:
         self.gen_prompts.set_state(rng["prompts"])
         self.gen_noise.set_state(rng["noise"])
         self.gen_steps.set_state(rng["steps"])
+        if self.family is not None and "family" in rng:
+            self.family.set_rng_state(rng["family"])
+        elif self.family is not None:
+            self.log("warning: the checkpoint holds no dLLM sampling streams (written by an older version); "
+                     "sampling continues from fresh streams, so the run does not replay the uninterrupted one")
         torch.set_rng_state(rng["torch"])
         self.iteration = int(ck["iteration"])
         self.bad_updates = int(ck.get("extra", {}).get("bad_updates", 0))

@@ -130,6 +130,14 @@ class DLLMFamily:
             trainer.log(f"warning: loss.clip_range={cfg.loss.clip_range} is very small for token ratios of dLLMs "
                         f"(usually {DLLM_CLIP_RANGE})")
 
+    def rng_state(self) -> dict:
+        """The family's own streams (sampling, masks), checkpointed with the trainer's."""
+        return {"sample": self.gen_sample.get_state(), "masks": self.gen_masks.get_state()}
+
+    def set_rng_state(self, state: dict) -> None:
+        self.gen_sample.set_state(state["sample"])
+        self.gen_masks.set_state(state["masks"])
+
     # ------------------------------------------------------------------ pieces
     def draw_masks(self, B: int, P: int, L: int, records: masked.MaskedSample | None = None):
         """Masks and weights of the configured estimator, drawn from this family's generator."""
