@@ -1,7 +1,8 @@
 """The Trainer under data parallelism (two gloo processes on CPU): one DDP or FSDP2 update on 2 ranks equals
 one update on 1 rank on the union of the same samples, for the recompute engine and LeanGRPO's recompute-free
-retain / reweight, in both group layouts; gradient collectives per optimizer step are counted; ranks draw
-different noise."""
+retain / reweight, in both group layouts; JAGG, single_step and LoRA against themselves in one process; a rank
+whose samples all drop out still syncs; masked diffusion LMs under DDP; gradient collectives per optimizer step
+are counted; ranks draw different noise."""
 import os
 import socket
 import tempfile
@@ -32,6 +33,15 @@ OWN = {"jagg": ["engine.name=jagg", "engine.window=2"], "single_step": ["engine.
        "lora": ["engine.name=recompute", "model.lora_rank=4"]}
 OWN_CASES = [(label, mode, layout) for label in OWN for mode in ("ddp", "fsdp2") for layout in ("local", "spread")]
 OWN_IDS = ["-".join(case) for case in OWN_CASES]
+# masked diffusion LMs under DDP: base method, layout, DACA plug-ins / options; micro-batches of 2 rows make several
+# backwards per update (synced once). "drop": rank 1's only group has equal rewards under filter_zero_std.
+DLLM_CASES = {"diffu-local": ("diffu_grpo", "local", ["loss.beta=0.04"]),
+              "coupled-spread-sml-dps": ("coupled_grpo", "spread", ["daca.likelihood=sml", "daca.dps_score=entropy",
+                                                                     "daca.dps_mix=0.5"]),
+              "random_mask-local-sml-chain": ("random_mask", "local", ["daca.likelihood=sml", "daca.sml_strata=3"]),
+              "diffu-local-drop": ("diffu_grpo", "local", ["advantage.filter_zero_std=true"])}
+DLLM_KEEP = ("xs", "log_probs", "selected", "rewards", "group_ids", "advantages", "loss_weights")
+DLLM_EXTRAS = ("masks", "mask_weights", "ref_log_probs", "token_weights", "strata", "sml_groups")
 COMMON = ["train.group_size=4", "train.prompts_per_batch=2", "loss.beta=0.1", "train.max_grad_norm=0", f"train.lr={LR}",
           "eval.seeds_per_prompt=1"]
 # DDP: per-trajectory random steps (rows of one step split into a grad and a no-grad forward). FSDP2 all-gathers on
@@ -133,10 +143,11 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
                     **{k: getattr(ro, k) for k in KEEP}},
                    os.path.join(out_dir, f"{'-'.join(case)}-rank{rank}.pt"))
     trainer.compute_rewards = compute_rewards
+    _dllm_cases(rank, world, out_dir, counts, ddp_bucket_hook)
     refused = []  # FSDP2 with per-trajectory random steps is refused before any collective could mismatch
     for steps in (["steps.mode=random"], ["steps.mode=window", "steps.window_start=-1"],
                   ["engine.name=jagg", "engine.window=2", "engine.jagg_frac=0.5"],
-                  ["engine.name=jagg", "engine.window=2", "engine.jagg_min_score=0.5"]):
+                  ["engine.name=jagg", "engine.window=2", "engine.jagg_min_score=0.5"], ["model.name=tiny_mlm"]):
         try:
             Trainer(RunConfig.from_overrides([*TINY, *COMMON, *steps, "dist.mode=fsdp2"]), policy=policy)
             refused.append("")
@@ -144,6 +155,31 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
             refused.append(str(e))
     torch.save(refused, os.path.join(out_dir, f"refused-rank{rank}.pt"))
     torch.distributed.destroy_process_group()
+
+
+def _dllm_cases(rank, world, out_dir, counts, ddp_bucket_hook):
+    """One rollout + update of the tiny masked diffusion LM per DLLM_CASES entry, under DDP."""
+    from tests.test_dllm import make_dllm_trainer
+
+    for name, (method, layout, extra) in DLLM_CASES.items():
+        tr = make_dllm_trainer("dllm.task=sudoku", "dllm.block_length=8", "dllm.diffusion_steps=8",
+                               f"dllm.method={method}", "engine.micro_batch_size=2", "train.lr=3e-3", *extra,
+                               "dist.mode=ddp", f"dist.group_layout={layout}", "dist.backend=gloo")
+        tr.dp_module.register_comm_hook(None, ddp_bucket_hook)
+        if name.endswith("drop") and rank == 1:  # rank 1's group: all rewards equal, so it drops out
+            score = tr.family.task.rewards
+            tr.family.task.rewards = lambda texts, ex: {**score(texts, ex),
+                                                        "reward": torch.full((len(texts),), 0.25)}
+        counts.update(dict.fromkeys(counts, 0))
+        ro = tr.rollout()
+        in_rollout = dict(counts)
+        counts.update(dict.fromkeys(counts, 0))
+        stats, _ = tr.update(ro)
+        torch.save({"grads": [p.grad.detach().clone() for p in tr.params], "prompts": ro.prompts,
+                    "comm_rollout": in_rollout, "comm_update": dict(counts), "backward_calls": stats.backward_calls,
+                    "batch_rewards": ro.extras["batch_rewards"], **{k: getattr(ro, k) for k in DLLM_KEEP},
+                    "extras": {k: ro.extras.get(k) for k in DLLM_EXTRAS}},
+                   os.path.join(out_dir, f"dllm-{name}-rank{rank}.pt"))
 
 
 @pytest.fixture(scope="module")
@@ -156,6 +192,7 @@ def two_rank_results():
         out = {case: [load(f"{'-'.join(case)}-rank{r}.pt") for r in range(2)]
                for case in CASES + DROP_CASES + OWN_CASES}
         out["refused"] = [load(f"refused-rank{r}.pt") for r in range(2)]
+        out.update({name: [load(f"dllm-{name}-rank{r}.pt") for r in range(2)] for name in DLLM_CASES})
         yield out
 
 
@@ -312,10 +349,11 @@ def test_gradient_sync_once_per_step(two_rank_results, engine, mode, layout):
 def test_fsdp2_refuses_per_trajectory_random_steps(two_rank_results):
     """FSDP2 collectives need the same network calls on every rank; random steps per trajectory differ, and so do
     JAGG's windows routed to the exact path by score."""
-    for random_steps, random_window, jagg_frac, jagg_min_score in two_rank_results["refused"]:
+    for random_steps, random_window, jagg_frac, jagg_min_score, dllm in two_rank_results["refused"]:
         assert "dist.mode=fsdp2" in random_steps and "steps.mode=random" in random_steps
         assert "steps.mode=window with window_start=-1" in random_window
         assert "engine.jagg_frac=0.5" in jagg_frac and "engine.jagg_min_score=0.5" in jagg_min_score
+        assert "masked diffusion LMs" in dllm and "dist.mode=ddp" in dllm
 
 
 @pytest.mark.parametrize("layout", ["local", "spread"])
@@ -348,3 +386,53 @@ def test_single_process_ignores_dist_section(make_trainer):
     assert torch.equal(a.plan_batch().x0, b.plan_batch().x0)
     with pytest.raises(ConfigError, match="dist.mode"):
         RunConfig.from_overrides(["dist.mode=fsdp1"])
+
+
+@pytest.mark.parametrize("name", list(DLLM_CASES))
+def test_dllm_two_ranks_equal_one_rank(two_rank_results, name):
+    """Masked diffusion LMs under DDP: advantages over whole groups (all-gathered rewards), the token-mean
+    normaliser over both ranks' trained tokens, and one gradient sync after several backwards give every rank
+    the one-process gradient on the union of the ranks' samples (same masks, strata and DPS weights)."""
+    from diffgrpo.advantages import group_advantages
+    from diffgrpo.losses import aggregation_weights
+    from tests.test_dllm import make_dllm_trainer
+
+    method, layout, extra = DLLM_CASES[name]
+    parts = two_rank_results[name]
+    B = len(parts[0]["prompts"])
+    cat = lambda k: torch.cat([p[k] for p in parts])  # noqa: E731
+    gids = torch.cat([p["group_ids"] + (0 if layout == "spread" else r * B) for r, p in enumerate(parts)])
+    if layout == "spread":
+        assert parts[0]["prompts"] == parts[1]["prompts"]  # a share of every group on each rank
+    else:  # one whole group per rank
+        assert all(p["group_ids"].unique().numel() == 1 and len(set(p["prompts"])) == 1 for p in parts)
+    assert gids.unique().numel() == 2  # 2 prompts × 4 samples over 2 ranks
+    torch.testing.assert_close(parts[0]["batch_rewards"], cat("rewards"))
+    tr = make_dllm_trainer("dllm.task=sudoku", "dllm.block_length=8", "dllm.diffusion_steps=8",
+                           f"dllm.method={method}", "engine.micro_batch_size=2", "train.lr=3e-3", *extra)
+    fam, a = tr.family, tr.cfg.advantage
+    adv, _ = group_advantages(cat("rewards"), gids, std_mode=fam.std_mode, baseline=fam.baseline, clip=a.clip,
+                              eps=a.eps)
+    torch.testing.assert_close(cat("advantages"), adv)
+    selected = cat("selected")
+    if name.endswith("drop"):
+        assert not bool(parts[1]["selected"].any()) and bool(parts[0]["selected"].any())
+    lw = aggregation_weights(selected, tr.cfg.loss.aggregation)
+    torch.testing.assert_close(cat("loss_weights") / 2, lw)  # × W on each rank, averaged by DDP
+    ex = parts[0]["extras"]
+    extras = {k: (None if ex[k] is None else ex[k] if k == "sml_groups" else
+                  torch.cat([p["extras"][k] for p in parts])) for k in DLLM_EXTRAS}
+    ro = Rollout(prompts=parts[0]["prompts"] + parts[1]["prompts"], group_ids=gids, cond={},
+                 sigmas=torch.zeros(0), xs=cat("xs"), velocities=torch.zeros(2 * B, 0), log_probs=cat("log_probs"),
+                 noise=torch.zeros(2 * B, 0), selected=selected, rewards=cat("rewards"), advantages=adv,
+                 loss_weights=lw, extras=extras)
+    tr.optimizer.zero_grad(set_to_none=True)
+    stats = tr.backward(ro)
+    g1 = torch.cat([p.grad.flatten() for p in tr.params])
+    assert g1.norm() > 0
+    for p in parts:
+        assert rel_err(torch.cat([g.flatten() for g in p["grads"]]), g1) < 1e-5
+        assert sum(p["comm_rollout"].values()) == 0  # the rollout's all-gathers are not counted collectives
+        assert p["comm_update"]["ddp_bucket"] == 1 and p["comm_update"]["all_reduce"] == 0  # one sync
+        assert p["backward_calls"] > 1  # several backwards (micro-batches × strata), synced only on the last
+    assert stats.backward_calls >= 1

@@ -64,7 +64,8 @@ class Trainer:
         self.engine = build_engine(cfg.engine)
         self.dp_module = None  # the DDP / FSDP2 wrapper velocity() goes through (None in one process)
         if self.world.world_size > 1:
-            net = self.policy.transformer if hasattr(self.policy, "transformer") else self.policy.net.transformer
+            net = (self.policy.transformer if hasattr(self.policy, "transformer") else
+                   self.policy.model if hasattr(self.policy, "model") else self.policy.net.transformer)
             self.dp_module = distributed.wrap(net, cfg.dist.mode)  # FSDP2 shards in place: build the optimizer after
             self.policy.forward_module = self.dp_module
             if hasattr(self.engine, "all_reduce"):  # e.g. single_step's global rectification normaliser
@@ -103,8 +104,6 @@ class Trainer:
         from .dllm.grpo import family_for  # masked diffusion LMs: rollout/backward/evaluate live in dllm/grpo.py
 
         self.family = family_for(self)
-        if self.family is not None and self.world.world_size > 1:
-            raise ConfigError("dist.mode: data parallelism is implemented for flow-matching image models only")
 
     def _check_world(self) -> None:
         """Every rank must hold the same number of samples (all-gathers) and whole shares of the batch."""
@@ -117,6 +116,11 @@ class Trainer:
         if not self._spread and t.prompts_per_batch % W:
             raise ConfigError(f"dist.group_layout=local: train.prompts_per_batch={t.prompts_per_batch} must be a "
                               f"multiple of the world size {W}")
+        from .dllm.grpo import DLLM_MODELS
+
+        if self.cfg.dist.mode == "fsdp2" and self.cfg.model.name in DLLM_MODELS:
+            raise ConfigError(f"dist.mode=fsdp2 is implemented for flow-matching image models; masked diffusion LMs "
+                              f"(model.name={self.cfg.model.name}) train data parallel with dist.mode=ddp")
         s = self.cfg.steps
         if self.cfg.dist.mode == "fsdp2" and (s.mode == "random" or (s.mode == "window" and s.window_start < 0)):
             # FSDP2 all-gathers weights in every forward and backward, so every rank must run the same sequence of

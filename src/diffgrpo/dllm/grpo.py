@@ -27,6 +27,13 @@ DACA-GRPO plug-ins (``daca.*``, on any base method):
     scored by exactly one group, so the loss splits over groups and ``backward`` runs one forward + backward per
     group (peak memory of one base forward). Cost K·M forwards (grad) per update and K·M no-grad for ℓ_old.
 
+Data parallel (``dist.mode=ddp`` under torchrun): each rank samples its share of the batch (whole groups, or a
+share of every group with ``dist.group_layout=spread``) with its own sampling and mask streams; rewards and group
+ids are all-gathered, so advantages see whole groups, and the token-mean normaliser counts every rank's trained
+tokens (× W, as DDP averages), so W ranks take the one-process step on the union of their samples. Every rank
+runs a forward + backward for each of its rows (rows without a trained token at weight 0) and only the last
+backward syncs gradients, so no rank skips the one collective.
+
 Rollout mapping: ``xs`` (B, 1, P+L) final token ids, ``log_probs`` (B, L) old per-token estimates,
 ``selected`` (B, L) trained tokens, ``loss_weights`` (B, L); sampler records in ``extras["sampler"]``.
 Cost per update: B·M forwards with grad and B·M sample-backwards (M = forwards per estimate), plus B·M
@@ -34,10 +41,12 @@ no-grad forwards per rollout for ℓ_old (and B·M for ℓ_ref when β > 0).
 """
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
 
+from .. import distributed
 from ..advantages import group_advantages
 from ..engines.base import EngineContext, chunks, engine_run
 from ..losses import aggregate, aggregation_weights, ppo_clip_loss
@@ -116,8 +125,12 @@ class DLLMFamily:
         self.ctx = EngineContext(policy=self.policy, kernel={}, clip_range=dllm_clip_range(cfg.loss.clip_range),
                                  beta=cfg.loss.beta, micro_batch_size=cfg.engine.micro_batch_size)
         self.gen_prompts = trainer.gen_prompts
-        self.gen_sample = torch.Generator(device=trainer.device).manual_seed(cfg.seed + 11)
-        self.gen_masks = torch.Generator(device=trainer.device).manual_seed(cfg.seed + 12)
+        self.world, self.spread = trainer.world, trainer._spread
+        rank = self.world.rank  # own sampling and mask streams per rank (rank 0 keeps the one-process seeds)
+        self.gen_sample = torch.Generator(device=trainer.device).manual_seed(distributed.seed_for(cfg.seed + 11, rank))
+        self.gen_masks = torch.Generator(device=trainer.device).manual_seed(distributed.seed_for(cfg.seed + 12, rank))
+        if trainer.dp_module is not None:  # gradient sync on the last backward of an update only
+            self.ctx.no_sync = trainer.ctx.no_sync
         self.token_weights = None  # optional hook: (family, rollout) -> (B, L) per-token policy-loss weights
         self.daca = cfg.daca
         if self.daca.dps_score != "none":
@@ -184,10 +197,16 @@ class DLLMFamily:
 
     def _examples(self, prompts):
         if prompts is None:
-            t = self.cfg.train
-            ex = self.task.sample("train", t.prompts_per_batch, self.gen_prompts)
-            return [e for e in ex for _ in range(t.group_size)], \
-                torch.arange(t.prompts_per_batch).repeat_interleave(t.group_size)
+            t, W = self.cfg.train, self.world.world_size
+            n = t.prompts_per_batch if W == 1 or self.spread else t.prompts_per_batch // W  # local: P/W per rank
+            ex = [e for e in self.task.sample("train", n, self.gen_prompts) for _ in range(t.group_size)]
+            gids = torch.arange(n).repeat_interleave(t.group_size)
+            if W > 1 and self.spread:  # the same prompts on every rank (shared stream); keep this rank's share
+                from ..trainer import rank_rows
+
+                rows = rank_rows(gids, self.world.rank, W)
+                ex, gids = [ex[i] for i in rows.tolist()], gids[rows]
+            return ex, gids
         lookup = {e.prompt: e for s in ("train", "test") for e in self.task.instances(s)}
         ex = [p if isinstance(p, Example) else lookup[p] for p in prompts]
         return ex, torch.arange(len(ex)) // self.cfg.train.group_size
@@ -208,8 +227,14 @@ class DLLMFamily:
         t_reward = time.perf_counter() - t1
         a = self.cfg.advantage
         valid = torch.isfinite(rewards)
-        adv, stats = group_advantages(rewards, group_ids, valid=valid, std_mode=self.std_mode,
-                                      baseline=self.baseline, clip=a.clip, eps=a.eps)
+        W, rank, B = self.world.world_size, self.world.rank, len(rewards)
+        all_rewards, all_gids = rewards, group_ids
+        if W > 1:  # statistics over every rank's samples (rank r's rows are r·B … r·B+B−1 of the gathered batch)
+            all_rewards = distributed.all_gather(rewards.float())
+            all_gids = distributed.all_gather(group_ids + (0 if self.spread else rank * B))  # local: unique ids
+        adv, stats = group_advantages(all_rewards, all_gids, valid=torch.isfinite(all_rewards),
+                                      std_mode=self.std_mode, baseline=self.baseline, clip=a.clip, eps=a.eps)
+        adv = adv[rank * B:(rank + 1) * B] if W > 1 else adv
         keep = valid.clone()
         if a.filter_zero_std:
             keep &= adv != 0
@@ -241,8 +266,13 @@ class DLLMFamily:
                      extras={"masks": masks, "mask_weights": mweights, "ref_log_probs": ref, "sampler": records,
                              "examples": examples, "advantage_stats": stats, "completions": texts,
                              "strata": strata, "sml_groups": G})
-        sw = None
-        ro.loss_weights = aggregation_weights(selected, self.cfg.loss.aggregation, sw)
+        if W > 1:  # the normaliser counts every rank's trained tokens; × W as DDP averages the ranks' gradients
+            ro.extras["batch_rewards"] = all_rewards
+            every = distributed.all_gather(selected.to(torch.uint8)).bool()
+            ro.extras["batch_trains"] = bool(every.any())  # False: every rank skips the update together
+            ro.loss_weights = aggregation_weights(every, self.cfg.loss.aggregation)[rank * B:(rank + 1) * B] * W
+        else:
+            ro.loss_weights = aggregation_weights(selected, self.cfg.loss.aggregation)
         if self.token_weights is not None:
             ro.extras["token_weights"] = self.token_weights(self, ro)
         ro.timings["rollout"] = time.perf_counter() - t0
@@ -262,19 +292,24 @@ class DLLMFamily:
         kl_sum = ratio_sum = 0.0
         ratio_dev = 0.0
         with engine_run(ctx, f"dllm/{self.d.method}") as stats:
-            rows = torch.nonzero(ro.selected.any(1)).flatten()
-            for idx, k in ((i, k) for i in chunks(rows, ctx.micro_batch_size) for k in range(G)):
+            # data parallel: every row, so that every rank makes its backwards (untrained rows weigh 0), unless
+            # no rank trains a token (then none makes any, as one process would)
+            rows = (torch.arange(len(ids), device=ids.device) if ro.extras.get("batch_trains", False) else
+                    torch.nonzero(ro.selected.any(1)).flatten())
+            work = [(i, k) for i in chunks(rows, ctx.micro_batch_size) for k in range(G)]
+            for j, (idx, k) in enumerate(work):
                 sl = slice(k * Mg, (k + 1) * Mg)  # group k: tokens of stratum k depend on these forwards only
-                lp = self.log_probs(ids[idx], masks[idx][:, sl], mw[idx][:, sl])  # (n, L) with grad
-                loss, terms = grpo_token_loss(lp, ro.log_probs[idx], ro.advantages[idx], ctx.clip_range,
-                                              ref_log_prob=None if ref is None else ref[idx], beta=ctx.beta,
-                                              token_weights=None if tw is None else tw[idx])
-                lw, sel = ro.loss_weights[idx], ro.selected[idx]
-                if group is not None and G > 1:
-                    in_k = group[idx] == k  # (n, L)
-                    lw, sel = torch.where(in_k, lw, torch.zeros_like(lw)), sel & in_k
-                total = aggregate(loss, lw)
-                total.backward()
+                with contextlib.nullcontext() if j == len(work) - 1 else ctx.no_sync():  # sync once, at the end
+                    lp = self.log_probs(ids[idx], masks[idx][:, sl], mw[idx][:, sl])  # (n, L) with grad
+                    loss, terms = grpo_token_loss(lp, ro.log_probs[idx], ro.advantages[idx], ctx.clip_range,
+                                                  ref_log_prob=None if ref is None else ref[idx], beta=ctx.beta,
+                                                  token_weights=None if tw is None else tw[idx])
+                    lw, sel = ro.loss_weights[idx], ro.selected[idx]
+                    if group is not None and G > 1:
+                        in_k = group[idx] == k  # (n, L)
+                        lw, sel = torch.where(in_k, lw, torch.zeros_like(lw)), sel & in_k
+                    total = aggregate(loss, lw)
+                    total.backward()
                 stats.backward_calls += 1
                 stats.sample_backwards += len(idx) * Mg
                 n_tok += float(sel.sum())

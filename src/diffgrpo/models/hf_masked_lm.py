@@ -47,10 +47,11 @@ class MaskedLMPolicy:
         self._use_ref = False
         self.counters = {"forwards_grad": 0, "forwards_nograd": 0}
         self.uses_cfg = False
+        self.forward_module = None  # the DDP wrapper of ``model`` under data parallelism (weights stay on .model)
 
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids (B, N) long → logits (B, N, V) float32 (position j scores token j)."""
-        net = self._ref if self._use_ref else self.model
+        net = self._ref if self._use_ref else (self.model if self.forward_module is None else self.forward_module)
         self.counters["forwards_grad" if torch.is_grad_enabled() else "forwards_nograd"] += input_ids.shape[0]
         kw = {}
         if self.use_attention_mask:
