@@ -168,8 +168,8 @@ def _dllm_cases(rank, world, out_dir, counts, ddp_bucket_hook):
         tr.dp_module.register_comm_hook(None, ddp_bucket_hook)
         if name.endswith("drop") and rank == 1:  # rank 1's group: all rewards equal, so it drops out
             score = tr.family.task.rewards
-            tr.family.task.rewards = lambda texts, ex: {**score(texts, ex),
-                                                        "reward": torch.full((len(texts),), 0.25)}
+            tr.family.task.rewards = lambda texts, ex, score=score: {**score(texts, ex),
+                                                                     "reward": torch.full((len(texts),), 0.25)}
         counts.update(dict.fromkeys(counts, 0))
         ro = tr.rollout()
         in_rollout = dict(counts)
@@ -196,6 +196,15 @@ def two_rank_results():
         yield out
 
 
+def _union_rollout(parts: list[dict], gids: torch.Tensor, **extra) -> Rollout:
+    """The ranks' rollouts as one batch (rank order), before advantages: what one process would have sampled."""
+    cat = lambda k: torch.cat([p[k] for p in parts])  # noqa: E731
+    return Rollout(prompts=[q for p in parts for q in p["prompts"]], group_ids=gids,
+                   cond={k: torch.cat([p["cond"][k] for p in parts]) for k in parts[0]["cond"]},
+                   sigmas=parts[0]["sigmas"], xs=cat("xs"), velocities=cat("velocities"), log_probs=cat("log_probs"),
+                   noise=cat("noise"), selected=cat("selected"), rewards=cat("rewards"), **extra)
+
+
 @pytest.mark.parametrize("engine,mode,layout", CASES, ids=IDS)
 def test_two_ranks_equal_one_rank(two_rank_results, make_trainer, engine, mode, layout):
     """Same samples, one update: every rank ends with the same gradient and weights, equal to the one-process
@@ -212,10 +221,7 @@ def test_two_ranks_equal_one_rank(two_rank_results, make_trainer, engine, mode, 
     assert gids.unique().numel() == 2
     torch.testing.assert_close(parts[0]["batch_rewards"], cat("rewards"))
     tr = make_trainer("engine.name=recompute", *COMMON)
-    ro = Rollout(prompts=parts[0]["prompts"] + parts[1]["prompts"], group_ids=gids,
-                 cond={k: torch.cat([p["cond"][k] for p in parts]) for k in parts[0]["cond"]},
-                 sigmas=parts[0]["sigmas"], xs=cat("xs"), velocities=cat("velocities"), log_probs=cat("log_probs"),
-                 noise=cat("noise"), selected=cat("selected"), rewards=cat("rewards"))
+    ro = _union_rollout(parts, gids)
     tr.finish_rollout(ro)
     torch.testing.assert_close(ro.advantages, cat("advantages"))  # group statistics over the whole group
     torch.testing.assert_close(ro.loss_weights, cat("loss_weights") / 2)  # × W on each rank, averaged by DDP/FSDP2
@@ -250,18 +256,13 @@ def test_rank_whose_samples_all_drop_out_still_syncs(two_rank_results, make_trai
     assert bool(idle["selected"].any()) and float(idle["loss_weights"].abs().sum()) == 0
     assert float(idle["advantages"].abs().sum()) == 0
     for p in parts:
-        c = p["comm_update"]
-        got = {"ddp_bucket": c["ddp_bucket"], "all_reduce": c["all_reduce"],
-               "reduce_scatter": c["reduce_scatter_tensor"] + c["reduce_scatter_single"]}
+        got = _update_syncs(p)
         assert got == _expected_collectives(engine, mode, p["fsdp_units"])
     cat = lambda k: torch.cat([p[k] for p in parts])  # noqa: E731
     B = len(busy["prompts"])
     gids = torch.cat([p["group_ids"] + r * B for r, p in enumerate(parts)])  # local layout: ids unique per rank
     tr = make_trainer("engine.name=recompute", *COMMON, *DROPS[drop])
-    ro = Rollout(prompts=busy["prompts"] + idle["prompts"], group_ids=gids,
-                 cond={k: torch.cat([p["cond"][k] for p in parts]) for k in busy["cond"]},
-                 sigmas=busy["sigmas"], xs=cat("xs"), velocities=cat("velocities"), log_probs=cat("log_probs"),
-                 noise=cat("noise"), selected=cat("selected"), rewards=cat("rewards"))
+    ro = _union_rollout(parts, gids)
     tr.finish_rollout(ro)
     assert not bool(ro.selected[B:].any())  # one process drops rank 1's group from the selection itself
     torch.testing.assert_close(ro.loss_weights, cat("loss_weights") / 2)
@@ -291,10 +292,7 @@ def test_two_ranks_equal_one_rank_for_jagg_single_step_and_lora(two_rank_results
         for g in gids.unique():
             assert k[gids == g].unique().numel() == 1  # one trained step per group, on both ranks
     tr = make_trainer(*COMMON, *STEPS[mode], *OWN[label])
-    ro = Rollout(prompts=parts[0]["prompts"] + parts[1]["prompts"], group_ids=gids,
-                 cond={k: torch.cat([p["cond"][k] for p in parts]) for k in parts[0]["cond"]},
-                 sigmas=parts[0]["sigmas"], xs=cat("xs"), velocities=cat("velocities"), log_probs=cat("log_probs"),
-                 noise=cat("noise"), selected=cat("selected"), rewards=cat("rewards"), extras=extras)
+    ro = _union_rollout(parts, gids, extras=extras)
     tr.finish_rollout(ro)
     torch.testing.assert_close(ro.loss_weights, cat("loss_weights") / 2)
     tr.update(ro)
@@ -302,13 +300,18 @@ def test_two_ranks_equal_one_rank_for_jagg_single_step_and_lora(two_rank_results
     assert g1.norm() > 0
     for p in parts:
         assert rel_err(torch.cat([g.flatten() for g in p["grads"]]), g1) < 1e-5
-        c = p["comm_update"]
-        got = {"ddp_bucket": c["ddp_bucket"], "all_reduce": c["all_reduce"],
-               "reduce_scatter": c["reduce_scatter_tensor"] + c["reduce_scatter_single"]}
+        got = _update_syncs(p)
         # LoRA's adapters sit in the attention of the one transformer block; the root unit holds only frozen
         # weights, so FSDP2 has nothing to reduce-scatter for it
         units = 1 if label == "lora" else p["fsdp_units"]
         assert got == _expected_collectives(engine, mode, units)
+
+
+def _update_syncs(part: dict) -> dict:
+    """Gradient collectives one rank made in its update, by kind (FSDP2's reduce-scatter under either name)."""
+    c = part["comm_update"]
+    return {"ddp_bucket": c["ddp_bucket"], "all_reduce": c["all_reduce"],
+            "reduce_scatter": c["reduce_scatter_tensor"] + c["reduce_scatter_single"]}
 
 
 def _expected_collectives(engine: str, mode: str, units: int) -> dict:
@@ -333,9 +336,7 @@ def test_gradient_sync_once_per_step(two_rank_results, engine, mode, layout):
     one backward through the kept graphs syncs once, reweight's buffers are synced by one library collective."""
     for p in two_rank_results[(engine, mode, layout)]:
         assert sum(p["comm_rollout"].values()) == 0, p["comm_rollout"]
-        c = p["comm_update"]
-        got = {"ddp_bucket": c["ddp_bucket"], "all_reduce": c["all_reduce"],
-               "reduce_scatter": c["reduce_scatter_tensor"] + c["reduce_scatter_single"]}
+        got = _update_syncs(p)
         assert p["fsdp_units"] == 2 or mode == "ddp"  # one transformer block + the root
         assert got == _expected_collectives(engine, mode, p["fsdp_units"])
         if engine == "reweight":
