@@ -14,7 +14,7 @@ import torch.distributed as dist
 from diffgrpo import RunConfig, distributed
 from diffgrpo.config import ConfigError
 from diffgrpo.engines.single_step import STEP_KEY
-from diffgrpo.trainer import rank_rows
+from diffgrpo.distributed import rank_rows
 from diffgrpo.types import Rollout
 from tests.conftest import TINY, rel_err
 
@@ -196,6 +196,14 @@ def two_rank_results():
         yield out
 
 
+def _assert_ranks_have_one_process_gradient(parts: list[dict], tr) -> None:
+    """Every rank's synced gradient equals the one-process gradient ``tr`` holds (which is non-zero)."""
+    g1 = torch.cat([p.grad.flatten() for p in tr.params])
+    assert g1.norm() > 0
+    for p in parts:
+        assert rel_err(torch.cat([g.flatten() for g in p["grads"]]), g1) < 1e-5
+
+
 def _union_rollout(parts: list[dict], gids: torch.Tensor, **extra) -> Rollout:
     """The ranks' rollouts as one batch (rank order), before advantages: what one process would have sampled."""
     cat = lambda k: torch.cat([p[k] for p in parts])  # noqa: E731
@@ -226,10 +234,8 @@ def test_two_ranks_equal_one_rank(two_rank_results, make_trainer, engine, mode, 
     torch.testing.assert_close(ro.advantages, cat("advantages"))  # group statistics over the whole group
     torch.testing.assert_close(ro.loss_weights, cat("loss_weights") / 2)  # × W on each rank, averaged by DDP/FSDP2
     _, info = tr.update(ro)
-    g1 = torch.cat([p.grad.flatten() for p in tr.params])
-    assert g1.norm() > 0
+    _assert_ranks_have_one_process_gradient(parts, tr)
     for p in parts:
-        assert rel_err(torch.cat([g.flatten() for g in p["grads"]]), g1) < 1e-5
         assert abs(p["grad_norm"] - info["grad_norm"]) < 1e-5 * info["grad_norm"]
     # The weights: AdamW's first step lr·g/(|g|+eps) is ill-conditioned where |g| ~ eps (a float rounding of g,
     # well within the 1e-5 above, moves θ by up to a sizeable fraction of lr; recompute-free engines round
@@ -267,10 +273,7 @@ def test_rank_whose_samples_all_drop_out_still_syncs(two_rank_results, make_trai
     assert not bool(ro.selected[B:].any())  # one process drops rank 1's group from the selection itself
     torch.testing.assert_close(ro.loss_weights, cat("loss_weights") / 2)
     tr.update(ro)
-    g1 = torch.cat([p.grad.flatten() for p in tr.params])
-    assert g1.norm() > 0
-    for p in parts:
-        assert rel_err(torch.cat([g.flatten() for g in p["grads"]]), g1) < 1e-5
+    _assert_ranks_have_one_process_gradient(parts, tr)
 
 
 @pytest.mark.parametrize("label,mode,layout", OWN_CASES, ids=OWN_IDS)
@@ -296,10 +299,8 @@ def test_two_ranks_equal_one_rank_for_jagg_single_step_and_lora(two_rank_results
     tr.finish_rollout(ro)
     torch.testing.assert_close(ro.loss_weights, cat("loss_weights") / 2)
     tr.update(ro)
-    g1 = torch.cat([p.grad.flatten() for p in tr.params])
-    assert g1.norm() > 0
+    _assert_ranks_have_one_process_gradient(parts, tr)
     for p in parts:
-        assert rel_err(torch.cat([g.flatten() for g in p["grads"]]), g1) < 1e-5
         got = _update_syncs(p)
         # LoRA's adapters sit in the attention of the one transformer block; the root unit holds only frozen
         # weights, so FSDP2 has nothing to reduce-scatter for it
@@ -429,10 +430,8 @@ def test_dllm_two_ranks_equal_one_rank(two_rank_results, name):
                  loss_weights=lw, extras=extras)
     tr.optimizer.zero_grad(set_to_none=True)
     stats = tr.backward(ro)
-    g1 = torch.cat([p.grad.flatten() for p in tr.params])
-    assert g1.norm() > 0
+    _assert_ranks_have_one_process_gradient(parts, tr)
     for p in parts:
-        assert rel_err(torch.cat([g.flatten() for g in p["grads"]]), g1) < 1e-5
         assert sum(p["comm_rollout"].values()) == 0  # the rollout's all-gathers are not counted collectives
         assert p["comm_update"]["ddp_bucket"] == 1 and p["comm_update"]["all_reduce"] == 0  # one sync
         assert p["backward_calls"] > 1  # several backwards (micro-batches × strata), synced only on the last

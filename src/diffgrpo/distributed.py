@@ -247,6 +247,31 @@ def to_full(obj):
     return obj
 
 
-__all__ = ["COUNTERS", "WorldInfo", "info", "init_from_env", "all_gather", "all_gather_object", "all_reduce_mean_",
+def gather_groups(rewards: torch.Tensor, group_ids: torch.Tensor, *,
+                  spread: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every rank's rewards (B,) and group ids (B,) → (W·B,) each, in rank order, for group statistics over whole
+    groups. Local layout (``spread`` False): each rank's ids are made unique by offsetting them by rank·B; spread:
+    a group's ids are the same on every rank already. Identity at world size 1."""
+    if not is_initialized() or dist.get_world_size() == 1:
+        return rewards, group_ids
+    offset = 0 if spread else dist.get_rank() * len(group_ids)
+    return all_gather(rewards.float()), all_gather(group_ids + offset)
+
+
+def rank_rows(group_ids: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """Rows of this rank's share of every group (the spread layout): rank r keeps members r·m/W … (r+1)·m/W−1
+    of each group of m samples (groups in order of first appearance). → (B/W,) long."""
+    rows = []
+    for g in dict.fromkeys(group_ids.tolist()):
+        members = (group_ids == g).nonzero().flatten()
+        if len(members) % world:
+            raise ValueError(f"group {g} has {len(members)} samples, not a multiple of the world size {world}")
+        m = len(members) // world
+        rows.append(members[rank * m:(rank + 1) * m])
+    return torch.cat(rows)
+
+
+__all__ = ["COUNTERS", "WorldInfo", "info", "init_from_env", "all_gather", "gather_groups", "rank_rows",
+           "all_gather_object", "all_reduce_mean_",
            "add_mean_grad_", "all_reduce_sum", "no_sync", "reshard", "sharded", "wrap", "wrap_ddp", "wrap_fsdp2",
            "transformer_blocks", "to_full", "seed_for", "is_initialized"]

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from . import distributed
+from .distributed import rank_rows
 from .advantages import group_advantages
 from .config import ConfigError, RunConfig, validate
 from .data import digit_prompt, prompt_digit
@@ -234,8 +235,7 @@ class Trainer:
         valid = torch.isfinite(ro.rewards)
         rewards, gids = ro.rewards, ro.group_ids.cpu()
         if W > 1:  # statistics over every rank's samples (rank r's rows are r·B … r·B+B−1 of the gathered batch)
-            rewards = distributed.all_gather(ro.rewards.float())
-            gids = distributed.all_gather(gids + (0 if self._spread else rank * B))  # local: ids unique per rank
+            rewards, gids = distributed.gather_groups(ro.rewards, gids, spread=self._spread)
             ro.extras["batch_rewards"] = rewards
         adv, stats = group_advantages(rewards, gids, valid=torch.isfinite(rewards), std_mode=a.std_mode,
                                       baseline=a.baseline, clip=a.clip, eps=a.eps)
@@ -622,19 +622,6 @@ def read_prompts(path: str) -> list[str]:
 
 def _fmt(row: dict) -> str:
     return ", ".join(f"{k}={v:.4f}" for k, v in row.items() if k.startswith("eval/"))
-
-
-def rank_rows(group_ids: torch.Tensor, rank: int, world: int) -> torch.Tensor:
-    """Rows of this rank's share of every group (the spread layout): rank r keeps members r·m/W … (r+1)·m/W−1
-    of each group of m samples (groups in order of first appearance). → (B/W,) long."""
-    rows = []
-    for g in dict.fromkeys(group_ids.tolist()):
-        members = (group_ids == g).nonzero().flatten()
-        if len(members) % world:
-            raise ValueError(f"group {g} has {len(members)} samples, not a multiple of the world size {world}")
-        m = len(members) // world
-        rows.append(members[rank * m:(rank + 1) * m])
-    return torch.cat(rows)
 
 
 class _NullWriter:

@@ -202,9 +202,7 @@ class DLLMFamily:
             ex = [e for e in self.task.sample("train", n, self.gen_prompts) for _ in range(t.group_size)]
             gids = torch.arange(n).repeat_interleave(t.group_size)
             if W > 1 and self.spread:  # the same prompts on every rank (shared stream); keep this rank's share
-                from ..trainer import rank_rows
-
-                rows = rank_rows(gids, self.world.rank, W)
+                rows = distributed.rank_rows(gids, self.world.rank, W)
                 ex, gids = [ex[i] for i in rows.tolist()], gids[rows]
             return ex, gids
         lookup = {e.prompt: e for s in ("train", "test") for e in self.task.instances(s)}
@@ -228,10 +226,8 @@ class DLLMFamily:
         a = self.cfg.advantage
         valid = torch.isfinite(rewards)
         W, rank, B = self.world.world_size, self.world.rank, len(rewards)
-        all_rewards, all_gids = rewards, group_ids
-        if W > 1:  # statistics over every rank's samples (rank r's rows are r·B … r·B+B−1 of the gathered batch)
-            all_rewards = distributed.all_gather(rewards.float())
-            all_gids = distributed.all_gather(group_ids + (0 if self.spread else rank * B))  # local: unique ids
+        # statistics over every rank's samples (rank r's rows are r·B … r·B+B−1 of the gathered batch)
+        all_rewards, all_gids = distributed.gather_groups(rewards, group_ids, spread=self.spread)
         adv, stats = group_advantages(all_rewards, all_gids, valid=torch.isfinite(all_rewards),
                                       std_mode=self.std_mode, baseline=self.baseline, clip=a.clip, eps=a.eps)
         adv = adv[rank * B:(rank + 1) * B] if W > 1 else adv
