@@ -9,7 +9,7 @@ from torch import nn
 from diffgrpo.config import EngineConfig
 from diffgrpo.engines import ENGINES
 from diffgrpo.engines.base import EngineContext
-from diffgrpo.engines.jagg import (JaggEngine, composite_signals, index_weights, linearity_scores, sigma_weights,
+from diffgrpo.engines.jagg import (JaggEngine, composite_signals, linearity_scores, sigma_weights,
                                    split_windows)
 from diffgrpo.engines.recompute import RecomputeEngine
 from diffgrpo.losses import aggregation_weights
@@ -155,6 +155,14 @@ def test_affine_model_collinear_windows_are_exact_on_shifted_grid(window, beta, 
     assert stats.forwards_nograd == (interior if epoch else 0) + (B * len(steps) if beta > 0 else 0)
     # the collinear rollout velocities are perfectly linear along each window
     assert stats.metrics["jagg_score_min"] == pytest.approx(1.0, abs=1e-9) or epoch
+
+
+def index_weights(sig: torch.Tensor) -> torch.Tensor:
+    """Step-index weights j/(W−1) (W,) → (W,): the naive alternative to σ-weights, wrong on non-uniform grids."""
+    w = sig.numel()
+    if w < 2:
+        return torch.zeros_like(sig)
+    return torch.arange(w, dtype=sig.dtype, device=sig.device) / (w - 1)
 
 
 def test_index_weights_are_wrong_on_a_shifted_grid():
