@@ -9,7 +9,7 @@ from torch import nn
 from diffgrpo.config import EngineConfig
 from diffgrpo.engines import ENGINES
 from diffgrpo.engines.base import EngineContext
-from diffgrpo.engines.jagg import (JaggEngine, composite_signals, linearity_scores, sigma_weights,
+from diffgrpo.engines.jagg import (JaggEngine, anchor_mask, composite_signals, linearity_scores, sigma_weights,
                                    split_windows)
 from diffgrpo.engines.recompute import RecomputeEngine
 from diffgrpo.losses import aggregation_weights
@@ -294,8 +294,11 @@ def test_window_two_is_exact_on_the_real_model(make_trainer, extra):
     assert stats.sample_backwards == n_pairs * mult and stats.forwards_grad == n_pairs * mult
     assert stats.forwards_nograd == s_ref.forwards_nograd  # reference forwards only (β > 0)
     # a longer window runs with the same settings and stays close to the exact gradient early in training
+    # (measured 0.11–0.14), without being it; it evaluates only the window endpoints
     g4, s4 = _grads(tr, ro, jagg(4))
-    assert torch.isfinite(g4).all() and s4.sample_backwards < n_pairs * mult
+    assert 1e-3 < rel_err(g4, g_ref) < 0.25
+    n_anchor = int(anchor_mask(ro.selected, 4).sum())
+    assert n_anchor < n_pairs and s4.sample_backwards == s4.forwards_grad == n_anchor * mult
 
 
 def test_jagg_frac_zero_reproduces_recompute(make_trainer):
