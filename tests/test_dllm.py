@@ -383,8 +383,21 @@ def test_likelihood_at_rollout_temperature_matches_sampler_log_probs(temperature
     with torch.no_grad():
         lp = likelihood.token_log_probs(pol, smp.sequences, m, w, VOCAB.mask_id, temperature=temperature)
         lp1 = likelihood.token_log_probs(pol, smp.sequences, m, w, VOCAB.mask_id)
-    assert torch.allclose(lp, smp.step_log_prob, atol=1e-4)
-    assert temperature == 1.0 or not torch.allclose(lp1, smp.step_log_prob, atol=1e-2)
+        # reference, one forward per token: the sequence with every token committed at or after its step masked,
+        # <mask> removed from the logits, log-softmax of logits / t
+        P, done = 6, smp.commit_step  # (2, 8)
+        ref = {t: torch.empty(2, 8) for t in (temperature, 1.0)}
+        for b in range(2):
+            for j in range(8):
+                ids = smp.sequences[b].clone()
+                ids[P:][done[b] >= done[b, j]] = VOCAB.mask_id
+                z = pol(ids[None])[0, P + j].float()
+                z[VOCAB.mask_id] = float("-inf")
+                for t in ref:
+                    ref[t][b, j] = torch.log_softmax(z / t, -1)[smp.sequences[b, P + j]]
+    torch.testing.assert_close(smp.step_log_prob, ref[temperature], atol=1e-4, rtol=0)
+    torch.testing.assert_close(lp, ref[temperature], atol=1e-4, rtol=0)
+    torch.testing.assert_close(lp1, ref[1.0], atol=1e-4, rtol=0)  # without the temperature: the T = 1 likelihood
 
 
 def test_dllm_clip_range_default():
