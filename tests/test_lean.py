@@ -3,7 +3,6 @@ inner-epoch fallback, counters and per-sample gradients (two ranks against one p
 import pytest
 import torch
 
-from diffgrpo.engines import ENGINES
 from diffgrpo.engines._per_sample import PerSampleGrads, per_sample_grads_loop
 from diffgrpo.engines.recompute import RecomputeEngine
 from diffgrpo.engines.retain import RETAIN_KEY, retained_velocity
@@ -189,7 +188,3 @@ def test_per_sample_grads_match_one_backward_per_sample(make_trainer, cfg_scale)
     G_ref = per_sample_grads_loop(tr.params, v, gout, retain_graph=False)
     assert rel_err(G.double(), G_ref.double()) < TOL
     assert G.norm(dim=1).min() > 0
-
-
-def test_registry():
-    assert ENGINES["retain"].name == "retain" and ENGINES["reweight"].name == "reweight"
