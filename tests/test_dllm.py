@@ -284,11 +284,30 @@ def test_method_advantages():
 
 
 def test_train_step_and_evaluate_run():
+    """One iteration's metrics row describes its rollout (rewards, groups, trained tokens) and its cost (one
+    forward and backward per trained row and mask sample); the update moves the weights; evaluation is free."""
     tr = make_dllm_trainer("dllm.task=sudoku", "dllm.block_length=8", "dllm.diffusion_steps=8")
+    rollout, seen = tr.rollout, []
+    tr.rollout = lambda *a, **kw: seen.append(rollout(*a, **kw)) or seen[-1]
+    before = [p.detach().clone() for p in tr.params]
     row = tr.step()
-    assert math.isfinite(row["reward"]) and row["iteration"] == 1
+    (ro,) = seen
+    assert row["iteration"] == 1
+    assert row["reward"] == pytest.approx(float(ro.rewards.mean()))
+    assert row["rewards/cell_accuracy/mean"] == pytest.approx(float(ro.reward_components["cell_accuracy"].mean()))
+    zero_std = [float(ro.rewards[ro.group_ids == g].std()) == 0 for g in ro.group_ids.unique()]
+    assert row["frac_reward_zero_std"] == sum(zero_std) / len(zero_std)
+    assert row["first_epoch/trained_tokens"] == int(ro.selected.sum()) > 0
+    rows = int(ro.selected.any(1).sum()) * ro.extras["masks"].shape[1]  # trained rows × mask samples
+    assert row["forwards_grad"] == row["sample_backwards"] == rows and row["forwards_nograd"] == 0
+    assert row["skipped_updates"] == 0 and row["grad_norm"] > 0
+    # one AdamW step moves a weight by about lr
+    moved = max(float((a - b.detach()).abs().max()) for a, b in zip(before, tr.params))
+    assert 0.5 * tr.cfg.train.lr < moved < 1.5 * tr.cfg.train.lr
+    counters = dict(tr.policy.counters)
     ev, images = tr.evaluate()
     assert images is None and 0 <= ev["eval/accuracy"] <= 1 and "eval/rewards/cell_accuracy/mean" in ev
+    assert tr.policy.counters == counters  # evaluation is not training cost
 
 
 def test_interrupted_run_resumes_bit_for_bit(tmp_path):
