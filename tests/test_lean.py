@@ -140,9 +140,12 @@ def test_inner_epoch_falls_back_to_recompute(make_trainer, engine):
     RecomputeEngine().backward(tr.ctx, ro, 1)
     assert rel_err(g, flat_grad(tr.params)) < 1e-12
     assert stats.metrics["ratio_max_dev"] > 0  # θ moved: this is a genuine later epoch
-    # the whole iteration through the trainer runs too
+    # the whole iteration through the trainer: epoch 0 without a training forward, epoch 1 recomputes every pair
     row = make_trainer(f"engine.name={engine}", "train.num_inner_epochs=2").step()
+    n_pairs = int(ro.selected.sum())  # same step selection as above
     assert row["skipped_updates"] == 0 and row["first_epoch/fallback_recompute"] == 0.0
+    assert row["forwards_grad"] == n_pairs and row["sample_backwards"] == 2 * n_pairs
+    assert row["first_epoch/ratio_max_dev"] == 0.0 and row["clip_ratio"] > 0  # epoch 1 trains θ ≠ θ_old
 
 
 @pytest.mark.parametrize("aggregation", ["mean", "sample_mean"])
