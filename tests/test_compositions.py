@@ -198,12 +198,24 @@ def test_single_step_retain_equals_single_step(make_trainer, extra):
     assert s1.forwards_grad == B * mult and ro.extras[RETAIN_KEY].released
 
 
-@pytest.mark.parametrize("engine", [["engine.name=jagg", "engine.window=4"], ["engine.name=single_step"]])
-def test_full_iteration_with_inner_epochs(make_trainer, engine):
+@pytest.mark.parametrize("engine,evaluated,interior", [(["engine.name=jagg", "engine.window=4"], 3, 2),
+                                                        (["engine.name=single_step"], 1, 0)])
+def test_full_iteration_with_inner_epochs(make_trainer, engine, evaluated, interior):
+    """Two inner epochs: the first update back-propagates the retained rollout graphs (no forward), the second
+    falls back to recompute evaluation. Per trajectory ``evaluated`` pairs (JAGG, W = 4 on 5 steps: windows
+    [0..3] and [4], 3 endpoints; single_step: 1) and, after the update, ``interior`` no-grad refreshes."""
     tr = make_trainer(*engine, "engine.evaluation=retain", "train.num_inner_epochs=2")
+    before = [p.detach().clone() for p in tr.params]
     row = tr.step()
-    assert row["skipped_updates"] == 0 and math.isfinite(row["grad_norm"]) and row["grad_norm"] > 0
-    assert row["first_epoch/fallback_recompute"] == 0.0
+    B = 6  # train.prompts_per_batch × train.group_size
+    assert row["skipped_updates"] == 0 and row["first_epoch/fallback_recompute"] == 0.0
+    assert row["forwards_grad"] == evaluated * B  # the second epoch's recompute evaluation only
+    assert row["sample_backwards"] == 2 * evaluated * B  # one per evaluated pair and epoch
+    assert row["forwards_nograd"] == interior * B
+    # the second epoch trains θ ≠ θ_old (ratios off 1, some clipped), and both updates moved the weights: one
+    # AdamW step moves a weight by about lr at most
+    assert row["ratio_mean"] != 1.0 and row["clip_ratio"] > 0 and row["grad_norm"] > 0
+    assert max(float((a - b.detach()).abs().max()) for a, b in zip(before, tr.params)) > 1.5 * tr.cfg.train.lr
 
 
 def test_retained_steps_gather():

@@ -280,10 +280,25 @@ def test_dps_costs_no_forward_and_weights_only_the_policy_term(method):
 def test_daca_train_step_runs():
     tr = make_trainer("dllm.method=coupled_grpo", "daca.dps_score=progress", "daca.likelihood=sml",
                       "daca.sml_strata=2", "dllm.task=sudoku", "dllm.block_length=8", "dllm.diffusion_steps=8")
+    rollout, seen = tr.rollout, []
+    tr.rollout = lambda *a, **kw: seen.append(rollout(*a, **kw)) or seen[-1]
+    before = [p.detach().clone() for p in tr.params]
     row = tr.step()
-    assert math.isfinite(row["reward"]) and "first_epoch/dps/mean" in row
-    assert row["sample_backwards"] % (2 * 2) == 0  # K = 2 groups × M = 2 coupled forwards per row
+    (ro,) = seen
+    assert row["reward"] == pytest.approx(float(ro.rewards.mean()))
+    # DPS weights of the trained tokens, normalised to mean 1
+    w = ro.extras["token_weights"][ro.selected]
+    assert float(w.mean()) == pytest.approx(1.0, abs=1e-5)
+    assert row["first_epoch/dps/mean"] == pytest.approx(float(w.mean()), abs=1e-6)
+    assert row["first_epoch/dps/max"] == pytest.approx(float(w.max())) and row["first_epoch/dps/std"] > 0
     assert 0.2 <= row["first_epoch/dps/top20_share"] <= 1
+    # K = 2 SML groups × M = 2 coupled forwards per trained row, each back-propagated once
+    assert ro.extras["sml_groups"] == 2 and ro.extras["masks"].shape[1] == 2 * 2
+    rows = int(ro.selected.any(1).sum())
+    assert row["forwards_grad"] == row["sample_backwards"] == rows * 2 * 2 and row["forwards_nograd"] == 0
+    assert row["first_epoch/trained_tokens"] == int(ro.selected.sum())
+    moved = max(float((a - b.detach()).abs().max()) for a, b in zip(before, tr.params))
+    assert row["skipped_updates"] == 0 and 0.5 * tr.cfg.train.lr < moved < 1.5 * tr.cfg.train.lr  # one AdamW step
 
 
 @pytest.mark.parametrize("blocks", [1, 2])

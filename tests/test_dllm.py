@@ -284,11 +284,30 @@ def test_method_advantages():
 
 
 def test_train_step_and_evaluate_run():
+    """One iteration's metrics row describes its rollout (rewards, groups, trained tokens) and its cost (one
+    forward and backward per trained row and mask sample); the update moves the weights; evaluation is free."""
     tr = make_dllm_trainer("dllm.task=sudoku", "dllm.block_length=8", "dllm.diffusion_steps=8")
+    rollout, seen = tr.rollout, []
+    tr.rollout = lambda *a, **kw: seen.append(rollout(*a, **kw)) or seen[-1]
+    before = [p.detach().clone() for p in tr.params]
     row = tr.step()
-    assert math.isfinite(row["reward"]) and row["iteration"] == 1
+    (ro,) = seen
+    assert row["iteration"] == 1
+    assert row["reward"] == pytest.approx(float(ro.rewards.mean()))
+    assert row["rewards/cell_accuracy/mean"] == pytest.approx(float(ro.reward_components["cell_accuracy"].mean()))
+    zero_std = [float(ro.rewards[ro.group_ids == g].std()) == 0 for g in ro.group_ids.unique()]
+    assert row["frac_reward_zero_std"] == sum(zero_std) / len(zero_std)
+    assert row["first_epoch/trained_tokens"] == int(ro.selected.sum()) > 0
+    rows = int(ro.selected.any(1).sum()) * ro.extras["masks"].shape[1]  # trained rows × mask samples
+    assert row["forwards_grad"] == row["sample_backwards"] == rows and row["forwards_nograd"] == 0
+    assert row["skipped_updates"] == 0 and row["grad_norm"] > 0
+    # one AdamW step moves a weight by about lr
+    moved = max(float((a - b.detach()).abs().max()) for a, b in zip(before, tr.params))
+    assert 0.5 * tr.cfg.train.lr < moved < 1.5 * tr.cfg.train.lr
+    counters = dict(tr.policy.counters)
     ev, images = tr.evaluate()
     assert images is None and 0 <= ev["eval/accuracy"] <= 1 and "eval/rewards/cell_accuracy/mean" in ev
+    assert tr.policy.counters == counters  # evaluation is not training cost
 
 
 def test_interrupted_run_resumes_bit_for_bit(tmp_path):
@@ -383,8 +402,21 @@ def test_likelihood_at_rollout_temperature_matches_sampler_log_probs(temperature
     with torch.no_grad():
         lp = likelihood.token_log_probs(pol, smp.sequences, m, w, VOCAB.mask_id, temperature=temperature)
         lp1 = likelihood.token_log_probs(pol, smp.sequences, m, w, VOCAB.mask_id)
-    assert torch.allclose(lp, smp.step_log_prob, atol=1e-4)
-    assert temperature == 1.0 or not torch.allclose(lp1, smp.step_log_prob, atol=1e-2)
+        # reference, one forward per token: the sequence with every token committed at or after its step masked,
+        # <mask> removed from the logits, log-softmax of logits / t
+        P, done = 6, smp.commit_step  # (2, 8)
+        ref = {t: torch.empty(2, 8) for t in (temperature, 1.0)}
+        for b in range(2):
+            for j in range(8):
+                ids = smp.sequences[b].clone()
+                ids[P:][done[b] >= done[b, j]] = VOCAB.mask_id
+                z = pol(ids[None])[0, P + j].float()
+                z[VOCAB.mask_id] = float("-inf")
+                for t in ref:
+                    ref[t][b, j] = torch.log_softmax(z / t, -1)[smp.sequences[b, P + j]]
+    torch.testing.assert_close(smp.step_log_prob, ref[temperature], atol=1e-4, rtol=0)
+    torch.testing.assert_close(lp, ref[temperature], atol=1e-4, rtol=0)
+    torch.testing.assert_close(lp1, ref[1.0], atol=1e-4, rtol=0)  # without the temperature: the T = 1 likelihood
 
 
 def test_dllm_clip_range_default():

@@ -7,9 +7,8 @@ import torch
 from torch import nn
 
 from diffgrpo.config import EngineConfig
-from diffgrpo.engines import ENGINES
 from diffgrpo.engines.base import EngineContext
-from diffgrpo.engines.jagg import (JaggEngine, composite_signals, index_weights, linearity_scores, sigma_weights,
+from diffgrpo.engines.jagg import (JaggEngine, anchor_mask, composite_signals, linearity_scores, sigma_weights,
                                    split_windows)
 from diffgrpo.engines.recompute import RecomputeEngine
 from diffgrpo.losses import aggregation_weights
@@ -153,8 +152,19 @@ def test_affine_model_collinear_windows_are_exact_on_shifted_grid(window, beta, 
     interior = B * sum(max(0, len(w) - 2) for w in wins)
     assert stats.forwards_grad == anchors and stats.sample_backwards == anchors
     assert stats.forwards_nograd == (interior if epoch else 0) + (B * len(steps) if beta > 0 else 0)
-    # the collinear rollout velocities are perfectly linear along each window
-    assert stats.metrics["jagg_score_min"] == pytest.approx(1.0, abs=1e-9) or epoch
+    # the rollout velocities (θ's at epoch 0, θ_old's at epoch 1: both models are affine in (x, σ)) are perfectly
+    # linear along each collinear window: every scored window has cosine 1 and no residual off the chord
+    assert stats.metrics["jagg_score_min"] == pytest.approx(1.0, abs=1e-9)
+    assert stats.metrics["jagg_residual_max"] < 1e-12
+    assert stats.metrics["jagg_windows"] == B * len(wins)
+
+
+def index_weights(sig: torch.Tensor) -> torch.Tensor:
+    """Step-index weights j/(W−1) (W,) → (W,): the naive alternative to σ-weights, wrong on non-uniform grids."""
+    w = sig.numel()
+    if w < 2:
+        return torch.zeros_like(sig)
+    return torch.arange(w, dtype=sig.dtype, device=sig.device) / (w - 1)
 
 
 def test_index_weights_are_wrong_on_a_shifted_grid():
@@ -283,8 +293,11 @@ def test_window_two_is_exact_on_the_real_model(make_trainer, extra):
     assert stats.sample_backwards == n_pairs * mult and stats.forwards_grad == n_pairs * mult
     assert stats.forwards_nograd == s_ref.forwards_nograd  # reference forwards only (β > 0)
     # a longer window runs with the same settings and stays close to the exact gradient early in training
+    # (measured 0.11–0.14), without being it; it evaluates only the window endpoints
     g4, s4 = _grads(tr, ro, jagg(4))
-    assert torch.isfinite(g4).all() and s4.sample_backwards < n_pairs * mult
+    assert 1e-3 < rel_err(g4, g_ref) < 0.25
+    n_anchor = int(anchor_mask(ro.selected, 4).sum())
+    assert n_anchor < n_pairs and s4.sample_backwards == s4.forwards_grad == n_anchor * mult
 
 
 def test_jagg_frac_zero_reproduces_recompute(make_trainer):
@@ -342,7 +355,6 @@ def test_after_an_update_interiors_are_refreshed_and_window_two_stays_exact(make
 
 
 def test_registered_and_cfg_counts(make_trainer):
-    assert ENGINES["jagg"] is JaggEngine
     tr = make_trainer("engine.name=jagg", "engine.window=5", "model.guidance_scale=2.0")
     assert isinstance(tr.engine, JaggEngine)
     ro = tr.rollout()

@@ -1,21 +1,14 @@
 """LeanGRPO's recompute-free engines (retain, reweight): exact against recompute on the first update, waves,
-inner-epoch fallback, counters, per-sample gradients, and world size 2 == world size 1."""
-import os
-import socket
-import tempfile
-
+inner-epoch fallback, counters and per-sample gradients (two ranks against one process: test_distributed.py)."""
 import pytest
 import torch
 
-from diffgrpo import distributed
-from diffgrpo.engines import ENGINES
 from diffgrpo.engines._per_sample import PerSampleGrads, per_sample_grads_loop
 from diffgrpo.engines.recompute import RecomputeEngine
 from diffgrpo.engines.retain import RETAIN_KEY, retained_velocity
 from diffgrpo.engines.reweight import REWEIGHT_KEY
 from diffgrpo.losses import aggregation_weights
-from diffgrpo.types import Rollout
-from tests.conftest import TINY, flat_grad, perturb, rel_err
+from tests.conftest import flat_grad, perturb, rel_err
 
 TOL = 1e-5
 
@@ -147,9 +140,12 @@ def test_inner_epoch_falls_back_to_recompute(make_trainer, engine):
     RecomputeEngine().backward(tr.ctx, ro, 1)
     assert rel_err(g, flat_grad(tr.params)) < 1e-12
     assert stats.metrics["ratio_max_dev"] > 0  # θ moved: this is a genuine later epoch
-    # the whole iteration through the trainer runs too
+    # the whole iteration through the trainer: epoch 0 without a training forward, epoch 1 recomputes every pair
     row = make_trainer(f"engine.name={engine}", "train.num_inner_epochs=2").step()
+    n_pairs = int(ro.selected.sum())  # same step selection as above
     assert row["skipped_updates"] == 0 and row["first_epoch/fallback_recompute"] == 0.0
+    assert row["forwards_grad"] == n_pairs and row["sample_backwards"] == 2 * n_pairs
+    assert row["first_epoch/ratio_max_dev"] == 0.0 and row["clip_ratio"] > 0  # epoch 1 trains θ ≠ θ_old
 
 
 @pytest.mark.parametrize("aggregation", ["mean", "sample_mean"])
@@ -195,80 +191,3 @@ def test_per_sample_grads_match_one_backward_per_sample(make_trainer, cfg_scale)
     G_ref = per_sample_grads_loop(tr.params, v, gout, retain_graph=False)
     assert rel_err(G.double(), G_ref.double()) < TOL
     assert G.norm(dim=1).min() > 0
-
-
-def test_registry():
-    assert ENGINES["retain"].name == "retain" and ENGINES["reweight"].name == "reweight"
-
-
-# ---------------------------------------------------------------------------------------------- world size 2
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _ddp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    from diffgrpo import RunConfig, Trainer
-    from diffgrpo.models.tiny import build_tiny_policy
-
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    distributed.init_from_env("gloo")
-    assert distributed.info().world_size == world
-    cfg = RunConfig.from_overrides([*TINY, "seed=0", "engine.name=reweight", "loss.beta=0.1"])
-    torch.manual_seed(0)
-    policy = build_tiny_policy(cfg, progress=False, log=lambda *a: None, pretrained=False)
-    tr = Trainer(cfg, policy=policy, log=lambda *a: None)
-    ddp = DDP(policy.net.transformer, broadcast_buffers=False)
-    comm = {"calls": 0}
-
-    def counting_allreduce(state, bucket):  # counts DDP's own gradient all-reduces (must stay 0)
-        comm["calls"] += 1
-        fut = dist.all_reduce(bucket.buffer().div_(world), async_op=True).get_future()
-        return fut.then(lambda f: f.value()[0])
-
-    ddp.register_comm_hook(None, counting_allreduce)
-    policy.net.transformer = ddp
-    tr.ctx.no_sync = ddp.no_sync
-    plan = tr.plan_batch()  # identical on every rank (same seeds); each rank rolls out one group
-    sub = tr.split_waves(plan, 1)[rank]
-    sub.wave = None  # data parallel: each rank normalises over its own samples, DDP averages the ranks
-    tr.gen_noise.manual_seed(100 + rank)
-    ro = tr.rollout(plan=sub)
-    stats = tr.backward(ro, 0)
-    keep = ("group_ids", "xs", "velocities", "log_probs", "noise", "selected", "advantages", "sigmas")
-    torch.save({"grad": flat_grad(tr.params), "allreduce_calls": stats.allreduce_calls,
-                "counter": distributed.COUNTERS["allreduce"], "ddp_comm_calls": comm["calls"],
-                "prompts": ro.prompts, "cond": ro.cond, **{k: getattr(ro, k) for k in keep}},
-               os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
-
-
-def test_world_size_two_equals_world_size_one(make_trainer):
-    """Two gloo processes, DDP-wrapped transformer, one group each: the reweight update equals the world-size-1
-    exact gradient on the union of the samples, with exactly one gradient all-reduce and no DDP bucket sync."""
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_ddp_worker, args=(2, _free_port(), d), nprocs=2, join=True)
-        parts = [torch.load(os.path.join(d, f"rank{r}.pt"), weights_only=False) for r in range(2)]
-    for p in parts:
-        assert p["allreduce_calls"] == 1 and p["counter"] == 1
-        assert p["ddp_comm_calls"] == 0
-    assert rel_err(parts[0]["grad"], parts[1]["grad"]) < 1e-12  # every rank holds the same gradient
-    cat = lambda k: torch.cat([p[k] for p in parts])  # noqa: E731
-    tr = make_trainer("engine.name=recompute", "loss.beta=0.1")  # same init as the workers, world size 1
-    ro = Rollout(prompts=parts[0]["prompts"] + parts[1]["prompts"], group_ids=cat("group_ids"),
-                 cond={k: torch.cat([p["cond"][k] for p in parts]) for k in parts[0]["cond"]},
-                 sigmas=parts[0]["sigmas"], xs=cat("xs"), velocities=cat("velocities"), log_probs=cat("log_probs"),
-                 noise=cat("noise"), selected=cat("selected"), advantages=cat("advantages"))
-    ro.loss_weights = aggregation_weights(ro.selected, "mean")
-    assert ro.group_ids.unique().numel() == 2
-    tr.backward(ro, 0)
-    g1 = flat_grad(tr.params)
-    assert g1.norm() > 0
-    assert rel_err(parts[0]["grad"], g1) < TOL

@@ -9,7 +9,6 @@ import torch
 from tests.conftest import flat_grad, rel_err
 
 from diffgrpo.config import ConfigError
-from diffgrpo.engines import ENGINES
 from diffgrpo.engines.base import EngineContext, step_loss
 from diffgrpo.engines.recompute import RecomputeEngine
 from diffgrpo.engines.single_step import (STEP_KEY, SingleStepEngine, candidate_steps, rectification_factor,
@@ -17,10 +16,6 @@ from diffgrpo.engines.single_step import (STEP_KEY, SingleStepEngine, candidate_
 from diffgrpo.losses import aggregation_weights
 from diffgrpo.samplers import flow_sde
 from diffgrpo.types import Rollout
-
-
-def test_registered():
-    assert ENGINES["single_step"] is SingleStepEngine
 
 
 # ---------------------------------------------------------------------- rectification

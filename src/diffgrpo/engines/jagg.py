@@ -82,14 +82,6 @@ def sigma_weights(sig: torch.Tensor) -> torch.Tensor:
     return (sig - sig[0]) / (sig[-1] - sig[0])
 
 
-def index_weights(sig: torch.Tensor) -> torch.Tensor:
-    """Step-index weights j/(W−1) (W,) → (W,). WRONG on non-uniform grids; kept only to show that in tests."""
-    w = sig.numel()
-    if w < 2:
-        return torch.zeros_like(sig)
-    return torch.arange(w, dtype=sig.dtype, device=sig.device) / (w - 1)
-
-
 def composite_signals(g: torch.Tensor, alpha: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """g (W, n, *S) upstream signals of n windows, alpha (W,) or (W, n) → (G_a, G_b) each (n, *S).
 
