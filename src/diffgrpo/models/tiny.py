@@ -10,33 +10,25 @@ under the user cache directory and reused.
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import hashlib
 import json
 import math
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..data import NUMBER_WORDS, digit_prompt, digits_split
+from ..cache import cache_lock, cache_root, save_dir_atomic
+from ..data import NUMBER_WORDS, digits_split
 from .lora import adapter_disabled, add_lora, load_lora_state_dict, lora_state_dict
+from .pretraining import pretrain_step
+from .reference import frozen_reference
 
 VOCAB = ["<pad>", "<bos>", "<unk>", "a", "an", "the", "handwritten", "digit", "number", "of", "image", "picture",
          *[str(i) for i in range(10)], *NUMBER_WORDS]
 MAX_TOKENS = 8
-
-
-def cache_root(cache_dir: str = "") -> Path:
-    """Cache directory: explicit argument, else $DIFFGRPO_CACHE, else ~/.cache/diffgrpo."""
-    root = cache_dir or os.environ.get("DIFFGRPO_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "diffgrpo")
-    return Path(root)
 
 
 def tokenize(prompts: list[str]) -> torch.Tensor:
@@ -139,34 +131,6 @@ def pretrain(mcfg, pcfg, *, progress: bool = True) -> TinyFlowNet:
     return net.eval()
 
 
-def pretrain_step(loss: torch.Tensor, net: nn.Module, opt, sched, bar, ema: float | None) -> float:
-    """One pretraining update of a built-in model (backward, clip at 1, step, schedule) and the progress bar's
-    smoothed loss. Returns the new smoothed loss."""
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
-    opt.step()
-    sched.step()
-    ema = loss.item() if ema is None else 0.98 * ema + 0.02 * loss.item()
-    bar.set_postfix(loss=f"{ema:.4f}")
-    return ema
-
-
-def save_dir_atomic(target: Path, write) -> Path:
-    """Call ``write(tmp_dir)`` then atomically move the directory into place (no half-written cache)."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
-        write(tmp)
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(tmp, target)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return target
-
-
 def load_or_pretrain(mcfg, pcfg, *, progress: bool = True, log=print) -> TinyFlowNet:
     """The cached pretrained network for this architecture and recipe; pretrains (and caches) it if absent."""
     from safetensors.torch import load_file, save_file
@@ -186,35 +150,6 @@ def load_or_pretrain(mcfg, pcfg, *, progress: bool = True, log=print) -> TinyFlo
             save_dir_atomic(path, write)
     net.load_state_dict(load_file(str(path / "model.safetensors")))
     return net.eval()
-
-
-@contextlib.contextmanager
-def cache_lock(path: Path):
-    """Exclusive advisory lock on ``<path>.lock`` (POSIX flock) while a cache entry is checked or built."""
-    import fcntl
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(str(path) + ".lock", "w") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
-@contextlib.contextmanager
-def frozen_reference(policy):
-    """Context in which ``policy`` runs its frozen reference copy ``policy._ref`` (flag ``policy._use_ref``).
-
-    Shared by the adapters that keep a frozen copy of the initial weights for the KL term."""
-    if policy._ref is None:
-        raise RuntimeError("reference policy requested but the policy was built without keep_reference "
-                           "(set loss.beta > 0 to enable the KL term)")
-    policy._use_ref, prev = True, policy._use_ref
-    try:
-        yield
-    finally:
-        policy._use_ref = prev
 
 
 class TinyFlowPolicy:
@@ -319,4 +254,4 @@ def build_tiny_policy(cfg, *, progress=True, log=print, pretrained=True) -> Tiny
 
 
 __all__ = ["TinyFlowNet", "TinyFlowPolicy", "PromptEncoder", "build_tiny_policy", "load_or_pretrain", "pretrain",
-           "tokenize", "digit_prompt", "cache_root", "save_dir_atomic"]
+           "tokenize"]
