@@ -223,7 +223,7 @@ def _ddp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     torch.manual_seed(0)
     policy = build_tiny_policy(cfg, progress=False, log=lambda *a: None, pretrained=False)
     tr = Trainer(cfg, policy=policy, log=lambda *a: None)
-    ddp = DDP(policy.net.transformer, broadcast_buffers=False)
+    ddp = DDP(policy.transformer, broadcast_buffers=False)
     comm = {"calls": 0}
 
     def counting_allreduce(state, bucket):  # counts DDP's own gradient all-reduces (must stay 0)
@@ -232,7 +232,7 @@ def _ddp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
         return fut.then(lambda f: f.value()[0])
 
     ddp.register_comm_hook(None, counting_allreduce)
-    policy.net.transformer = ddp
+    policy.forward_module = ddp
     tr.ctx.no_sync = ddp.no_sync
     plan = tr.plan_batch()  # identical on every rank (same seeds); each rank rolls out one group
     sub = tr.split_waves(plan, 1)[rank]
