@@ -44,6 +44,8 @@ def test_tiny_policy_is_the_diffusers_policy_and_matches_the_net(cache_dir, guid
     text = pol._encoder.__self__  # the frozen prompt encoder, on the policy's device
     assert isinstance(text, PromptEncoder) and not any(p.requires_grad for p in text.parameters())
     assert all(p.device == pol.device for p in text.parameters())
+    alone, batched = text.encode(PROMPTS[1:2]), text.encode(PROMPTS)  # batch-independent, bit for bit, so the
+    assert all(torch.equal(alone[k][0], batched[k][1]) for k in alone)  # per-prompt cache keeps resumes exact
     assert pol.trainable_parameters() == list(pol.transformer.parameters())  # full fine-tune: the transformer
     assert list(pol.named_trainable_parameters()) == [n for n, _ in pol.transformer.named_parameters()]
 

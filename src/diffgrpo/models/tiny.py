@@ -60,9 +60,13 @@ class PromptEncoder(nn.Module):
 
     @torch.no_grad()
     def encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
-        """Prompts → {"prompt_embeds": (B, L, D), "pooled": (B, D)} on this encoder's device (no grad)."""
-        emb, pooled = self(tokenize(prompts).to(self.pos.device))
-        return {"prompt_embeds": emb, "pooled": pooled}
+        """Prompts → {"prompt_embeds": (B, L, D), "pooled": (B, D)} on this encoder's device (no grad).
+
+        Each prompt is encoded on its own: a batched matmul can round differently from a single row, and the
+        policy caches encodings per prompt, so a batched encoding would depend on which prompts were encoded
+        together first, and a resumed run (empty cache) would not repeat the uninterrupted one bit for bit."""
+        rows = [self(t[None]) for t in tokenize(prompts).to(self.pos.device)]
+        return {"prompt_embeds": torch.cat([e for e, _ in rows]), "pooled": torch.cat([p for _, p in rows])}
 
 
 class TinyFlowNet(nn.Module):
