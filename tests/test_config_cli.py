@@ -92,6 +92,7 @@ def test_cli_train_sample_and_bench_end_to_end(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "eval/rewards/digit_alignment/mean:" in out
     assert (run / "weights.safetensors").is_file()
+    assert (run / "transformer" / "config.json").is_file()  # the tiny model exports like any SD3 transformer
     assert main(["sample", "--weights", str(run), "--prompt", "a handwritten digit 3", "--num", "2",
                  "--out", str(tmp_path / "s.png")]) == 0
     assert (tmp_path / "s.png").is_file()

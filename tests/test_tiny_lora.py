@@ -50,12 +50,12 @@ def test_only_the_adapter_trains(make_trainer):
     # one (A, B) pair per targeted Linear, rank 4: r·(in + out) weights each; nothing else trains
     from peft.tuners.lora import LoraLayer
 
-    adapted = {n: m for n, m in pol.net.transformer.named_modules() if isinstance(m, LoraLayer)}
+    adapted = {n: m for n, m in pol.transformer.named_modules() if isinstance(m, LoraLayer)}
     expected = sum(4 * (m.in_features + m.out_features) for m in adapted.values())
     assert sum(p.numel() for p in tr.params) == expected == sum(p.numel() for p in named.values())
     assert {id(p) for p in tr.params} == {id(p) for p in named.values()} and all("lora_" in n for n in named)
-    assert not any(p.requires_grad for p in pol.net.text.parameters())
-    assert expected < sum(p.numel() for p in pol.net.transformer.parameters()) // 10
+    assert not any(p.requires_grad for p in pol._encoder.__self__.parameters())  # the frozen prompt encoder
+    assert expected < sum(p.numel() for p in pol.transformer.parameters()) // 10
     # default targets: SD3's joint-attention projections (one block, context_pre_only: no to_add_out)
     assert {n.split("attn.")[1] for n in adapted} == {"to_q", "to_k", "to_v", "to_out.0",
                                                      "add_q_proj", "add_k_proj", "add_v_proj"}
@@ -120,7 +120,7 @@ def test_reference_is_the_base_model_after_updates(make_trainer):
     v_base = _probe(base)()
     v_pol = _probe(pol)
     torch.testing.assert_close(v_pol(), v_base, rtol=0, atol=1e-6)  # B = 0: the adapter starts as the identity
-    frozen = {n: p.detach().clone() for n, p in pol.net.named_parameters() if not p.requires_grad}
+    frozen = {n: p.detach().clone() for n, p in pol.transformer.named_parameters() if not p.requires_grad}
     _set_lora_b(tr)
     adapter = [p.detach().clone() for p in tr.params]
     row = tr.step()
@@ -130,7 +130,7 @@ def test_reference_is_the_base_model_after_updates(make_trainer):
     live = [p.grad.abs().max() > 0 for p in tr.params]
     assert sum(live) == len(tr.params) - 2
     assert all(not torch.equal(a, p) for a, p, g in zip(adapter, tr.params, live) if g)
-    assert all(torch.equal(frozen[n], p) for n, p in pol.net.named_parameters() if n in frozen)  # base did not
+    assert all(torch.equal(frozen[n], p) for n, p in pol.transformer.named_parameters() if n in frozen)  # base did not
     assert (v_pol() - v_base).abs().max() > 1e-3
     with pol.reference():
         torch.testing.assert_close(v_pol(), v_base, rtol=0, atol=1e-6)

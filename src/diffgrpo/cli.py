@@ -70,7 +70,8 @@ def cmd_train(args) -> int:
 
 
 def cmd_pretrain(args) -> int:
-    from .models.tiny import cache_root, load_or_pretrain
+    from .cache import cache_root
+    from .models.tiny import load_or_pretrain
     from .rewards.image import load_classifier
 
     cfg = _load_cfg(args)

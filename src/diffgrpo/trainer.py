@@ -65,8 +65,7 @@ class Trainer:
         self.engine = build_engine(cfg.engine)
         self.dp_module = None  # the DDP / FSDP2 wrapper velocity() goes through (None in one process)
         if self.world.world_size > 1:
-            net = (self.policy.transformer if hasattr(self.policy, "transformer") else
-                   self.policy.model if hasattr(self.policy, "model") else self.policy.net.transformer)
+            net = self.policy.transformer if hasattr(self.policy, "transformer") else self.policy.model
             self.dp_module = distributed.wrap(net, cfg.dist.mode)  # FSDP2 shards in place: build the optimizer after
             self.policy.forward_module = self.dp_module
             if hasattr(self.engine, "all_reduce"):  # e.g. single_step's global rectification normaliser

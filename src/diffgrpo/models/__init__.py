@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from .diffusers_adapter import DiffusersFlowPolicy, build_diffusers_policy
 from .hf_masked_lm import build_hf_masked_lm_policy, build_tiny_mlm_policy
-from .tiny import TinyFlowPolicy, build_tiny_policy
+from .tiny import build_tiny_policy
 
 POLICIES = {
     "tiny": build_tiny_policy,
@@ -18,4 +18,4 @@ POLICIES = {
     "diffusers": build_diffusers_policy,  # SD3 / FLUX / Wan / Qwen-Image pipelines, see diffusers_adapter.py
 }
 
-__all__ = ["POLICIES", "TinyFlowPolicy", "build_tiny_policy", "DiffusersFlowPolicy", "build_diffusers_policy"]
+__all__ = ["POLICIES", "build_tiny_policy", "DiffusersFlowPolicy", "build_diffusers_policy"]

@@ -34,7 +34,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .lora import ATTN_TARGETS, JOINT_TARGETS, adapter_disabled, add_lora, load_lora_state_dict, lora_state_dict
-from .tiny import frozen_reference
+from .reference import frozen_reference
 
 # ------------------------------------------------------------------------------------------- family table
 

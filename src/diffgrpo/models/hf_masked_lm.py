@@ -23,7 +23,9 @@ import json
 import torch
 import torch.nn as nn
 
-from .tiny import cache_root, frozen_reference, pretrain_step, save_dir_atomic
+from ..cache import cache_root, save_dir_atomic
+from .pretraining import pretrain_step
+from .reference import frozen_reference
 
 
 class MaskedLMPolicy:

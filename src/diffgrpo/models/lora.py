@@ -1,4 +1,4 @@
-"""LoRA adapters (peft) on diffusers transformers, shared by the tiny and the diffusers policy adapters.
+"""LoRA adapters (peft) on diffusers transformers, for the diffusers policy adapter (built-in tiny model included).
 
 :func:`add_lora` freezes the transformer and adds one peft adapter (``transformer.add_adapter``); only its
 ``lora_A`` / ``lora_B`` weights train, kept in float32. The KL reference policy is the same transformer with

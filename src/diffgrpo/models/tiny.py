@@ -1,4 +1,4 @@
-"""Built-in default policy: a class-conditional flow-matching transformer on 16×16 digits.
+"""Built-in default model: a class-conditional flow-matching transformer on 16×16 digits.
 
 The network is a real ``diffusers.SD3Transformer2DModel`` at a tiny config (joint text/image attention,
 AdaLN timestep conditioning, patchified pixels), conditioned by a small word-level prompt encoder
@@ -6,37 +6,28 @@ AdaLN timestep conditioning, patchified pixels), conditioned by a small word-lev
     L = E ||v_θ((1−σ)x₀ + σε, σ, c) − (ε − x₀)||²,  σ ~ logit-normal(0, 1),
 on scikit-learn's digits (train split), with the prompt dropped to the null prompt with probability
 ``cond_dropout`` so classifier-free guidance works. Pretrained weights are cached per architecture/recipe
-under the user cache directory and reused.
+under the user cache directory and reused. It is served by the diffusers adapter
+(:class:`~.diffusers_adapter.DiffusersFlowPolicy`, family ``sd3``), see :func:`build_tiny_policy`.
 """
 from __future__ import annotations
 
-import contextlib
-import copy
 import hashlib
 import json
 import math
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..data import NUMBER_WORDS, digit_prompt, digits_split
-from .lora import adapter_disabled, add_lora, load_lora_state_dict, lora_state_dict
+from ..cache import cache_lock, cache_root, save_dir_atomic
+from ..data import NUMBER_WORDS, digits_split
+from .diffusers_adapter import DiffusersFlowPolicy
+from .pretraining import pretrain_step
 
 VOCAB = ["<pad>", "<bos>", "<unk>", "a", "an", "the", "handwritten", "digit", "number", "of", "image", "picture",
          *[str(i) for i in range(10)], *NUMBER_WORDS]
 MAX_TOKENS = 8
-
-
-def cache_root(cache_dir: str = "") -> Path:
-    """Cache directory: explicit argument, else $DIFFGRPO_CACHE, else ~/.cache/diffgrpo."""
-    root = cache_dir or os.environ.get("DIFFGRPO_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "diffgrpo")
-    return Path(root)
 
 
 def tokenize(prompts: list[str]) -> torch.Tensor:
@@ -66,6 +57,16 @@ class PromptEncoder(nn.Module):
         m = (tokens != 0).float().unsqueeze(-1)  # (B, L, 1)
         pooled = self.pool((h * m).sum(1) / m.sum(1).clamp(min=1))  # (B, D)
         return h, pooled
+
+    @torch.no_grad()
+    def encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
+        """Prompts → {"prompt_embeds": (B, L, D), "pooled": (B, D)} on this encoder's device (no grad).
+
+        Each prompt is encoded on its own: a batched matmul can round differently from a single row, and the
+        policy caches encodings per prompt, so a batched encoding would depend on which prompts were encoded
+        together first, and a resumed run (empty cache) would not repeat the uninterrupted one bit for bit."""
+        rows = [self(t[None]) for t in tokenize(prompts).to(self.pos.device)]
+        return {"prompt_embeds": torch.cat([e for e, _ in rows]), "pooled": torch.cat([p for _, p in rows])}
 
 
 class TinyFlowNet(nn.Module):
@@ -139,34 +140,6 @@ def pretrain(mcfg, pcfg, *, progress: bool = True) -> TinyFlowNet:
     return net.eval()
 
 
-def pretrain_step(loss: torch.Tensor, net: nn.Module, opt, sched, bar, ema: float | None) -> float:
-    """One pretraining update of a built-in model (backward, clip at 1, step, schedule) and the progress bar's
-    smoothed loss. Returns the new smoothed loss."""
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
-    opt.step()
-    sched.step()
-    ema = loss.item() if ema is None else 0.98 * ema + 0.02 * loss.item()
-    bar.set_postfix(loss=f"{ema:.4f}")
-    return ema
-
-
-def save_dir_atomic(target: Path, write) -> Path:
-    """Call ``write(tmp_dir)`` then atomically move the directory into place (no half-written cache)."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
-        write(tmp)
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(tmp, target)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return target
-
-
 def load_or_pretrain(mcfg, pcfg, *, progress: bool = True, log=print) -> TinyFlowNet:
     """The cached pretrained network for this architecture and recipe; pretrains (and caches) it if absent."""
     from safetensors.torch import load_file, save_file
@@ -188,135 +161,29 @@ def load_or_pretrain(mcfg, pcfg, *, progress: bool = True, log=print) -> TinyFlo
     return net.eval()
 
 
-@contextlib.contextmanager
-def cache_lock(path: Path):
-    """Exclusive advisory lock on ``<path>.lock`` (POSIX flock) while a cache entry is checked or built."""
-    import fcntl
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(str(path) + ".lock", "w") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+def decode_pixels(x: torch.Tensor) -> torch.Tensor:
+    """Latents (B, 1, S, S) in [−1, 1] → images (B, 1, S, S) in [0, 1] (the model works in pixel space)."""
+    return ((x.float() + 1) / 2).clamp(0, 1)
 
 
-@contextlib.contextmanager
-def frozen_reference(policy):
-    """Context in which ``policy`` runs its frozen reference copy ``policy._ref`` (flag ``policy._use_ref``).
+def build_tiny_policy(cfg, *, progress=True, log=print, pretrained=True) -> DiffusersFlowPolicy:
+    """Adapter factory used by the trainer: cached pretrained network (or random init) → policy.
 
-    Shared by the adapters that keep a frozen copy of the initial weights for the KL term."""
-    if policy._ref is None:
-        raise RuntimeError("reference policy requested but the policy was built without keep_reference "
-                           "(set loss.beta > 0 to enable the KL term)")
-    policy._use_ref, prev = True, policy._use_ref
-    try:
-        yield
-    finally:
-        policy._use_ref = prev
-
-
-class TinyFlowPolicy:
-    """Policy adapter for :class:`TinyFlowNet` (pixel space, grayscale, data in [−1, 1]).
-
-    Trainable: the transformer (the prompt encoder is frozen, as text encoders are in SD3 post-training), or,
-    with ``lora_rank`` > 0, only a peft LoRA adapter on it (default targets: SD3's joint-attention projections;
-    see :mod:`.lora`). Reference policy: with LoRA the transformer with the adapter disabled; otherwise a frozen
-    copy of the initial transformer, made on construction when ``keep_reference``. ``state_dict`` holds the
-    trainable weights (the adapter alone with LoRA).
-    ``counters`` counts sample-forwards with and without grad (a CFG call counts two per sample).
+    The policy is a :class:`DiffusersFlowPolicy` (family ``sd3``) over ``net.transformer``, with the frozen
+    prompt encoder (``net.text.encode``) as its text encoder, the null prompt as the CFG negative prompt and
+    :func:`decode_pixels` as its decoder. Trainable: the transformer, or with ``lora_rank`` > 0 only a peft
+    LoRA adapter on it (default targets: SD3's joint-attention projections).
     """
-
-    def __init__(self, net: TinyFlowNet, *, guidance_scale: float = 1.0, device="cpu", keep_reference=False,
-                 lora_rank: int = 0, lora_alpha: float = 0.0, lora_target_modules: str | tuple | list = ""):
-        self.net = net.to(device)
-        self.device = torch.device(device)
-        self.guidance_scale = float(guidance_scale)
-        self.latent_shape = (1, net.image_size, net.image_size)
-        for p in self.net.text.parameters():
-            p.requires_grad_(False)
-        self.lora_rank = int(lora_rank)
-        if self.lora_rank > 0:
-            add_lora(self.net.transformer, self.lora_rank, lora_alpha, lora_target_modules)
-        self.net.transformer.train()
-        self._ref = (copy.deepcopy(self.net.transformer).requires_grad_(False)
-                     if keep_reference and not self.lora_rank else None)
-        self._use_ref = False
-        self.counters = {"forwards_grad": 0, "forwards_nograd": 0}
-        # data parallel: the wrapper forwards go through (DDP / FSDP2, set by the trainer); None = net.transformer.
-        # Weights, state dicts and trainable parameters stay on net.transformer.
-        self.forward_module = None
-
-    @property
-    def uses_cfg(self) -> bool:
-        return self.guidance_scale != 1.0
-
-    def trainable_parameters(self) -> list[nn.Parameter]:
-        return [p for p in self.net.transformer.parameters() if p.requires_grad]
-
-    def named_trainable_parameters(self) -> dict[str, nn.Parameter]:
-        return {n: p for n, p in self.net.transformer.named_parameters() if p.requires_grad}
-
-    @torch.no_grad()
-    def encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
-        """→ {"prompt_embeds": (B, L, D), "pooled": (B, D)} plus the null prompt's when CFG is on."""
-        emb, pooled = self.net.text(tokenize(prompts).to(self.device))
-        cond = {"prompt_embeds": emb, "pooled": pooled}
-        if self.uses_cfg:
-            n_emb, n_pooled = self.net.text(tokenize([""]).to(self.device))
-            cond["neg_prompt_embeds"] = n_emb.expand_as(emb).contiguous()
-            cond["neg_pooled"] = n_pooled.expand_as(pooled).contiguous()
-        return cond
-
-    def reference(self):
-        """Inside the block ``velocity`` uses the reference weights (LoRA disabled, or the frozen copy)."""
-        return adapter_disabled(self.net.transformer) if self.lora_rank else frozen_reference(self)
-
-    def velocity(self, x: torch.Tensor, sigma: torch.Tensor, cond: dict[str, torch.Tensor]) -> torch.Tensor:
-        """x (B, 1, S, S), sigma (B,) → guided velocity (B, 1, S, S) float32."""
-        tr = self._ref if self._use_ref else (self.forward_module if self.forward_module is not None
-                                              else self.net.transformer)
-        sigma = torch.as_tensor(sigma, dtype=torch.float32, device=x.device).expand(x.shape[0])
-        emb, pooled = cond["prompt_embeds"], cond["pooled"]
-        n = x.shape[0] * (2 if self.uses_cfg else 1)
-        self.counters["forwards_grad" if torch.is_grad_enabled() else "forwards_nograd"] += n
-        if self.uses_cfg:
-            xx = torch.cat([x, x])
-            ee = torch.cat([emb, cond["neg_prompt_embeds"]])
-            pp = torch.cat([pooled, cond["neg_pooled"]])
-            out = tr(hidden_states=xx, encoder_hidden_states=ee, pooled_projections=pp,
-                     timestep=torch.cat([sigma, sigma]) * 1000.0, return_dict=False)[0].float()
-            v_c, v_u = out.chunk(2)
-            return v_u + self.guidance_scale * (v_c - v_u)
-        return tr(hidden_states=x, encoder_hidden_states=emb, pooled_projections=pooled,
-                  timestep=sigma * 1000.0, return_dict=False)[0].float()
-
-    def decode(self, x: torch.Tensor) -> torch.Tensor:
-        """Latents (B, 1, S, S) in [−1, 1] → images (B, 1, S, S) in [0, 1]."""
-        return ((x.float() + 1) / 2).clamp(0, 1)
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """The trainable weights: the LoRA adapter (peft names) or the whole transformer."""
-        if self.lora_rank:
-            return lora_state_dict(self.net.transformer)
-        return {k: v.detach().contiguous() for k, v in self.net.transformer.state_dict().items()}
-
-    def load_state_dict(self, sd):
-        if self.lora_rank:
-            load_lora_state_dict(self.net.transformer, sd)
-        else:
-            self.net.transformer.load_state_dict(sd)
-
-
-def build_tiny_policy(cfg, *, progress=True, log=print, pretrained=True) -> TinyFlowPolicy:
-    """Adapter factory used by the trainer: cached pretrained network (or random init) → policy."""
-    net = load_or_pretrain(cfg.model, cfg.pretrain, progress=progress, log=log) if pretrained else \
-        TinyFlowNet(**arch_kwargs(cfg.model))
     m = cfg.model
-    return TinyFlowPolicy(net, guidance_scale=m.guidance_scale, device=m.device, keep_reference=cfg.loss.beta > 0,
-                          lora_rank=m.lora_rank, lora_alpha=m.lora_alpha, lora_target_modules=m.lora_target_modules)
+    net = load_or_pretrain(m, cfg.pretrain, progress=progress, log=log) if pretrained else \
+        TinyFlowNet(**arch_kwargs(m))
+    text = net.text.to(m.device).eval().requires_grad_(False)  # frozen, as text encoders are in SD3 post-training
+    return DiffusersFlowPolicy(
+        net.transformer, latent_shape=(1, net.image_size, net.image_size), family="sd3", encoder=text.encode,
+        decoder=decode_pixels, guidance_scale=m.guidance_scale, negative_prompt="", device=m.device,
+        lora_rank=m.lora_rank, lora_alpha=m.lora_alpha, lora_target_modules=m.lora_target_modules,
+        keep_reference=cfg.loss.beta > 0)
 
 
-__all__ = ["TinyFlowNet", "TinyFlowPolicy", "PromptEncoder", "build_tiny_policy", "load_or_pretrain", "pretrain",
-           "tokenize", "digit_prompt", "cache_root", "save_dir_atomic"]
+__all__ = ["TinyFlowNet", "PromptEncoder", "build_tiny_policy", "decode_pixels", "load_or_pretrain", "pretrain",
+           "tokenize"]

@@ -70,7 +70,7 @@ def load_classifier(image_size: int = 16, cache_dir: str = "", epochs: int = 25,
     """Cached classifier for ``image_size``: (model, held-out accuracy)."""
     from safetensors.torch import load_file, save_file
 
-    from ..models.tiny import cache_lock, cache_root, save_dir_atomic
+    from ..cache import cache_lock, cache_root, save_dir_atomic
 
     key = (image_size, str(cache_root(cache_dir)), epochs)
     if key in _CLASSIFIERS:
