@@ -34,7 +34,7 @@ def main():
             s = tr.backward(ro, 0)
             g_ret = flat(tr.params)
             tr.optimizer.zero_grad(set_to_none=True)
-            ENGINES[cfg.engine.name](dataclasses.replace(cfg.engine, evaluation="recompute")).backward(tr.ctx, ro, 0)
+            ENGINES[cfg.engine.name](dataclasses.replace(cfg.engine, evaluation="recompute")).backward(tr.family.ctx, ro, 0)
             g_rc = flat(tr.params)
             err = float((g_ret - g_rc).norm() / g_rc.norm())
             print(f"| {' '.join(eng)} | {' '.join(extra) or 'default'} | {err:.1e} | {s.forwards_grad} | "

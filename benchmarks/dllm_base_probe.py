@@ -13,10 +13,8 @@ t0 = time.time()
 tr = Trainer(cfg, log=lambda *a: None)
 t1 = time.time()
 row, _ = tr.evaluate()
-fam = tr.family if hasattr(tr, "family") else None
 # train-split greedy accuracy and T=1 sample reward on train split
-from diffgrpo.dllm.grpo import family_for
-f = family_for(tr)
+f = tr.family
 pool = f.task.instances("train")
 g = torch.Generator().manual_seed(0)
 idx = torch.randperm(len(pool), generator=g)[:512].tolist()

@@ -30,7 +30,7 @@ from safetensors.torch import load_file
 
 from diffgrpo import RunConfig, Trainer
 from diffgrpo.dllm import likelihood as lk
-from diffgrpo.dllm.grpo import completion_mask
+from diffgrpo.dllm.likelihood import completion_mask
 
 
 def estimators(fam, smp, P: int, L: int, g: torch.Generator) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -59,7 +59,7 @@ def totals(fam, ids, masks, weights, valid, chunk: int = 64) -> torch.Tensor:
     """Per-sequence estimate Σ_j over valid tokens. → (B,)"""
     out = []
     for i in range(0, ids.shape[0], chunk):
-        lp = fam.log_probs(ids[i:i + chunk], masks[i:i + chunk], weights[i:i + chunk])  # (n, L)
+        lp = fam.method.log_probs(ids[i:i + chunk], masks[i:i + chunk], weights[i:i + chunk])  # (n, L)
         out.append((lp * valid[i:i + chunk]).sum(1))
     return torch.cat(out)
 
@@ -71,7 +71,7 @@ def grpo_grad(fam, params, ids, masks, weights, valid, adv, chunk: int = 32) -> 
         q.grad = None
     for i in range(0, ids.shape[0], chunk):
         with torch.enable_grad():
-            lp = fam.log_probs(ids[i:i + chunk], masks[i:i + chunk], weights[i:i + chunk])  # (n, L)
+            lp = fam.method.log_probs(ids[i:i + chunk], masks[i:i + chunk], weights[i:i + chunk])  # (n, L)
             (adv[i:i + chunk] * (lp * valid[i:i + chunk]).sum(1)).sum().backward()
     g = torch.cat([q.grad.flatten() for q in params])
     for q in params:

@@ -53,11 +53,11 @@ def window_gradients(tr: Trainer, ro, eng: JaggEngine):
         mask = torch.zeros_like(ro.selected)
         mask[w.traj, w.steps] = True
         tr.optimizer.zero_grad(set_to_none=True)
-        recompute_pairs(tr.ctx, ro, EngineStats(), StatsAccumulator(), mask)
+        recompute_pairs(tr.family.ctx, ro, EngineStats(), StatsAccumulator(), mask)
         exact = flat_grad(tr.params).float()
         if len(w.steps) > 2:
             tr.optimizer.zero_grad(set_to_none=True)
-            eng._jagg_chunk(tr.ctx, ro, [w], 0, EngineStats(), StatsAccumulator(), final=True)
+            eng._jagg_chunk(tr.family.ctx, ro, [w], 0, EngineStats(), StatsAccumulator(), final=True)
             approx = flat_grad(tr.params).float()
         else:
             approx = exact
@@ -120,11 +120,11 @@ def main(argv=None) -> int:
     for W in [int(x) for x in args.windows.split(",")]:
         eng = JaggEngine(RunConfig.from_overrides([f"engine.window={W}"], base=cfg).engine)
         results[W] = analyse(window_gradients(tr, ro, eng))
-    report = {"overrides": args.overrides, "batch": ro.batch_size, "num_steps": ro.num_steps,
+    report = {"overrides": args.overrides, "batch": ro.batch_size, "num_steps": ro.traj.num_steps,
               "sde_type": cfg.sampler.sde_type, "seconds": time.perf_counter() - t0,
               "results": {str(k): v for k, v in results.items()}}
     lines = ["# JAGG routing score vs per-window gradient error",
-             "", f"{'Random-init' if args.random_init else 'Pretrained'} built-in model, one rollout of {ro.batch_size} trajectories, T = {ro.num_steps}, "
+             "", f"{'Random-init' if args.random_init else 'Pretrained'} built-in model, one rollout of {ro.batch_size} trajectories, T = {ro.traj.num_steps}, "
              f"{cfg.sampler.sde_type}, all trainable steps selected. Command: "
              f"`python benchmarks/jagg_routing.py --windows {args.windows} {'--random-init ' if args.random_init else ''}"
              f"{' '.join(args.overrides)}`.",

@@ -2,7 +2,7 @@
 
 Retain keeps the activations of every selected step of every in-flight trajectory, so its peak grows with
 the wave (complete groups rolled out and trained together). For each wave size (groups per wave) one
-iteration's rollout + first-update backward runs through ``Trainer.rollout_in_waves`` on the pretrained
+iteration's rollout + first-update backward runs through the retain engine's ``collect`` on the pretrained
 built-in model and its peak memory is measured (CUDA: max allocated; CPU: peak live saved-for-backward
 bytes, the activation memory the engines trade). ``recompute`` and ``reweight`` on the whole batch are
 measured the same way for reference. (That waves leave the gradient unchanged is asserted in
@@ -20,15 +20,17 @@ from diffgrpo import RunConfig, Trainer
 from diffgrpo.engines.base import MemoryMeter
 
 
-def measure(trainer: Trainer, state: dict, seed: int, groups_per_wave: int) -> tuple[int, float]:
-    """Peak memory (bytes) of one rollout + first-update backward (the engine's own meter covers its
-    backward, which a surrounding CPU meter cannot see), and the gradient-buffer bytes (reweight)."""
+def measure(trainer: Trainer, state: dict, seed: int) -> tuple[int, float]:
+    """Peak memory (bytes) of one rollout (in the engine's waves) + first-update backward (the engine's own meter
+    covers its backward, which a surrounding CPU meter cannot see), and the gradient-buffer bytes (reweight)."""
     trainer.policy.load_state_dict(state)
-    trainer.gen_prompts.manual_seed(seed)
-    trainer.gen_noise.manual_seed(seed + 1)
-    trainer.gen_steps.manual_seed(seed + 2)
+    trainer.family.gen_prompts.manual_seed(seed)
+    trainer.family.gen_noise.manual_seed(seed + 1)
+    trainer.family.gen_steps.manual_seed(seed + 2)
+    trainer.optimizer.zero_grad(set_to_none=True)
     with MemoryMeter(trainer.device) as mem:
-        _, stats = trainer.rollout_in_waves(groups_per_wave)
+        ro, stats = trainer.family.collect()
+        stats = stats if stats is not None else trainer.family.backward(ro, 0)
     return max(mem.peak, stats.peak_memory_bytes), stats.metrics.get("grad_buffer_bytes", 0.0)
 
 
@@ -46,13 +48,13 @@ def main(argv=None):
     rows = []
     for name in ("recompute", "reweight"):
         t = Trainer(RunConfig.from_overrides([f"engine.name={name}"], base=base), policy=ref.policy)
-        peak, buf = measure(t, state, seed, 0)
+        peak, buf = measure(t, state, seed)
         rows.append({"engine": name, "groups_per_wave": groups, "peak_bytes": peak, "grad_buffer_bytes": buf})
     sizes = sorted({s for s in (1, 2, 4, 8, 16, 32, groups) if s <= groups})
     for s in sizes:
         t = Trainer(RunConfig.from_overrides(["engine.name=retain", f"engine.wave_size={s}"], base=base),
                     policy=ref.policy)
-        peak, buf = measure(t, state, seed, s)
+        peak, buf = measure(t, state, seed)
         rows.append({"engine": "retain", "groups_per_wave": s, "peak_bytes": peak, "grad_buffer_bytes": buf})
     rec_peak = rows[0]["peak_bytes"]
     budget = args.budget_mib * 2**20

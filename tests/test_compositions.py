@@ -10,7 +10,7 @@ import torch
 
 from diffgrpo.engines.jagg import JaggEngine, anchor_mask
 from diffgrpo.engines.recompute import RecomputeEngine
-from diffgrpo.engines.retain import RETAIN_KEY, RetainedSteps
+from diffgrpo.engines.retain import RetainedSteps
 from diffgrpo.engines.single_step import SingleStepEngine
 from tests.conftest import flat_grad, perturb, rel_err
 
@@ -19,7 +19,7 @@ TOL = 1e-5
 
 def _grad(tr, ro, engine, epoch=0):
     tr.optimizer.zero_grad(set_to_none=True)
-    stats = engine.backward(tr.ctx, ro, epoch)
+    stats = engine.backward(tr.family.ctx, ro, epoch)
     return flat_grad(tr.params), stats
 
 
@@ -53,14 +53,14 @@ def test_jagg_retain_equals_jagg_on_first_update(make_trainer, extra):
         perturb(tr)
     mult = 2 if tr.policy.uses_cfg else 1
     ro, roll = _rollout(tr)
-    B, T = ro.batch_size, ro.num_steps
-    anchors = anchor_mask(ro.selected, tr.engine.window)
+    B, T = ro.batch_size, ro.traj.num_steps
+    anchors = anchor_mask(ro.selected, tr.family.engine.window)
     n_anchor, n_pairs = int(anchors.sum()), int(ro.selected.sum())
     # the rollout ran exactly the window endpoints with grad, everything else without
     assert roll["forwards_grad"] == n_anchor * mult
     assert roll["forwards_nograd"] == (B * T - n_anchor + (n_anchor if beta else 0)) * mult
-    assert ro.extras[RETAIN_KEY].mask.equal(anchors)
-    g, s = _grad(tr, ro, tr.engine)
+    assert ro.traj.engine_state.mask.equal(anchors)
+    g, s = _grad(tr, ro, tr.family.engine)
     g_ref, s_ref = _grad(tr, ro, _recompute_eval(tr, JaggEngine))
     assert g_ref.norm() > 0
     assert rel_err(g, g_ref) < TOL
@@ -76,14 +76,14 @@ def test_jagg_retain_equals_jagg_on_first_update(make_trainer, extra):
     assert s.metrics["trained_pairs"] == n_pairs and s.metrics["ratio_max_dev"] < 1e-5
     if beta:
         assert s.metrics["kl"] > 0
-    assert ro.extras[RETAIN_KEY].released
+    assert ro.traj.engine_state.released
 
 
 def test_jagg_retain_two_graphs_per_window(make_trainer):
     """T = 6 → 5 trainable steps, W = 5: one window per trajectory, so exactly 2 retained graphs each."""
     tr = make_trainer("engine.name=jagg", "engine.evaluation=retain", "engine.window=5")
     ro, roll = _rollout(tr)
-    g, s = _grad(tr, ro, tr.engine)
+    g, s = _grad(tr, ro, tr.family.engine)
     assert s.retained_graphs == 2 * ro.batch_size and roll["forwards_grad"] == 2 * ro.batch_size
     assert (s.forwards_grad, s.forwards_nograd, s.sample_backwards) == (0, 0, 2 * ro.batch_size)
     g_ref, _ = _grad(tr, ro, _recompute_eval(tr, JaggEngine))
@@ -94,7 +94,7 @@ def test_jagg_retain_window_two_is_exact(make_trainer):
     tr = make_trainer("engine.name=jagg", "engine.evaluation=retain", "engine.window=2", "loss.beta=0.05")
     perturb(tr)
     ro = tr.rollout()
-    g, s = _grad(tr, ro, tr.engine)
+    g, s = _grad(tr, ro, tr.family.engine)
     g_ref, _ = _grad(tr, ro, RecomputeEngine())
     assert rel_err(g, g_ref) < TOL and s.forwards_grad == 0 and s.forwards_nograd == 0
 
@@ -108,7 +108,7 @@ def test_jagg_retain_exact_windows_use_retained_endpoints(make_trainer, frac):
     ro = tr.rollout()
     B = ro.batch_size
     n_j = math.ceil(frac * B)
-    g, s = _grad(tr, ro, tr.engine)
+    g, s = _grad(tr, ro, tr.family.engine)
     g_ref, s_ref = _grad(tr, ro, _recompute_eval(tr, JaggEngine))
     assert rel_err(g, g_ref) < TOL
     assert s.metrics["jagg_frac_routed"] == s_ref.metrics["jagg_frac_routed"] == n_j / B
@@ -124,23 +124,23 @@ def test_jagg_retain_later_epoch_falls_back(make_trainer):
     tr = make_trainer("engine.name=jagg", "engine.evaluation=retain", "engine.window=4", "train.lr=3e-3",
                       "loss.clip_range=1e-2")
     ro = tr.rollout()
-    store = ro.extras[RETAIN_KEY]
-    _grad(tr, ro, tr.engine)
+    store = ro.traj.engine_state
+    _grad(tr, ro, tr.family.engine)
     assert store.released
     tr.optimizer.step()
-    g1, s1 = _grad(tr, ro, tr.engine, epoch=1)
+    g1, s1 = _grad(tr, ro, tr.family.engine, epoch=1)
     g_ref, s_ref = _grad(tr, ro, _recompute_eval(tr, JaggEngine), epoch=1)
     assert rel_err(g1, g_ref) < 1e-12
     assert s1.metrics["fallback_recompute"] == 1.0 and s1.forwards_grad == s_ref.forwards_grad > 0
     assert s1.metrics["ratio_max_dev"] > 0  # θ moved: a genuine later epoch
     # an epoch > 0 call before epoch 0 also releases the graphs and recomputes
     ro2 = tr.rollout()
-    _, s2 = _grad(tr, ro2, tr.engine, epoch=1)
-    assert ro2.extras[RETAIN_KEY].released and s2.metrics["fallback_recompute"] == 1.0
+    _, s2 = _grad(tr, ro2, tr.family.engine, epoch=1)
+    assert ro2.traj.engine_state.released and s2.metrics["fallback_recompute"] == 1.0
 
 
 def test_jagg_retain_dropped_sample(make_trainer, monkeypatch):
-    import diffgrpo.trainer as trainer_mod
+    import diffgrpo.flow.family as trainer_mod
 
     real = trainer_mod.compute_rewards
 
@@ -154,7 +154,7 @@ def test_jagg_retain_dropped_sample(make_trainer, monkeypatch):
     tr = make_trainer("engine.name=jagg", "engine.evaluation=retain", "engine.window=3")
     ro = tr.rollout()
     assert not ro.selected[1].any()
-    g, s = _grad(tr, ro, tr.engine)
+    g, s = _grad(tr, ro, tr.family.engine)
     g_ref, _ = _grad(tr, ro, _recompute_eval(tr, JaggEngine))
     assert rel_err(g, g_ref) < TOL and s.forwards_grad == 0
 
@@ -180,7 +180,7 @@ def test_single_step_retain_equals_single_step(make_trainer, extra):
     ro, roll = _rollout(tr)
     B = ro.batch_size
     assert roll["forwards_grad"] == B * mult  # one retained graph per sample
-    g, s = _grad(tr, ro, tr.engine)
+    g, s = _grad(tr, ro, tr.family.engine)
     g_ref, s_ref = _grad(tr, ro, _recompute_eval(tr, SingleStepEngine))
     assert g_ref.norm() > 0
     assert rel_err(g, g_ref) < TOL
@@ -192,10 +192,10 @@ def test_single_step_retain_equals_single_step(make_trainer, extra):
         assert s.metrics["kl"] > 0
     # later epoch: graphs released, recompute evaluation, same gradient as single_step
     tr.optimizer.step()
-    g1, s1 = _grad(tr, ro, tr.engine, epoch=1)
+    g1, s1 = _grad(tr, ro, tr.family.engine, epoch=1)
     g1_ref, _ = _grad(tr, ro, _recompute_eval(tr, SingleStepEngine), epoch=1)
     assert rel_err(g1, g1_ref) < 1e-12 and s1.metrics["fallback_recompute"] == 1.0
-    assert s1.forwards_grad == B * mult and ro.extras[RETAIN_KEY].released
+    assert s1.forwards_grad == B * mult and ro.traj.engine_state.store.released
 
 
 @pytest.mark.parametrize("engine,evaluated,interior", [(["engine.name=jagg", "engine.window=4"], 3, 2),

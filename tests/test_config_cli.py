@@ -52,8 +52,23 @@ def test_dict_entry_override():
     (["loss.aggregation=median"], "loss.aggregation: value 'median' is not allowed"),
     (["seed"], "override 'seed' must look like key=value"),
     (["engine=recompute"], "engine: is a section"),
-    (["model.name=tiny_mlm", "model.lora_rank=8"], "model.lora_rank: LoRA is implemented for model.name in "
-                                                   "['tiny', 'diffusers'], not 'tiny_mlm'"),
+    (["model.name=tiny_mlm", "model.lora_rank=8"], "model.lora_rank: does not apply to model.name=tiny_mlm "
+                                                   "(the dllm family)"),
+    # keys of the other family are refused, naming the key and the family
+    (["model.name=tiny_mlm", "engine.name=jagg"], "engine.name: does not apply to model.name=tiny_mlm "
+                                                  "(the dllm family); it is read only for flow-matching models"),
+    (["model.name=tiny_mlm", "loss.clip_range=0.3"], "loss.clip_range: does not apply to model.name=tiny_mlm"),
+    (["model.name=tiny_mlm", "reward.weights={jpeg_compressibility: 1.0}"],
+     "reward.weights: does not apply to model.name=tiny_mlm"),
+    (["dllm.task=sudoku"], "dllm.task: does not apply to model.name=tiny (the flow family); it is read only for "
+                           "masked diffusion LMs"),
+    (["daca.dps_score=entropy"], "daca.dps_score: does not apply to model.name=tiny (the flow family)"),
+    (["model.name=hf_masked_lm"], "dllm.model_path: required for model.name=hf_masked_lm"),
+    # engine keys that the chosen engine never reads
+    (["engine.window=3"], "engine.window: does not apply to engine.name=recompute; it is read only by ['jagg']"),
+    (["engine.name=jagg", "engine.wave_size=2"], "engine.wave_size: does not apply to engine.name=jagg"),
+    (["engine.evaluation=retain"], "engine.evaluation: does not apply to engine.name=recompute; it is read only "
+                                   "by ['jagg', 'single_step']"),
 ])
 def test_bad_input_is_one_clear_line(overrides, message):
     with pytest.raises(ConfigError) as e:

@@ -202,8 +202,8 @@ def test_dps_mix_zero_and_one_stratum_reproduce_the_base_method(method):
                   ["daca.dps_score=confidence", "daca.dps_mix=0", "daca.likelihood=sml", "daca.sml_strata=1"]):
         tr = make_trainer(f"dllm.method={method}", *extra)
         r = tr.rollout()
-        assert torch.equal(r.xs, ro.xs) and torch.equal(r.extras["masks"], ro.extras["masks"])
-        assert torch.equal(r.log_probs, ro.log_probs) and torch.equal(r.extras["ref_log_probs"], ro.extras["ref_log_probs"])
+        assert torch.equal(r.traj.sequences, ro.traj.sequences) and torch.equal(r.traj.masks, ro.traj.masks)
+        assert torch.equal(r.traj.log_probs, ro.traj.log_probs) and torch.equal(r.traj.ref_log_probs, ro.traj.ref_log_probs)
         g, s = grads_after_update(tr, r)
         assert torch.equal(g, g0), extra
         assert s.metrics["kl"] == s0.metrics["kl"] and s.metrics["ratio_mean"] == s0.metrics["ratio_mean"]
@@ -223,11 +223,11 @@ def test_sml_per_group_backward_equals_one_backward_over_all_forwards(method):
         ro = tr.rollout()
         ro.advantages = torch.linspace(-1, 1, ro.batch_size)
         M = {"diffu_grpo": 1, "coupled_grpo": 2, "random_mask": 2}[method]
-        assert ro.extras["masks"].shape[1] == 3 * M and ro.extras["sml_groups"] == 3
-        st = ro.extras["strata"]
-        from diffgrpo.dllm.grpo import completion_mask
+        assert ro.traj.masks.shape[1] == 3 * M and ro.traj.groups == 3
+        st = ro.traj.strata
+        from diffgrpo.dllm.likelihood import completion_mask
 
-        assert torch.equal(st >= 0, completion_mask(ro.xs[:, 0, -fam.gen_length:], VOCAB.eos_id))
+        assert torch.equal(st >= 0, completion_mask(ro.traj.sequences[:, -fam.gen_length:], VOCAB.eos_id))
         f0 = tr.policy.counters["forwards_grad"]
         stats = tr.backward(ro, 0)
         assert stats.metrics["ratio_max_dev"] < 1e-5
@@ -235,10 +235,10 @@ def test_sml_per_group_backward_equals_one_backward_over_all_forwards(method):
         assert tr.policy.counters["forwards_grad"] - f0 == rows * 3 * M and stats.backward_calls == 3
         g_groups = torch.cat([p.grad.flatten() for p in tr.params])
         tr.optimizer.zero_grad(set_to_none=False)
-        lp = fam.log_probs(ro.xs[:, 0], ro.extras["masks"], ro.extras["mask_weights"])  # one big forward
-        loss, _ = grpo_token_loss(lp, ro.log_probs, ro.advantages, fam.ctx.clip_range,
-                                  ref_log_prob=ro.extras["ref_log_probs"], beta=fam.ctx.beta,
-                                  token_weights=ro.extras["token_weights"])
+        lp = fam.method.log_probs(ro.traj.sequences, ro.traj.masks, ro.traj.mask_weights)  # one big forward
+        loss, _ = grpo_token_loss(lp, ro.traj.log_probs, ro.advantages, fam.ctx.clip_range,
+                                  ref_log_prob=ro.traj.ref_log_probs, beta=fam.ctx.beta,
+                                  token_weights=ro.traj.token_weights)
         aggregate(loss, ro.loss_weights).backward()
         g_one = torch.cat([p.grad.flatten() for p in tr.params])
         assert float((g_groups - g_one).norm() / g_one.norm()) < 1e-4
@@ -251,26 +251,28 @@ def test_dps_costs_no_forward_and_weights_only_the_policy_term(method):
     tr = make_trainer(f"dllm.method={method}", "daca.dps_score=entropy", "daca.dps_mix=1")
     ro = tr.rollout()
     assert tr.policy.counters == base.policy.counters  # zero extra forwards in the rollout
-    w = ro.extras["token_weights"]
-    assert torch.equal(ro.xs, ro_b.xs) and not torch.all(w == 1)
-    c = dict(tr.policy.counters)
-    again = credit.family_token_weights(tr.family, ro)
-    assert torch.equal(again, w) and tr.policy.counters == c
-    from diffgrpo.dllm.grpo import completion_mask
+    w = ro.traj.token_weights
+    assert torch.equal(ro.traj.sequences, ro_b.traj.sequences) and not torch.all(w == 1)
+    from diffgrpo.dllm.likelihood import completion_mask
 
-    valid = completion_mask(ro.xs[:, 0, -tr.family.gen_length:], VOCAB.eos_id)
+    valid = completion_mask(ro.traj.sequences[:, -tr.family.gen_length:], VOCAB.eos_id)
+    c = dict(tr.policy.counters)
+    d = tr.cfg.daca
+    again = credit.dps_weights(ro.traj.records, valid, score="entropy", mix=1.0, clip_min=d.dps_clip_min,
+                               clip_max=d.dps_clip_max, steps=tr.family.steps, block_length=tr.family.block_length)
+    assert torch.equal(again, w) and tr.policy.counters == c
     assert torch.allclose((w * valid).sum(1) / valid.sum(1), torch.ones(len(w)), atol=1e-5)
     # the weights multiply the policy term only: with zero advantages the loss is the (unweighted) KL
     from diffgrpo.dllm.grpo import grpo_token_loss
 
-    lp = ro.log_probs + 0.1
+    lp = ro.traj.log_probs + 0.1
     zero = torch.zeros(ro.batch_size)
-    l_w, _ = grpo_token_loss(lp, ro.log_probs, zero, 0.2, ref_log_prob=ro.log_probs, beta=0.5, token_weights=w)
-    l_1, _ = grpo_token_loss(lp, ro.log_probs, zero, 0.2, ref_log_prob=ro.log_probs, beta=0.5)
+    l_w, _ = grpo_token_loss(lp, ro.traj.log_probs, zero, 0.2, ref_log_prob=ro.traj.log_probs, beta=0.5, token_weights=w)
+    l_1, _ = grpo_token_loss(lp, ro.traj.log_probs, zero, 0.2, ref_log_prob=ro.traj.log_probs, beta=0.5)
     assert torch.equal(l_w, l_1)
     adv = torch.ones(ro.batch_size)
-    p_w, _ = grpo_token_loss(lp, ro.log_probs, adv, 0.2, token_weights=w)
-    p_1, _ = grpo_token_loss(lp, ro.log_probs, adv, 0.2)
+    p_w, _ = grpo_token_loss(lp, ro.traj.log_probs, adv, 0.2, token_weights=w)
+    p_1, _ = grpo_token_loss(lp, ro.traj.log_probs, adv, 0.2)
     assert torch.allclose(p_w, p_1 * w)
     stats = tr.backward(ro, 0)
     assert {"dps/mean", "dps/std", "dps/max", "dps/top20_share"} <= set(stats.metrics)
@@ -280,20 +282,20 @@ def test_dps_costs_no_forward_and_weights_only_the_policy_term(method):
 def test_daca_train_step_runs():
     tr = make_trainer("dllm.method=coupled_grpo", "daca.dps_score=progress", "daca.likelihood=sml",
                       "daca.sml_strata=2", "dllm.task=sudoku", "dllm.block_length=8", "dllm.diffusion_steps=8")
-    rollout, seen = tr.rollout, []
-    tr.rollout = lambda *a, **kw: seen.append(rollout(*a, **kw)) or seen[-1]
+    collect, seen = tr.family.collect, []
+    tr.family.collect = lambda: seen.append(collect()) or seen[-1]
     before = [p.detach().clone() for p in tr.params]
     row = tr.step()
-    (ro,) = seen
+    ((ro, _),) = seen
     assert row["reward"] == pytest.approx(float(ro.rewards.mean()))
     # DPS weights of the trained tokens, normalised to mean 1
-    w = ro.extras["token_weights"][ro.selected]
+    w = ro.traj.token_weights[ro.selected]
     assert float(w.mean()) == pytest.approx(1.0, abs=1e-5)
     assert row["first_epoch/dps/mean"] == pytest.approx(float(w.mean()), abs=1e-6)
     assert row["first_epoch/dps/max"] == pytest.approx(float(w.max())) and row["first_epoch/dps/std"] > 0
     assert 0.2 <= row["first_epoch/dps/top20_share"] <= 1
     # K = 2 SML groups × M = 2 coupled forwards per trained row, each back-propagated once
-    assert ro.extras["sml_groups"] == 2 and ro.extras["masks"].shape[1] == 2 * 2
+    assert ro.traj.groups == 2 and ro.traj.masks.shape[1] == 2 * 2
     rows = int(ro.selected.any(1).sum())
     assert row["forwards_grad"] == row["sample_backwards"] == rows * 2 * 2 and row["forwards_nograd"] == 0
     assert row["first_epoch/trained_tokens"] == int(ro.selected.sum())
@@ -319,6 +321,6 @@ def test_decode_order_chain_with_one_stratum_per_token_is_the_sampler_path_log_l
         for part, exact in (("decode_order", True), ("random", False)):
             st = likelihood.assign_strata(everything, L, part, order=smp.order, generator=torch.Generator().manual_seed(2))
             sm, sw = likelihood.stratify(m, w, st, L, chain=True)
-            lp = fam.log_probs(smp.sequences, sm, sw)  # (B, L)
+            lp = fam.method.log_probs(smp.sequences, sm, sw)  # (B, L)
             err = float((lp - smp.step_log_prob).abs().max())
             assert (err < 1e-5) if exact else (err > 1e-4), (part, err)

@@ -157,8 +157,8 @@ def test_sd3_pipeline_trains_from_its_directory_and_lora_reloads(sd3_dir, tmp_pa
     assert tr.params and all("lora_" in n for n in pol.named_trainable_parameters())
 
     ro = tr.rollout()
-    assert set(ro.prompts) <= set(PROMPTS) and ro.images.shape == (4, 3, 16, 16)
-    assert float(ro.images.min()) >= 0 and float(ro.images.max()) <= 1
+    assert set(ro.prompts) <= set(PROMPTS) and ro.traj.images.shape == (4, 3, 16, 16)
+    assert float(ro.traj.images.min()) >= 0 and float(ro.traj.images.max()) <= 1
     stats = tr.backward(ro)
     n_pairs = int(ro.selected.sum())
     assert stats.metrics["ratio_max_dev"] < 1e-5 and stats.metrics["kl"] < 1e-10
@@ -200,11 +200,11 @@ def test_sd3_pipeline_trains_from_its_directory_and_lora_reloads(sd3_dir, tmp_pa
     pipe.load_lora_weights(str(out / "lora"))
     loaded = DiffusersFlowPolicy(pipe.transformer, latent_shape=(4, 8, 8), pipeline=pipe, guidance_scale=3.0,
                                  negative_prompt="blurry", max_sequence_length=8)
-    sigmas = tr.sigmas
+    sigmas = tr.family.sigmas
     runs = []
     for p in (pol, loaded):
         with torch.no_grad():
-            runs.append(sample_trajectories(p, p.encode(PROMPTS), x, sigmas, kernel=tr.kernel,
+            runs.append(sample_trajectories(p, p.encode(PROMPTS), x, sigmas, kernel=tr.family.kernel,
                                             generator=torch.Generator().manual_seed(5)))
     torch.testing.assert_close(runs[1]["velocities"], runs[0]["velocities"], rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(runs[1]["xs"], runs[0]["xs"], rtol=1e-4, atol=1e-5)
@@ -246,7 +246,7 @@ def test_family_rollout_backward_and_step_through_the_trainer(family, lora, gsca
     assert (pol._ref is None) == (lora > 0)
     tr = Trainer(cfg, policy=pol, log=lambda *a: None)
     ro = tr.rollout()
-    assert ro.xs.shape == (4, 4, *LATENTS[family])
+    assert ro.traj.xs.shape == (4, 4, *LATENTS[family])
     before = [p.detach().clone() for p in tr.params]
     stats, info = tr.update(ro)
     n_pairs = int(ro.selected.sum())
@@ -258,11 +258,11 @@ def test_family_rollout_backward_and_step_through_the_trainer(family, lora, gsca
     # after the step the policy moved and the reference did not
     with torch.no_grad():
         k = 1
-        v_new = pol.velocity(ro.xs[:, k], ro.sigmas[k].expand(4), ro.cond)
+        v_new = pol.velocity(ro.traj.xs[:, k], ro.traj.sigmas[k].expand(4), ro.traj.cond)
         with pol.reference():
-            v_ref = pol.velocity(ro.xs[:, k], ro.sigmas[k].expand(4), ro.cond)
-    torch.testing.assert_close(v_ref, ro.velocities[:, k], rtol=1e-4, atol=1e-5)
-    assert rel_err(v_new, ro.velocities[:, k]) > 1e-6
+            v_ref = pol.velocity(ro.traj.xs[:, k], ro.traj.sigmas[k].expand(4), ro.traj.cond)
+    torch.testing.assert_close(v_ref, ro.traj.velocities[:, k], rtol=1e-4, atol=1e-5)
+    assert rel_err(v_new, ro.traj.velocities[:, k]) > 1e-6
 
 
 def test_packing_guidance_and_cfg_rules():

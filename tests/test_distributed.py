@@ -13,9 +13,9 @@ import torch.distributed as dist
 
 from diffgrpo import RunConfig, distributed
 from diffgrpo.config import ConfigError
-from diffgrpo.engines.single_step import STEP_KEY
+from diffgrpo.engines.single_step import SingleStepState
 from diffgrpo.distributed import rank_rows
-from diffgrpo.types import Rollout
+from diffgrpo.types import FlowTrajectory, Rollout, TokenTrajectory
 from tests.conftest import TINY, rel_err
 
 LR = 1e-2
@@ -40,16 +40,16 @@ DLLM_CASES = {"diffu-local": ("diffu_grpo", "local", ["loss.beta=0.04"]),
                                                                      "daca.dps_mix=0.5"]),
               "random_mask-local-sml-chain": ("random_mask", "local", ["daca.likelihood=sml", "daca.sml_strata=3"]),
               "diffu-local-drop": ("diffu_grpo", "local", ["advantage.filter_zero_std=true"])}
-DLLM_KEEP = ("xs", "log_probs", "selected", "rewards", "group_ids", "advantages", "loss_weights")
-DLLM_EXTRAS = ("masks", "mask_weights", "ref_log_probs", "token_weights", "strata", "sml_groups")
+DLLM_KEEP = ("selected", "trained", "rewards", "group_ids", "advantages", "loss_weights")
+DLLM_TRAJ = ("sequences", "log_probs", "masks", "mask_weights", "ref_log_probs", "token_weights", "strata", "groups")
 COMMON = ["train.group_size=4", "train.prompts_per_batch=2", "loss.beta=0.1", "train.max_grad_norm=0", f"train.lr={LR}",
           "eval.seeds_per_prompt=1"]
 # DDP: per-trajectory random steps (rows of one step split into a grad and a no-grad forward). FSDP2 all-gathers on
 # every network call, so it needs the same steps on every trajectory (Trainer._check_world refuses random ones).
 STEPS = {"ddp": ["steps.mode=random", "steps.fraction=0.5"],
          "fsdp2": ["steps.mode=first_fraction", "steps.fraction=0.5"]}
-KEEP = ("group_ids", "xs", "velocities", "log_probs", "noise", "selected", "rewards", "advantages", "loss_weights",
-        "sigmas")
+KEEP = ("group_ids", "selected", "rewards", "advantages", "loss_weights")
+TRAJ = ("xs", "velocities", "log_probs", "noise", "sigmas")
 # the entry points gradient syncs go through: the library's own (all_reduce, reduce_scatter_tensor) and FSDP2's
 # post-backward reduce-scatter (reduce_scatter_single in torch 2.13, reduce_scatter_tensor in earlier ones)
 COLLECTIVES = ("all_reduce", "reduce_scatter_tensor", "reduce_scatter_single")
@@ -79,7 +79,7 @@ def _count_collectives(counts: dict) -> None:
 
 def _drop_rank1_rewards(drop: str, rank: int):
     """The trainer's reward function, with rank 1's rewards made equal (zero_std) or NaN (nonfinite)."""
-    from diffgrpo import trainer
+    from diffgrpo.flow import family as trainer
 
     score = trainer.compute_rewards
 
@@ -94,7 +94,8 @@ def _drop_rank1_rewards(drop: str, rank: int):
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     from datetime import timedelta
 
-    from diffgrpo import Trainer, trainer
+    from diffgrpo import Trainer
+    from diffgrpo.flow import family as trainer
     from diffgrpo.models.tiny import build_tiny_policy
 
     torch.set_num_threads(1)
@@ -136,11 +137,11 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         stats, info = tr.update(ro)  # the engine's backward (gradient sync once) + one AdamW step
         torch.save({"grads": [_full(p.grad) for p in tr.params], "params": [_full(p) for p in tr.params],
                     "grad_norm": info["grad_norm"], "backward_calls": stats.backward_calls, "prompts": ro.prompts,
-                    "cond": ro.cond, "batch_rewards": ro.extras["batch_rewards"], "comm_rollout": in_rollout,
+                    "cond": ro.traj.cond, "batch_rewards": ro.batch_rewards, "comm_rollout": in_rollout,
                     "comm_update": dict(counts), "allreduce_calls": stats.allreduce_calls,
                     "fsdp_units": len(distributed.transformer_blocks(tr.dp_module)) + 1,  # blocks + root
-                    "extras": {k: v for k, v in ro.extras.items() if k == STEP_KEY},  # single_step's planned k
-                    **{k: getattr(ro, k) for k in KEEP}},
+                    "engine_state": ro.traj.engine_state if engine == "single_step" else None,  # planned k
+                    **{k: getattr(ro, k) for k in KEEP}, **{k: getattr(ro.traj, k) for k in TRAJ}},
                    os.path.join(out_dir, f"{'-'.join(case)}-rank{rank}.pt"))
     trainer.compute_rewards = compute_rewards
     _dllm_cases(rank, world, out_dir, counts, ddp_bucket_hook)
@@ -148,8 +149,10 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     for steps in (["steps.mode=random"], ["steps.mode=window", "steps.window_start=-1"],
                   ["engine.name=jagg", "engine.window=2", "engine.jagg_frac=0.5"],
                   ["engine.name=jagg", "engine.window=2", "engine.jagg_min_score=0.5"], ["model.name=tiny_mlm"]):
+        flow = steps != ["model.name=tiny_mlm"]
         try:
-            Trainer(RunConfig.from_overrides([*TINY, *COMMON, *steps, "dist.mode=fsdp2"]), policy=policy)
+            Trainer(RunConfig.from_overrides([*(TINY + COMMON if flow else []), *steps, "dist.mode=fsdp2"]),
+                    policy=policy)
             refused.append("")
         except ConfigError as e:
             refused.append(str(e))
@@ -177,8 +180,8 @@ def _dllm_cases(rank, world, out_dir, counts, ddp_bucket_hook):
         stats, _ = tr.update(ro)
         torch.save({"grads": [p.grad.detach().clone() for p in tr.params], "prompts": ro.prompts,
                     "comm_rollout": in_rollout, "comm_update": dict(counts), "backward_calls": stats.backward_calls,
-                    "batch_rewards": ro.extras["batch_rewards"], **{k: getattr(ro, k) for k in DLLM_KEEP},
-                    "extras": {k: ro.extras.get(k) for k in DLLM_EXTRAS}},
+                    "batch_rewards": ro.batch_rewards, **{k: getattr(ro, k) for k in DLLM_KEEP},
+                    "traj": {k: getattr(ro.traj, k) for k in DLLM_TRAJ}},
                    os.path.join(out_dir, f"dllm-{name}-rank{rank}.pt"))
 
 
@@ -204,13 +207,14 @@ def _assert_ranks_have_one_process_gradient(parts: list[dict], tr) -> None:
         assert rel_err(torch.cat([g.flatten() for g in p["grads"]]), g1) < 1e-5
 
 
-def _union_rollout(parts: list[dict], gids: torch.Tensor, **extra) -> Rollout:
+def _union_rollout(parts: list[dict], gids: torch.Tensor, engine_state=None) -> Rollout:
     """The ranks' rollouts as one batch (rank order), before advantages: what one process would have sampled."""
     cat = lambda k: torch.cat([p[k] for p in parts])  # noqa: E731
-    return Rollout(prompts=[q for p in parts for q in p["prompts"]], group_ids=gids,
-                   cond={k: torch.cat([p["cond"][k] for p in parts]) for k in parts[0]["cond"]},
-                   sigmas=parts[0]["sigmas"], xs=cat("xs"), velocities=cat("velocities"), log_probs=cat("log_probs"),
-                   noise=cat("noise"), selected=cat("selected"), rewards=cat("rewards"), **extra)
+    traj = FlowTrajectory(cond={k: torch.cat([p["cond"][k] for p in parts]) for k in parts[0]["cond"]},
+                          sigmas=parts[0]["sigmas"], xs=cat("xs"), velocities=cat("velocities"),
+                          log_probs=cat("log_probs"), noise=cat("noise"), engine_state=engine_state)
+    return Rollout(prompts=[q for p in parts for q in p["prompts"]], group_ids=gids, traj=traj,
+                   selected=cat("selected"), rewards=cat("rewards"))
 
 
 @pytest.mark.parametrize("engine,mode,layout", CASES, ids=IDS)
@@ -230,7 +234,7 @@ def test_two_ranks_equal_one_rank(two_rank_results, make_trainer, engine, mode, 
     torch.testing.assert_close(parts[0]["batch_rewards"], cat("rewards"))
     tr = make_trainer("engine.name=recompute", *COMMON)
     ro = _union_rollout(parts, gids)
-    tr.finish_rollout(ro)
+    tr.family.weigh(ro)
     torch.testing.assert_close(ro.advantages, cat("advantages"))  # group statistics over the whole group
     torch.testing.assert_close(ro.loss_weights, cat("loss_weights") / 2)  # × W on each rank, averaged by DDP/FSDP2
     _, info = tr.update(ro)
@@ -269,7 +273,7 @@ def test_rank_whose_samples_all_drop_out_still_syncs(two_rank_results, make_trai
     gids = torch.cat([p["group_ids"] + r * B for r, p in enumerate(parts)])  # local layout: ids unique per rank
     tr = make_trainer("engine.name=recompute", *COMMON, *DROPS[drop])
     ro = _union_rollout(parts, gids)
-    tr.finish_rollout(ro)
+    tr.family.weigh(ro)
     assert not bool(ro.selected[B:].any())  # one process drops rank 1's group from the selection itself
     torch.testing.assert_close(ro.loss_weights, cat("loss_weights") / 2)
     tr.update(ro)
@@ -288,15 +292,15 @@ def test_two_ranks_equal_one_rank_for_jagg_single_step_and_lora(two_rank_results
     B = len(parts[0]["prompts"])
     cat = lambda k: torch.cat([p[k] for p in parts])  # noqa: E731
     gids = torch.cat([p["group_ids"] + (0 if layout == "spread" else r * B) for r, p in enumerate(parts)])
-    extras = {}
+    state = None
     if engine == "single_step":
-        k = torch.cat([p["extras"][STEP_KEY] for p in parts])  # (2B,)
-        extras[STEP_KEY] = k
+        k = torch.cat([p["engine_state"].k for p in parts])  # (2B,)
+        state = SingleStepState(k=k)
         for g in gids.unique():
             assert k[gids == g].unique().numel() == 1  # one trained step per group, on both ranks
     tr = make_trainer(*COMMON, *STEPS[mode], *OWN[label])
-    ro = _union_rollout(parts, gids, extras=extras)
-    tr.finish_rollout(ro)
+    ro = _union_rollout(parts, gids, engine_state=state)
+    tr.family.weigh(ro)
     torch.testing.assert_close(ro.loss_weights, cat("loss_weights") / 2)
     tr.update(ro)
     _assert_ranks_have_one_process_gradient(parts, tr)
@@ -388,7 +392,7 @@ def test_single_process_ignores_dist_section(make_trainer):
     a = make_trainer("dist.mode=ddp", "dist.group_layout=spread")
     b = make_trainer()
     assert a.dp_module is None and a.world.world_size == 1
-    assert torch.equal(a.plan_batch().x0, b.plan_batch().x0)
+    assert torch.equal(a.family.plan().x0, b.family.plan().x0)
     with pytest.raises(ConfigError, match="dist.mode"):
         RunConfig.from_overrides(["dist.mode=fsdp1"])
 
@@ -419,18 +423,18 @@ def test_dllm_two_ranks_equal_one_rank(two_rank_results, name):
     adv, _ = group_advantages(cat("rewards"), gids, std_mode=fam.std_mode, baseline=fam.baseline, clip=a.clip,
                               eps=a.eps)
     torch.testing.assert_close(cat("advantages"), adv)
-    selected = cat("selected")
-    if name.endswith("drop"):
-        assert not bool(parts[1]["selected"].any()) and bool(parts[0]["selected"].any())
-    lw = aggregation_weights(selected, tr.cfg.loss.aggregation)
+    trained = cat("trained")
+    if name.endswith("drop"):  # rank 1 trains nothing, yet runs every row at weight 0 (it joins the one sync)
+        assert not bool(parts[1]["trained"].any()) and bool(parts[0]["trained"].any())
+        assert bool(parts[1]["selected"].all(1).any()) and float(parts[1]["loss_weights"].abs().sum()) == 0
+    lw = aggregation_weights(trained, tr.cfg.loss.aggregation)
     torch.testing.assert_close(cat("loss_weights") / 2, lw)  # × W on each rank, averaged by DDP
-    ex = parts[0]["extras"]
-    extras = {k: (None if ex[k] is None else ex[k] if k == "sml_groups" else
-                  torch.cat([p["extras"][k] for p in parts])) for k in DLLM_EXTRAS}
-    ro = Rollout(prompts=parts[0]["prompts"] + parts[1]["prompts"], group_ids=gids, cond={},
-                 sigmas=torch.zeros(0), xs=cat("xs"), velocities=torch.zeros(2 * B, 0), log_probs=cat("log_probs"),
-                 noise=torch.zeros(2 * B, 0), selected=selected, rewards=cat("rewards"), advantages=adv,
-                 loss_weights=lw, extras=extras)
+    tj = parts[0]["traj"]
+    fields = {k: (tj[k] if k == "groups" or tj[k] is None else torch.cat([p["traj"][k] for p in parts]))
+              for k in DLLM_TRAJ}
+    traj = TokenTrajectory(prompt_length=fields["sequences"].shape[1] - tr.family.gen_length, records={}, **fields)
+    ro = Rollout(prompts=parts[0]["prompts"] + parts[1]["prompts"], group_ids=gids, traj=traj, selected=trained,
+                 trained=trained, rewards=cat("rewards"), advantages=adv, loss_weights=lw)
     tr.optimizer.zero_grad(set_to_none=True)
     stats = tr.backward(ro)
     _assert_ranks_have_one_process_gradient(parts, tr)

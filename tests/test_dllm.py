@@ -7,9 +7,10 @@ import math
 import pytest
 import torch
 
-from diffgrpo import RunConfig, Trainer
+from diffgrpo import ConfigError, RunConfig, Trainer
 from diffgrpo.dllm import likelihood
-from diffgrpo.dllm.grpo import completion_mask, k3_kl
+from diffgrpo.dllm.grpo import k3_kl
+from diffgrpo.dllm.likelihood import completion_mask
 from diffgrpo.dllm.tasks import VOCAB
 from diffgrpo.models.hf_masked_lm import MaskedLMPolicy, masked_diffusion_loss, shift_logits, tiny_bert
 from diffgrpo.samplers import masked
@@ -224,7 +225,7 @@ def test_hf_masked_lm_adapter_tiny_configs(cls):
 
 # ---------------------------------------------------------------------------------------------- GRPO methods
 TINY_DLLM = ["model.name=tiny_mlm", "train.prompts_per_batch=2", "train.group_size=4", "log.progress=false",
-             "log.save_images=false", "dllm.eval_size=8", "loss.clip_range=0.2"]
+             "log.save_images=false", "dllm.eval_size=8", "dllm.clip_range=0.2"]
 
 
 def make_dllm_trainer(*overrides, seed=0):
@@ -247,11 +248,11 @@ def test_base_method_first_ratio_is_one_and_masks_are_fixed(method):
     ro = tr.rollout()
     # make rewards vary so advantages are non-zero
     ro.advantages = torch.linspace(-1, 1, ro.batch_size)
-    masks = ro.extras["masks"].clone()
+    masks = ro.traj.masks.clone()
     M = {"diffu_grpo": 1, "coupled_grpo": 2, "random_mask": 3}[method]
-    assert masks.shape == (8, M, ro.xs.shape[-1])
+    assert masks.shape == (8, M, ro.traj.sequences.shape[-1])
     rng = torch.get_rng_state()
-    gm = fam.gen_masks.get_state()
+    gm = fam.method.gen_masks.get_state()
     stats = tr.backward(ro, 0)
     assert stats.metrics["ratio_max_dev"] < 1e-5 and stats.metrics["kl"] < 1e-8 and stats.metrics["clip_ratio"] == 0
     assert stats.forwards_grad == 8 * M and stats.sample_backwards == 8 * M
@@ -261,11 +262,11 @@ def test_base_method_first_ratio_is_one_and_masks_are_fixed(method):
     # the stored masks reproduce ℓ_old and are what the current policy is scored with after the update
     with torch.no_grad():
         with tr.policy.reference():
-            again = fam.log_probs(ro.xs[:, 0], ro.extras["masks"], ro.extras["mask_weights"])
-    assert torch.allclose(again, ro.log_probs, atol=1e-5)
+            again = fam.method.log_probs(ro.traj.sequences, ro.traj.masks, ro.traj.mask_weights)
+    assert torch.allclose(again, ro.traj.log_probs, atol=1e-5)
     stats2 = tr.backward(ro, 1)
-    assert torch.equal(ro.extras["masks"], masks)
-    assert torch.equal(torch.get_rng_state(), rng) and torch.equal(fam.gen_masks.get_state(), gm)
+    assert torch.equal(ro.traj.masks, masks)
+    assert torch.equal(torch.get_rng_state(), rng) and torch.equal(fam.method.gen_masks.get_state(), gm)
     assert stats2.metrics["ratio_max_dev"] > 0 and stats2.metrics["kl"] > 0  # the policy moved
 
 
@@ -287,18 +288,18 @@ def test_train_step_and_evaluate_run():
     """One iteration's metrics row describes its rollout (rewards, groups, trained tokens) and its cost (one
     forward and backward per trained row and mask sample); the update moves the weights; evaluation is free."""
     tr = make_dllm_trainer("dllm.task=sudoku", "dllm.block_length=8", "dllm.diffusion_steps=8")
-    rollout, seen = tr.rollout, []
-    tr.rollout = lambda *a, **kw: seen.append(rollout(*a, **kw)) or seen[-1]
+    collect, seen = tr.family.collect, []
+    tr.family.collect = lambda: seen.append(collect()) or seen[-1]
     before = [p.detach().clone() for p in tr.params]
     row = tr.step()
-    (ro,) = seen
+    ((ro, _),) = seen
     assert row["iteration"] == 1
     assert row["reward"] == pytest.approx(float(ro.rewards.mean()))
     assert row["rewards/cell_accuracy/mean"] == pytest.approx(float(ro.reward_components["cell_accuracy"].mean()))
     zero_std = [float(ro.rewards[ro.group_ids == g].std()) == 0 for g in ro.group_ids.unique()]
     assert row["frac_reward_zero_std"] == sum(zero_std) / len(zero_std)
     assert row["first_epoch/trained_tokens"] == int(ro.selected.sum()) > 0
-    rows = int(ro.selected.any(1).sum()) * ro.extras["masks"].shape[1]  # trained rows × mask samples
+    rows = int(ro.selected.any(1).sum()) * ro.traj.masks.shape[1]  # trained rows × mask samples
     assert row["forwards_grad"] == row["sample_backwards"] == rows and row["forwards_nograd"] == 0
     assert row["skipped_updates"] == 0 and row["grad_norm"] > 0
     # one AdamW step moves a weight by about lr
@@ -378,7 +379,7 @@ def test_grpo_steps_move_a_rewarded_token_in_the_reward_direction(method, sign):
     fam.task.rewards = rewards
     ro = tr.rollout()
     # the rewards belong to the decoded completions they were computed from
-    assert torch.equal(ro.rewards, rewards([VOCAB.decode(c) for c in ro.xs[:, 0, -fam.gen_length:]], None)["reward"])
+    assert torch.equal(ro.rewards, rewards([VOCAB.decode(c) for c in ro.traj.sequences[:, -fam.gen_length:]], None)["reward"])
     assert ro.rewards.std() > 0
     before = _marginal_prob(tr, seven)
     for _ in range(4):
@@ -419,14 +420,19 @@ def test_likelihood_at_rollout_temperature_matches_sampler_log_probs(temperature
     torch.testing.assert_close(lp1, ref[1.0], atol=1e-4, rtol=0)  # without the temperature: the T = 1 likelihood
 
 
-def test_dllm_clip_range_default():
-    from diffgrpo.config import LossConfig
-    from diffgrpo.dllm.grpo import DLLM_CLIP_RANGE, dllm_clip_range
-
-    assert dllm_clip_range(LossConfig().clip_range) == DLLM_CLIP_RANGE == 0.2
-    assert dllm_clip_range(0.05) == 0.05
-    tr = make_dllm_trainer("loss.clip_range=0.3")
+def test_dllm_clip_range_has_its_own_key():
+    """Token ratios clip at dllm.clip_range (d1's 0.2 by default); the flow key loss.clip_range is refused."""
+    assert make_dllm_trainer().family.ctx.clip_range == 0.2
+    tr = make_dllm_trainer("dllm.clip_range=0.3")
     assert tr.family.ctx.clip_range == 0.3
+    ro = tr.rollout()
+    tr.optimizer.zero_grad(set_to_none=True)
+    ro.traj.log_probs = ro.traj.log_probs - 0.25  # every ratio exp(0.25) = 1.28: inside 0.3, outside 0.2
+    assert tr.family.backward(ro, 1).metrics["clip_ratio"] == 0.0
+    tr.family.ctx.clip_range = 0.2
+    assert tr.family.backward(ro, 1).metrics["clip_ratio"] == 1.0
+    with pytest.raises(ConfigError, match="loss.clip_range: does not apply to model.name=tiny_mlm"):
+        RunConfig.from_overrides([*TINY_DLLM, "loss.clip_range=0.3"])
 
 
 def test_score_averages_samples_per_prompt_and_is_not_training_cost():

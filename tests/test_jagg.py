@@ -13,7 +13,7 @@ from diffgrpo.engines.jagg import (JaggEngine, anchor_mask, composite_signals, l
 from diffgrpo.engines.recompute import RecomputeEngine
 from diffgrpo.losses import aggregation_weights
 from diffgrpo.samplers import flow_sde
-from diffgrpo.types import Rollout
+from diffgrpo.types import FlowTrajectory, Rollout
 from tests.conftest import flat_grad, rel_err
 
 SHAPE = (1, 4, 4)  # *S of the toy models
@@ -91,9 +91,9 @@ def make_rollout(policy, sigmas, xs, selected, *, velocity_policy=None, logp_jit
     lp = lp + logp_jitter * (2 * torch.rand(B, T, generator=g) - 1)
     adv = torch.randn(B, generator=g, dtype=torch.float64)
     old.counters.update(forwards_grad=0, forwards_nograd=0)
-    return Rollout(prompts=[""] * B, group_ids=torch.zeros(B, dtype=torch.long), cond=cond, sigmas=sigmas, xs=xs,
-                   velocities=vel, log_probs=lp, noise=torch.zeros_like(vel), selected=selected, advantages=adv,
-                   loss_weights=aggregation_weights(selected).double())
+    traj = FlowTrajectory(cond=cond, sigmas=sigmas, xs=xs, velocities=vel, log_probs=lp, noise=torch.zeros_like(vel))
+    return Rollout(prompts=[""] * B, group_ids=torch.zeros(B, dtype=torch.long), traj=traj, selected=selected,
+                   advantages=adv, loss_weights=aggregation_weights(selected).double())
 
 
 def engine_grad(engine, ctx, ro, epoch=0):
@@ -243,10 +243,10 @@ def test_error_is_second_order_in_window_length():
     selected = torch.zeros(B, T, dtype=torch.bool)
     selected[:, :90] = True  # 90 = lcm(9, 5, 3)·2: every window is full
     ro = make_rollout(pol, sigmas, xs, selected, kernel=kernel)
-    ro.cond = cond
+    ro.traj.cond = cond
     with torch.no_grad():
-        ro.velocities = torch.stack([pol.velocity(xs[:, k], sigmas[k], cond) for k in range(T)], 1)
-        ro.log_probs = torch.stack([flow_sde.step(ro.velocities[:, k], sigmas[k], sigmas[k + 1], xs[:, k],
+        ro.traj.velocities = torch.stack([pol.velocity(xs[:, k], sigmas[k], cond) for k in range(T)], 1)
+        ro.traj.log_probs = torch.stack([flow_sde.step(ro.traj.velocities[:, k], sigmas[k], sigmas[k + 1], xs[:, k],
                                                   prev_sample=xs[:, k + 1], **kernel).log_prob for k in range(T)], 1)
     ctx = EngineContext(policy=pol, kernel=kernel, clip_range=10.0)
     g_ref, _ = engine_grad(RecomputeEngine(), ctx, ro)
@@ -272,7 +272,7 @@ def test_error_is_second_order_in_window_length():
 # ------------------------------------------------------------------------------------------------------------
 
 def _grads(tr, ro, engine, epoch=0):
-    tr.engine = engine
+    tr.family.engine = engine
     stats = tr.backward(ro, epoch)
     return flat_grad(tr.params), stats
 
@@ -356,7 +356,7 @@ def test_after_an_update_interiors_are_refreshed_and_window_two_stays_exact(make
 
 def test_registered_and_cfg_counts(make_trainer):
     tr = make_trainer("engine.name=jagg", "engine.window=5", "model.guidance_scale=2.0")
-    assert isinstance(tr.engine, JaggEngine)
+    assert isinstance(tr.family.engine, JaggEngine)
     ro = tr.rollout()
     s = tr.backward(ro)
     assert s.forwards_grad == 4 * ro.batch_size and s.sample_backwards == 4 * ro.batch_size
@@ -372,7 +372,7 @@ def test_chunking_does_not_change_the_gradient(make_trainer):
     parts = eng.chunk_windows(eng.windows(ro), 0)  # 5 steps → windows [0,1,2], [3,4]: two chunks of B windows
     assert [len(p) for p in parts] == [ro.batch_size, ro.batch_size]
     g_all, s_all = _grads(tr, ro, eng)
-    tr.ctx.micro_batch_size = 3  # one window (≤ 3 samples) per forward
+    tr.family.ctx.micro_batch_size = 3  # one window (≤ 3 samples) per forward
     g_mb, s_mb = _grads(tr, ro, eng)
     assert rel_err(g_mb, g_all) < 1e-5
     assert s_mb.backward_calls == 2 * ro.batch_size and s_all.backward_calls == 2

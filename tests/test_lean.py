@@ -5,8 +5,7 @@ import torch
 
 from diffgrpo.engines._per_sample import PerSampleGrads, per_sample_grads_loop
 from diffgrpo.engines.recompute import RecomputeEngine
-from diffgrpo.engines.retain import RETAIN_KEY, retained_velocity
-from diffgrpo.engines.reweight import REWEIGHT_KEY
+from diffgrpo.engines.retain import retained_velocity
 from diffgrpo.losses import aggregation_weights
 from tests.conftest import flat_grad, perturb, rel_err
 
@@ -18,7 +17,7 @@ def _engine_vs_recompute(tr):
     stats = tr.backward(ro, 0)
     g = flat_grad(tr.params)
     tr.optimizer.zero_grad(set_to_none=True)
-    RecomputeEngine().backward(tr.ctx, ro, 0)
+    RecomputeEngine().backward(tr.family.ctx, ro, 0)
     return ro, stats, g, flat_grad(tr.params)
 
 
@@ -70,17 +69,17 @@ def test_retain_counters_and_release(make_trainer):
     tr = make_trainer("engine.name=retain")
     c0 = dict(tr.policy.counters)
     ro = tr.rollout()
-    B, T = ro.batch_size, ro.num_steps
+    B, T = ro.batch_size, ro.traj.num_steps
     n_pairs = int(ro.selected.sum())
     # the rollout ran the selected pairs' forwards with grad and nothing else extra
     assert tr.policy.counters["forwards_grad"] - c0["forwards_grad"] == n_pairs
     assert tr.policy.counters["forwards_nograd"] - c0["forwards_nograd"] == B * T - n_pairs
-    store = ro.extras[RETAIN_KEY]
+    store = ro.traj.engine_state
     k = 2
     idx = ro.selected[:, k].nonzero().flatten()[:2]
     v = retained_velocity(ro, k, idx)
     assert v.requires_grad
-    torch.testing.assert_close(v.detach(), ro.velocities[idx, k])
+    torch.testing.assert_close(v.detach(), ro.traj.velocities[idx, k])
     stats = tr.backward(ro)
     assert stats.retained_graphs == T - 1  # one batched graph per selected step
     assert stats.backward_calls == 1
@@ -95,7 +94,7 @@ def test_retain_counters_and_release(make_trainer):
 def test_reweight_counters(make_trainer):
     tr = make_trainer("engine.name=reweight", "loss.beta=0.1")
     ro = tr.rollout()
-    B, T = ro.batch_size, ro.num_steps
+    B, T = ro.batch_size, ro.traj.num_steps
     stats = tr.backward(ro)
     assert stats.grad_buffers == 2 * B  # policy-gradient and KL buffer per trajectory
     assert stats.backward_calls == 2 * (T - 1)  # one batched backward per step and term
@@ -103,13 +102,13 @@ def test_reweight_counters(make_trainer):
     assert stats.forwards_grad == 0
     assert stats.allreduce_calls == 0  # world size 1
     assert stats.metrics["grad_buffer_bytes"] == 2 * B * sum(p.numel() for p in tr.params) * 4
-    assert ro.extras[REWEIGHT_KEY].released
+    assert ro.traj.engine_state.released
 
 
 @pytest.mark.parametrize("engine", ["retain", "reweight"])
 def test_dropped_samples_are_excluded(make_trainer, monkeypatch, engine):
     """An invalid reward (and zero-std filtering) drops a trajectory after its buffers/graphs were made."""
-    import diffgrpo.trainer as trainer_mod
+    import diffgrpo.flow.family as trainer_mod
 
     real = trainer_mod.compute_rewards
 
@@ -137,7 +136,7 @@ def test_inner_epoch_falls_back_to_recompute(make_trainer, engine):
     assert stats.metrics["fallback_recompute"] == 1.0
     assert stats.forwards_grad == int(ro.selected.sum())
     tr.optimizer.zero_grad(set_to_none=True)
-    RecomputeEngine().backward(tr.ctx, ro, 1)
+    RecomputeEngine().backward(tr.family.ctx, ro, 1)
     assert rel_err(g, flat_grad(tr.params)) < 1e-12
     assert stats.metrics["ratio_max_dev"] > 0  # θ moved: this is a genuine later epoch
     # the whole iteration through the trainer: epoch 0 without a training forward, epoch 1 recomputes every pair
@@ -154,14 +153,15 @@ def test_waves_equal_one_wave(make_trainer, aggregation):
     normalisation), which is what one wave (== recompute, test above) gives on the same samples."""
     tr = make_trainer("engine.name=retain", "engine.wave_size=1", "train.prompts_per_batch=3",
                       "steps.mode=random", "steps.fraction=0.5", f"loss.aggregation={aggregation}")
-    ro, stats = tr.rollout_in_waves(1)
+    tr.optimizer.zero_grad(set_to_none=True)
+    ro, stats = tr.family.collect()
     g = flat_grad(tr.params)
     assert stats.metrics["waves"] == 3.0
-    assert stats.retained_graphs == 3 * (ro.num_steps - 1)
+    assert stats.retained_graphs == 3 * (ro.traj.num_steps - 1)
     assert ro.batch_size == 9
     torch.testing.assert_close(ro.loss_weights, aggregation_weights(ro.selected, aggregation))
     tr.optimizer.zero_grad(set_to_none=True)
-    RecomputeEngine().backward(tr.ctx, ro, 0)
+    RecomputeEngine().backward(tr.family.ctx, ro, 0)
     assert rel_err(g, flat_grad(tr.params)) < TOL
     # the trainer's step uses the waves
     row = tr.step()

@@ -29,30 +29,30 @@ def test_first_update_ratio_is_one(make_trainer, sde_type, cfg_scale):
 def test_rollout_records_are_consistent_with_the_step_function(make_trainer):
     tr = make_trainer()
     ro = tr.rollout()
-    T = ro.num_steps
+    T = ro.traj.num_steps
     for k in range(T):
-        out = step(ro.velocities[:, k], ro.sigmas[k], ro.sigmas[k + 1], ro.xs[:, k], noise=ro.noise[:, k], **tr.kernel)
-        torch.testing.assert_close(out.prev_sample, ro.xs[:, k + 1])
-        torch.testing.assert_close(out.log_prob, ro.log_probs[:, k])
-    assert torch.all(ro.log_probs[:, -1] == 0) and torch.all(ro.noise[:, -1] == 0)
+        out = step(ro.traj.velocities[:, k], ro.traj.sigmas[k], ro.traj.sigmas[k + 1], ro.traj.xs[:, k], noise=ro.traj.noise[:, k], **tr.family.kernel)
+        torch.testing.assert_close(out.prev_sample, ro.traj.xs[:, k + 1])
+        torch.testing.assert_close(out.log_prob, ro.traj.log_probs[:, k])
+    assert torch.all(ro.traj.log_probs[:, -1] == 0) and torch.all(ro.traj.noise[:, -1] == 0)
     assert not ro.selected[:, -1].any() and ro.selected[:, :-1].all()
     # velocities are the policy's at the stored states
     with torch.no_grad():
-        v = tr.policy.velocity(ro.xs[:, 2], ro.sigmas[2].expand(ro.batch_size), ro.cond)
-    torch.testing.assert_close(v, ro.velocities[:, 2])
+        v = tr.policy.velocity(ro.traj.xs[:, 2], ro.traj.sigmas[2].expand(ro.batch_size), ro.traj.cond)
+    torch.testing.assert_close(v, ro.traj.velocities[:, 2])
 
 
 def _direct_gradient(tr, ro):
     """Σ w·L built in one graph over all selected pairs, then one backward: an independent reference."""
     tr.optimizer.zero_grad(set_to_none=True)
     total = 0.0
-    for k in range(ro.num_steps):
+    for k in range(ro.traj.num_steps):
         idx = ro.selected[:, k].nonzero().flatten()
         if len(idx) == 0:
             continue
-        v_ref = reference_velocity(tr.ctx, ro, idx, k)
-        v = tr.policy.velocity(ro.xs[idx, k], ro.sigmas[k].expand(len(idx)), {n: c[idx] for n, c in ro.cond.items()})
-        loss, _ = step_loss(tr.ctx, ro, idx, k, v, v_ref)
+        v_ref = reference_velocity(tr.family.ctx, ro, idx, k)
+        v = tr.policy.velocity(ro.traj.xs[idx, k], ro.traj.sigmas[k].expand(len(idx)), {n: c[idx] for n, c in ro.traj.cond.items()})
+        loss, _ = step_loss(tr.family.ctx, ro, idx, k, v, v_ref)
         total = total + loss
     total.backward()
     return flat_grad(tr.params)
@@ -65,7 +65,7 @@ def test_recompute_equals_direct_gradient_and_micro_batching_is_invariant(make_t
     g_direct = _direct_gradient(tr, ro)
     tr.backward(ro)
     g_full = flat_grad(tr.params)
-    tr.ctx.micro_batch_size = 1
+    tr.family.ctx.micro_batch_size = 1
     stats = tr.backward(ro)
     g_mb = flat_grad(tr.params)
     assert rel_err(g_full, g_direct) < 1e-5
@@ -84,7 +84,7 @@ def test_every_registered_engine_built_from_config_trains_the_direct_gradient(ma
     interpolated inside windows of 4 steps) a close approximation; every training forward with grad (in the
     rollout or in the backward) is of an evaluated pair, and each is back-propagated once."""
     tr = make_trainer(f"engine.name={name}", "loss.beta=0.05", "model.guidance_scale=3.0")
-    assert isinstance(tr.engine, ENGINES[name])
+    assert isinstance(tr.family.engine, ENGINES[name])
     perturb(tr)
     c0 = dict(tr.policy.counters)
     ro = tr.rollout()
@@ -96,7 +96,7 @@ def test_every_registered_engine_built_from_config_trains_the_direct_gradient(ma
     n_pairs = int(ro.selected.sum())
     if name == "jagg":  # evaluates the window endpoints only
         assert 1e-3 < rel_err(g, g_direct) < 0.25  # measured 0.14
-        n_eval = int(anchor_mask(ro.selected, tr.engine.window).sum())
+        n_eval = int(anchor_mask(ro.selected, tr.family.engine.window).sum())
         assert n_eval < n_pairs
     else:
         assert rel_err(g, g_direct) < 1e-5
@@ -114,7 +114,7 @@ def test_counters_and_memory_are_reported(make_trainer):
     assert stats.engine == "recompute" and stats.peak_memory_bytes > 0
     assert stats.seconds["train"] > 0
     # one chunk per step holds one forward's activations: more samples per chunk → more memory
-    tr.ctx.micro_batch_size = 1
+    tr.family.ctx.micro_batch_size = 1
     small = tr.backward(ro).peak_memory_bytes
     assert small < stats.peak_memory_bytes
 

@@ -167,20 +167,20 @@ def test_reward_raising_always_stops_with_a_clear_error(make_trainer, monkeypatc
 def test_non_finite_gradient_skips_update_then_stops(make_trainer, monkeypatch):
     tr = make_trainer("train.max_bad_updates=2")
     before = torch.cat([p.detach().flatten() for p in tr.params]).clone()
-    real = tr.engine.backward
+    real = tr.family.engine.backward
 
     def poisoned(ctx, ro, epoch=0):
         stats = real(ctx, ro, epoch)
         tr.params[0].grad.view(-1)[0] = float("nan")
         return stats
 
-    monkeypatch.setattr(tr.engine, "backward", poisoned)
+    monkeypatch.setattr(tr.family.engine, "backward", poisoned)
     row = tr.step()
     assert row["skipped_updates"] == 1 and tr.bad_updates == 1
     assert torch.equal(torch.cat([p.detach().flatten() for p in tr.params]), before)  # nothing applied
     with pytest.raises(TrainingError, match=r"2 consecutive updates had a non-finite loss or gradient"):
         tr.step()
-    monkeypatch.setattr(tr.engine, "backward", real)
+    monkeypatch.setattr(tr.family.engine, "backward", real)
     tr.bad_updates = 1
     tr.step()
     assert tr.bad_updates == 0  # a good update resets the count
@@ -243,7 +243,7 @@ BAD_INPUT = [
      "error: engine.window: W=12 is larger than the 9 steps selected per trajectory (steps.mode=all, "
      "sampler.num_steps=10); choose 2 <= W <= 9"),
     (["train", "engine.name=recompute", "engine.evaluation=retain"],
-     "error: engine.evaluation: 'retain' composes with jagg and single_step, not 'recompute'"),
+     "error: engine.evaluation: does not apply to engine.name=recompute; it is read only by ['jagg', 'single_step']"),
     (["train", "engine.name=retain", "engine.wave_size=2", "advantage.std_mode=global"],
      "error: engine.wave_size: rollout waves need per-group advantages"),
     (["train", "model.name=diffusers"], "error: model.pretrained: required for model.name=diffusers"),

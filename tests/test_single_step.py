@@ -8,14 +8,14 @@ import pytest
 import torch
 from tests.conftest import flat_grad, rel_err
 
-from diffgrpo.config import ConfigError
+from diffgrpo.config import ConfigError, EngineConfig
 from diffgrpo.engines.base import EngineContext, step_loss
 from diffgrpo.engines.recompute import RecomputeEngine
-from diffgrpo.engines.single_step import (STEP_KEY, SingleStepEngine, candidate_steps, rectification_factor,
+from diffgrpo.engines.single_step import (SingleStepEngine, SingleStepState, candidate_steps, rectification_factor,
                                           rectification_weights)
 from diffgrpo.losses import aggregation_weights
 from diffgrpo.samplers import flow_sde
-from diffgrpo.types import Rollout
+from diffgrpo.types import FlowTrajectory, Rollout
 
 
 # ---------------------------------------------------------------------- rectification
@@ -52,23 +52,21 @@ def _per_step_rollout(sde_type: str, a: float, compat: bool, T: int = 10):
                                   prev_sample=out.prev_sample, **kernel).log_prob[0]
     selected = torch.zeros(B, T, dtype=torch.bool)
     selected[torch.arange(B), torch.arange(B)] = True
-    ro = Rollout(prompts=[""] * B, group_ids=torch.arange(B), cond={}, sigmas=sigmas, xs=xs, velocities=vel,
-                 log_probs=lps, noise=torch.zeros(B, T, *S), selected=selected, advantages=torch.ones(B),
-                 extras={STEP_KEY: torch.arange(B)})
+    traj = FlowTrajectory(cond={}, sigmas=sigmas, xs=xs, velocities=vel, log_probs=lps, noise=torch.zeros(B, T, *S),
+                          engine_state=SingleStepState(k=torch.arange(B)))
+    ro = Rollout(prompts=[""] * B, group_ids=torch.arange(B), traj=traj, selected=selected, advantages=torch.ones(B))
     ctx = EngineContext(policy=None, kernel=kernel)
     return ro, ctx
 
 
 def _dl_dv_norms(ro, ctx, rectify: bool) -> torch.Tensor:
     """‖∂L/∂v‖ per sample (step), by autograd through step_loss, with the engine's loss weights."""
-    from types import SimpleNamespace
-
-    eng = SingleStepEngine(SimpleNamespace(candidate_steps="all", rectify=rectify))
-    w = eng.sample_weights(ctx, ro)
+    eng = SingleStepEngine(EngineConfig(name="single_step", candidate_steps="all", rectify=rectify))
+    w = eng.sample_weights(ctx, ro.traj, ro.selected)
     ro.loss_weights = aggregation_weights(ro.selected, "mean", w)
     norms = []
     for i in range(ro.batch_size):
-        v = ro.velocities[i:i + 1, i].clone().requires_grad_(True)
+        v = ro.traj.velocities[i:i + 1, i].clone().requires_grad_(True)
         loss, terms = step_loss(ctx, ro, torch.tensor([i]), i, v)
         assert float((terms["ratio"] - 1).abs().max()) < 1e-6
         (g,) = torch.autograd.grad(loss, v)
@@ -82,7 +80,7 @@ def test_rectification_flattens_dl_dv(sde_type, a, compat):
     ro, ctx = _per_step_rollout(sde_type, a, compat)
     raw, w_off = _dl_dv_norms(ro, ctx, rectify=False)
     assert torch.equal(w_off, torch.ones_like(w_off))
-    s = ro.sigmas.tolist()
+    s = ro.traj.sigmas.tolist()
     c = torch.tensor([_c_closed_form(s[k], s[k + 1], sde_type, a, compat) for k in range(ro.batch_size)],
                      dtype=torch.float64)
     # without rectification the spread across steps is the closed form's, step by step
@@ -123,8 +121,8 @@ def test_iso_temporal_grouping_covers_candidates(make_trainer, spec, groups, can
                       f"train.prompts_per_batch={groups}")
     seen_orders = set()
     for _ in range(4):
-        plan = tr.plan_batch()
-        k = plan.extras[STEP_KEY]
+        plan = tr.family.plan()
+        k = plan.engine_state.k
         B = len(plan.prompts)
         assert plan.selected.sum(1).tolist() == [1] * B
         assert torch.equal(plan.selected[torch.arange(B), k], torch.ones(B, dtype=torch.bool))
@@ -145,20 +143,20 @@ def test_rollout_is_ode_except_selected_step(make_trainer):
     tr = make_trainer("engine.name=single_step", "engine.candidate_steps=all", "train.prompts_per_batch=5")
     ro = tr.rollout()
     sel = ro.selected
-    k = ro.extras[STEP_KEY]
+    k = ro.traj.engine_state.k
     assert torch.equal(sel[torch.arange(ro.batch_size), k], torch.ones(ro.batch_size, dtype=torch.bool))
-    T = ro.num_steps
+    T = ro.traj.num_steps
     for step in range(T):
         off = ~sel[:, step]
-        assert torch.all(ro.log_probs[off, step] == 0)
-        assert torch.all(ro.noise[off, step] == 0)
-        dt = ro.sigmas[step + 1] - ro.sigmas[step]
-        ode = ro.xs[off, step] + dt * ro.velocities[off, step]
-        assert torch.allclose(ro.xs[off, step + 1], ode, atol=1e-6)
+        assert torch.all(ro.traj.log_probs[off, step] == 0)
+        assert torch.all(ro.traj.noise[off, step] == 0)
+        dt = ro.traj.sigmas[step + 1] - ro.traj.sigmas[step]
+        ode = ro.traj.xs[off, step] + dt * ro.traj.velocities[off, step]
+        assert torch.allclose(ro.traj.xs[off, step + 1], ode, atol=1e-6)
         on = sel[:, step]
         if on.any():
-            assert torch.all(ro.log_probs[on, step] != 0)
-            assert torch.all(ro.noise[on, step].flatten(1).norm(dim=1) > 0)
+            assert torch.all(ro.traj.log_probs[on, step] != 0)
+            assert torch.all(ro.traj.noise[on, step].flatten(1).norm(dim=1) > 0)
     stats = tr.backward(ro, 0)
     assert stats.metrics["ratio_max_dev"] < 1e-5  # first update: r == 1
     assert stats.metrics["trained_pairs"] == ro.batch_size
@@ -168,10 +166,10 @@ def test_rollout_is_ode_except_selected_step(make_trainer):
 # ---------------------------------------------------------------------- exactness vs recompute
 def _single_vs_recompute(tr, ro, epoch=0):
     tr.optimizer.zero_grad(set_to_none=True)
-    tr.engine.backward(tr.ctx, ro, epoch)
+    tr.family.engine.backward(tr.family.ctx, ro, epoch)
     g1 = flat_grad(tr.params)
     tr.optimizer.zero_grad(set_to_none=True)
-    RecomputeEngine().backward(tr.ctx, ro, epoch)
+    RecomputeEngine().backward(tr.family.ctx, ro, epoch)
     g2 = flat_grad(tr.params)
     return g1, g2
 
@@ -196,12 +194,12 @@ def test_mixed_steps_equal_recompute_on_same_rollout(make_trainer, extra):
     tr = make_trainer("engine.name=single_step", "engine.candidate_steps=all", "train.prompts_per_batch=4",
                       *extra)
     ro = tr.rollout()
-    assert len(ro.extras[STEP_KEY].unique()) == 4
+    assert len(ro.traj.engine_state.k.unique()) == 4
     g1, g2 = _single_vs_recompute(tr, ro)
     assert rel_err(g1, g2) < 1e-5
     # a later inner epoch (θ ≠ θ_old, ratio ≠ 1) still trains the same single step, exactly
     tr.optimizer.zero_grad(set_to_none=True)
-    tr.engine.backward(tr.ctx, ro, 0)
+    tr.family.engine.backward(tr.family.ctx, ro, 0)
     tr.optimizer.step()
     g1, g2 = _single_vs_recompute(tr, ro, epoch=1)
     assert rel_err(g1, g2) < 1e-5
@@ -210,10 +208,10 @@ def test_mixed_steps_equal_recompute_on_same_rollout(make_trainer, extra):
 def test_rectification_enters_loss_weights(make_trainer):
     tr = make_trainer("engine.name=single_step", "engine.candidate_steps=all", "train.prompts_per_batch=5")
     ro = tr.rollout()
-    k = ro.extras[STEP_KEY]
+    k = ro.traj.engine_state.k
     w = ro.loss_weights[torch.arange(ro.batch_size), k] * ro.batch_size  # aggregation "mean": 1/B each
     assert float(w.mean()) == pytest.approx(1.0, rel=1e-5)
-    c = rectification_factor(ro.sigmas[k], ro.sigmas[k + 1], sde_type="flow_sde", noise_level=0.7)
+    c = rectification_factor(ro.traj.sigmas[k], ro.traj.sigmas[k + 1], sde_type="flow_sde", noise_level=0.7)
     assert torch.allclose(w * c, (w * c)[0].expand_as(w), rtol=1e-5)  # w ∝ 1/c
     tr_off = make_trainer("engine.name=single_step", "engine.candidate_steps=all", "train.prompts_per_batch=5",
                           "engine.rectify=false")
@@ -239,7 +237,7 @@ def test_bad_candidate_steps_syntax(make_trainer, bad):
 def test_bad_candidate_steps_range(make_trainer, bad):
     tr = make_trainer("engine.name=single_step", f"engine.candidate_steps='{bad}'")  # T = 6: steps 0..4
     with pytest.raises(ConfigError, match=r"engine\.candidate_steps.*out of range.*0\.\.4"):
-        tr.plan_batch()
+        tr.family.plan()
 
 
 def test_candidate_presets():

@@ -85,7 +85,7 @@ def test_lora_first_update_equals_recompute(make_trainer, engine, overrides):
     g = flat_grad(tr.params)
     assert _lora_grad(tr, "lora_A").abs().max() > 0  # B ≠ 0: A gets a gradient too
     tr.optimizer.zero_grad(set_to_none=True)
-    RecomputeEngine().backward(tr.ctx, ro, 0)
+    RecomputeEngine().backward(tr.family.ctx, ro, 0)
     g_ref = flat_grad(tr.params)
     assert g_ref.norm() > 0
     assert rel_err(g, g_ref) < TOL
@@ -104,10 +104,10 @@ def test_lora_jagg_and_single_step_equal_recompute(make_trainer, engine):
     ro = tr.rollout()
     eng = JaggEngine(tr.cfg.engine) if engine == "jagg" else SingleStepEngine(tr.cfg.engine)
     tr.optimizer.zero_grad(set_to_none=True)
-    stats = eng.backward(tr.ctx, ro, 0)
+    stats = eng.backward(tr.family.ctx, ro, 0)
     g = flat_grad(tr.params)
     tr.optimizer.zero_grad(set_to_none=True)
-    RecomputeEngine().backward(tr.ctx, ro, 0)
+    RecomputeEngine().backward(tr.family.ctx, ro, 0)
     g_ref = flat_grad(tr.params)
     assert g_ref.norm() > 0 and rel_err(g, g_ref) < TOL
     assert stats.metrics["kl"] > 0

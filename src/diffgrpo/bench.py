@@ -14,14 +14,17 @@ Flash (T+3K)/(T+3).
 from __future__ import annotations
 
 import json
+import shlex
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from .config import RunConfig
+from .config import MODEL_FAMILIES, RunConfig
 from .engines.base import MemoryMeter
+from .errors import ConfigError
 from .engines.recompute import RecomputeEngine
 from .trainer import Trainer
 
@@ -46,19 +49,17 @@ def _cost(c: dict) -> float:
     return c["forwards_nograd"] + c["forwards_grad"] + 2 * c["sample_backwards"]
 
 
-def _run_variant(trainer: Trainer, base_state: dict, seed: int) -> dict:
-    """One iteration (rollout + first-update backward) of ``trainer``'s engine from a fixed seed."""
+def _run_variant(trainer: Trainer, base_state: dict, rng_state: dict) -> dict:
+    """One iteration (the engine's collect + first-update backward) of ``trainer`` from fixed sampling streams."""
     trainer.policy.load_state_dict(base_state)
-    trainer.gen_prompts.manual_seed(seed)
-    trainer.gen_noise.manual_seed(seed + 1)
-    trainer.gen_steps.manual_seed(seed + 2)
+    trainer.family.set_rng_state(rng_state)
     c0 = dict(trainer.policy.counters)
     trainer.optimizer.zero_grad(set_to_none=True)
     t0 = time.perf_counter()
     with MemoryMeter(trainer.device) as mem:
-        ro = trainer.rollout()
+        ro, first = trainer.family.collect()
         c_roll = {k: trainer.policy.counters[k] - c0[k] for k in c0}
-        stats = trainer.engine.backward(trainer.ctx, ro, 0)
+        stats = first if first is not None else trainer.family.backward(ro, 0)
     t_iter = time.perf_counter() - t0
     grad = _grads(trainer.params)
     counters = {"forwards_nograd": stats.forwards_nograd + c_roll["forwards_nograd"],
@@ -75,11 +76,15 @@ def _run_variant(trainer: Trainer, base_state: dict, seed: int) -> dict:
 
 def bench_engines(cfg: RunConfig, variants: list[str], *, repeats: int = 3, out_dir: str | Path | None = None,
                   log=print) -> dict:
-    """Run every variant side by side; write ``engines.json`` and ``engines.md`` to ``out_dir``."""
+    """Run every variant side by side; write ``engines.json`` and ``engines.md`` (headed by the command line that
+    produced them) to ``out_dir``."""
+    if MODEL_FAMILIES[cfg.model.name] != "flow":
+        raise ConfigError(f"bench engines: gradient engines are the flow family's; model.name={cfg.model.name} is a "
+                          "masked diffusion LM (compare its methods with benchmarks/dllm_train.py)")
     cfg = RunConfig.from_overrides(["log.progress=false"], base=cfg)
     base = Trainer(RunConfig.from_overrides(["engine.name=recompute"], base=cfg), log=log)
     base_state = {k: v.clone() for k, v in base.policy.state_dict().items()}
-    seed = cfg.seed + 1000
+    rng_state = base.family.rng_state()  # every variant replays the same prompts, noise and steps
     trainers = {}
     for spec in variants:
         label, ov = parse_variant(spec)
@@ -91,12 +96,12 @@ def bench_engines(cfg: RunConfig, variants: list[str], *, repeats: int = 3, out_
     for r in range(repeats + 1):  # first round is warm-up
         order = list(trainers) if r % 2 == 0 else list(reversed(trainers))
         for label in order:
-            res = _run_variant(trainers[label], base_state, seed)
+            res = _run_variant(trainers[label], base_state, rng_state)
             if r == 0:
                 # exact reference: recompute on this variant's own rollout (same selected steps)
                 ro = res["ro"]
                 base.optimizer.zero_grad(set_to_none=True)
-                RecomputeEngine().backward(trainers[label].ctx, ro, 0)
+                RecomputeEngine().backward(trainers[label].family.ctx, ro, 0)
                 ref_grads[label] = _grads(base.params)
                 res["ref_cos"] = float(torch.nn.functional.cosine_similarity(res["grad"], ref_grads[label], dim=0))
                 res["ref_relerr"] = float((res["grad"] - ref_grads[label]).norm() / ref_grads[label].norm().clamp(min=1e-30))
@@ -139,7 +144,8 @@ def bench_engines(cfg: RunConfig, variants: list[str], *, repeats: int = 3, out_
             row["memory_vs_recompute"] = row["peak_memory_bytes"] / max(b["peak_memory_bytes"], 1)
     report = {
         "config": cfg.to_dict(), "repeats": repeats, "device": str(base.device),
-        "torch_threads": torch.get_num_threads(), "batch": len(base.sample_prompts()[0]),
+        "torch_threads": torch.get_num_threads(), "batch": cfg.train.prompts_per_batch * cfg.train.group_size,
+        "command": "diffgrpo " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
         "num_steps": cfg.sampler.num_steps, "rows": rows,
     }
     md = to_markdown(report)
@@ -155,7 +161,7 @@ def bench_engines(cfg: RunConfig, variants: list[str], *, repeats: int = 3, out_
 def to_markdown(report: dict) -> str:
     hdr = ("| variant | train s | iter s | train × | ideal × | eff | iter × | ideal × | grad cos | rel err | "
            "peak mem | F grad | F nograd | sample bwd |")
-    lines = [f"Engines on {report['device']} ({report['torch_threads']} threads), batch {report['batch']}, "
+    lines = ([f"Command: `{report['command']}`", ""] if report.get("command") else []) + [f"Engines on {report['device']} ({report['torch_threads']} threads), batch {report['batch']}, "
              f"T = {report['num_steps']}, median of {report['repeats']} runs.", "", hdr,
              "|" + "---|" * (hdr.count("|") - 1)]
     for r in report["rows"]:

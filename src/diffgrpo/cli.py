@@ -9,7 +9,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from .config import ConfigError, RunConfig
+from .config import RunConfig
+from .errors import ConfigError, RewardError, TrainingError
 
 
 def _load_cfg(args) -> RunConfig:
@@ -116,13 +117,13 @@ def cmd_sample(args) -> int:
     trainer = Trainer(cfg)
     if src is not None:
         trainer.policy.load_state_dict(load_file(str(src)))
-    if trainer.family is not None:  # masked diffusion LM: text completions
+    if trainer.family.name == "dllm":  # masked diffusion LM: text completions
         return _sample_text(trainer, args)
     prompts = args.prompt or [digit_prompt(d) for d in range(10)]
     prompts = [p for p in prompts for _ in range(args.num)]
     x0 = torch.stack([torch.randn(*trainer.policy.latent_shape, generator=torch.Generator().manual_seed(args.seed + i))
                       for i in range(len(prompts))]).to(trainer.device)
-    kernel = dict(trainer.kernel, sde_type=args.sde_type)
+    kernel = dict(trainer.family.kernel, sde_type=args.sde_type)
     sig = flow_sde.sigma_grid(cfg.sampler.num_steps, cfg.sampler.shift, device=trainer.device)
     with torch.no_grad():
         traj = sample_trajectories(trainer.policy, trainer.policy.encode(prompts), x0, sig, kernel=kernel,
@@ -238,8 +239,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from .rewards import RewardError
-    from .trainer import TrainingError
 
     try:
         return args.func(args)

@@ -7,7 +7,6 @@ Errors are :class:`ConfigError` with a one-line message naming the key, the valu
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,9 +14,9 @@ from typing import Any
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """A configuration value, key or combination is not acceptable."""
+from .engines import ENGINES
+from .errors import ConfigError, suggest
+from .rewards import resolve_reward
 
 
 def _f(default, *, choices=None, lo=None, hi=None, doc="", **kw):
@@ -26,6 +25,10 @@ def _f(default, *, choices=None, lo=None, hi=None, doc="", **kw):
     if isinstance(default, (dict, list)):
         return field(default_factory=lambda: type(default)(default), metadata=meta, **kw)
     return field(default=default, metadata=meta, **kw)
+
+
+# model.name → family (a key of ``trainer.FAMILIES``): which family trains the policy
+MODEL_FAMILIES = {"tiny": "flow", "diffusers": "flow", "tiny_mlm": "dllm", "hf_masked_lm": "dllm"}
 
 
 @dataclass
@@ -153,13 +156,14 @@ class TrainConfig:
 @dataclass
 class DLLMConfig:
     """Masked diffusion LMs (model.name=tiny_mlm / hf_masked_lm). TRL names: num_generations = train.group_size,
-    beta = loss.beta, epsilon = loss.clip_range, num_iterations = train.num_inner_epochs,
+    beta = loss.beta, epsilon = dllm.clip_range, num_iterations = train.num_inner_epochs,
     scale_rewards = advantage.std_mode (when method_defaults is false)."""
     task: str = _f("arithmetic", choices=("arithmetic", "sudoku", "countdown", "json_schema"),
                    doc="task with a verifiable reward (diffgrpo.dllm.tasks)")
     method: str = _f("diffu_grpo", choices=("diffu_grpo", "coupled_grpo", "random_mask"),
                      doc="base method: likelihood estimator + advantage baseline")
     method_defaults: bool = _f(True, doc="use the method's advantage baseline/std (else the advantage section)")
+    clip_range: float = _f(0.2, lo=0.0, doc="PPO clip ε on per-token ratios (d1 and TRL use 0.2)")
     gen_length: int = _f(0, lo=0, doc="completion tokens; 0 = the task's default")
     block_length: int = _f(0, lo=0, doc="semi-autoregressive block size; 0 = gen_length (one block)")
     diffusion_steps: int = _f(0, lo=0, doc="sampling steps; 0 = gen_length (one token per step)")
@@ -172,6 +176,8 @@ class DLLMConfig:
     num_mask_samples: int = _f(2, lo=1, doc="random_mask: mask ratios per completion (forwards)")
     model_path: str = _f("", doc="hf_masked_lm: local directory or hub id")
     trust_remote_code: bool = _f(False, doc="hf_masked_lm: allow the checkpoint's own code (LLaDA, Dream)")
+    mask_token_id: int = _f(-1, lo=-1, doc="hf_masked_lm: id of the mask token; -1 = the tokenizer's "
+                                           "(LLaDA checkpoints without one: 126336)")
     logits_shift: str = _f("auto", choices=("auto", "true", "false"),
                            doc="hf_masked_lm: true = position j scores token j+1 (Dream); auto by model type")
 
@@ -276,11 +282,6 @@ def to_dict(obj) -> dict[str, Any]:
     return dataclasses.asdict(obj)
 
 
-def _suggest(name: str, options: list[str]) -> str:
-    close = difflib.get_close_matches(name, options, n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
 def _coerce(key: str, value, tp, meta):
     """Check ``value`` against the annotated type ``tp`` and the field's metadata; return the coerced value."""
     origin = typing.get_origin(tp) or tp
@@ -334,7 +335,7 @@ def set_path(cfg, dotted: str, value) -> None:
         if part not in names:
             where = ".".join(path) or "the top level"
             full = ".".join(path + [part])
-            raise ConfigError(f"unknown config key {full!r}{_suggest(part, names)}; keys under {where}: {names}")
+            raise ConfigError(f"unknown config key {full!r}{suggest(part, names)}; keys under {where}: {names}")
         path.append(part)
         hints = typing.get_type_hints(type(obj))
         fld = next(f for f in dataclasses.fields(obj) if f.name == part)
@@ -366,12 +367,72 @@ def from_dict(cls, data: dict):
 
 def validate(cfg: RunConfig) -> None:
     """Cross-field checks that no single field can express. Raises ConfigError."""
-    from .engines import ENGINES  # local import: engines import config-free modules only
-    from .rewards import resolve_reward
+    family = MODEL_FAMILIES[cfg.model.name]
+    _validate_family(cfg, family)
+    for key in ("train.prompts_file", "eval.prompts_file"):
+        sec, name = key.split(".")
+        path = getattr(getattr(cfg, sec), name)
+        if path and not Path(path).expanduser().is_file():
+            raise ConfigError(f"{key}: file {path!r} does not exist")
+        if path and not any(line.strip() for line in Path(path).expanduser().read_text().splitlines()):
+            raise ConfigError(f"{key}: file {path!r} holds no prompts")
+    if family == "flow":
+        _validate_flow(cfg)
+    elif cfg.model.name == "hf_masked_lm" and not cfg.dllm.model_path:
+        raise ConfigError("dllm.model_path: required for model.name=hf_masked_lm (a local model directory or hub id)")
 
+
+# Keys each family reads (a section name covers all its keys); any other key set to a non-default value is refused.
+_SHARED = ("seed", "model.name", "model.device", "model.cache_dir", "pretrain.steps", "pretrain.batch_size",
+           "pretrain.lr", "pretrain.seed", "advantage", "loss.beta", "loss.aggregation", "engine.micro_batch_size",
+           "train.num_iterations", "train.prompts_per_batch", "train.group_size", "train.lr", "train.weight_decay",
+           "train.adam_beta1", "train.adam_beta2", "train.max_grad_norm", "train.num_inner_epochs", "train.save_every",
+           "train.keep_checkpoints", "train.ema_decay", "train.max_bad_updates", "eval.every", "eval.seed", "log",
+           "dist")
+FAMILY_KEYS = {
+    "flow": _SHARED + ("model.guidance_scale", "model.image_size", "model.patch_size", "model.num_layers",
+                       "model.num_heads", "model.head_dim", "model.text_dim", "model.pretrained", "model.family",
+                       "model.dtype", "model.mixed_precision", "model.resolution", "model.num_frames",
+                       "model.negative_prompt", "model.max_sequence_length", "model.lora_rank", "model.lora_alpha",
+                       "model.lora_target_modules", "model.gradient_checkpointing", "pretrain.cond_dropout",
+                       "sampler", "reward", "loss.clip_range", "loss.kl_flowgrpo_compat", "steps", "engine",
+                       "train.digits", "train.prompts_file", "eval"),
+    "dllm": _SHARED + ("pretrain.answer_noise", "dllm", "daca"),
+}
+# engine keys that only some engines read
+ENGINE_KEYS = {"window": ("jagg",), "jagg_frac": ("jagg",), "jagg_min_score": ("jagg",),
+               "evaluation": ("jagg", "single_step"), "wave_size": ("retain",),
+               "candidate_steps": ("single_step",), "rectify": ("single_step",)}
+
+
+def _changed_keys(obj, default, prefix: str = "") -> list[str]:
+    """Dotted keys whose value in ``obj`` differs from ``default`` (nested dataclasses)."""
+    out = []
+    for f in dataclasses.fields(obj):
+        a, b = getattr(obj, f.name), getattr(default, f.name)
+        key = prefix + f.name
+        if dataclasses.is_dataclass(a):
+            out += _changed_keys(a, b, key + ".")
+        elif a != b:
+            out.append(key)
+    return out
+
+
+def _validate_family(cfg: RunConfig, family: str) -> None:
+    """A key set to a non-default value that the chosen model family never reads is an error, not a no-op."""
+    allowed = FAMILY_KEYS[family]
+    for key in _changed_keys(cfg, RunConfig()):
+        if not any(key == a or key.startswith(a + ".") for a in allowed):
+            what = ("flow-matching models (model.name in ['tiny', 'diffusers'])" if family != "flow" else
+                    "masked diffusion LMs (model.name in ['tiny_mlm', 'hf_masked_lm'])")
+            raise ConfigError(f"{key}: does not apply to model.name={cfg.model.name} (the {family} family); it is "
+                              f"read only for {what}; remove it")
+
+
+def _validate_flow(cfg: RunConfig) -> None:
     if cfg.engine.name not in ENGINES and ":" not in cfg.engine.name:
         raise ConfigError(
-            f"engine.name: value {cfg.engine.name!r} is not a registered engine{_suggest(cfg.engine.name, list(ENGINES))}; "
+            f"engine.name: value {cfg.engine.name!r} is not a registered engine{suggest(cfg.engine.name, list(ENGINES))}; "
             f"choose one of {sorted(ENGINES)} or module:Class")
     if not cfg.reward.weights:
         raise ConfigError("reward.weights: at least one reward is required, e.g. reward.weights={digit_alignment: 1.0}")
@@ -389,13 +450,6 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError("sampler.num_steps: must be >= 2 (the final step is deterministic and never trained)")
     if cfg.model.name == "diffusers" and not cfg.model.pretrained:
         raise ConfigError("model.pretrained: required for model.name=diffusers (a local pipeline directory or hub id)")
-    for key in ("train.prompts_file", "eval.prompts_file"):
-        sec, name = key.split(".")
-        path = getattr(getattr(cfg, sec), name)
-        if path and not Path(path).expanduser().is_file():
-            raise ConfigError(f"{key}: file {path!r} does not exist")
-        if path and not any(line.strip() for line in Path(path).expanduser().read_text().splitlines()):
-            raise ConfigError(f"{key}: file {path!r} holds no prompts")
     _validate_engine(cfg)
     pre = cfg.model.pretrained
     if pre and pre.startswith(("/", "./", "../", "~")) and not Path(pre).expanduser().exists():
@@ -405,9 +459,6 @@ def validate(cfg: RunConfig) -> None:
                           "embedding, one forward); negative prompts and true CFG do not apply")
     if cfg.model.image_size % cfg.model.patch_size:
         raise ConfigError(f"model.patch_size: {cfg.model.patch_size} must divide model.image_size={cfg.model.image_size}")
-    if cfg.model.lora_rank > 0 and cfg.model.name not in ("tiny", "diffusers"):
-        raise ConfigError(f"model.lora_rank: LoRA is implemented for model.name in ['tiny', 'diffusers'], not "
-                          f"{cfg.model.name!r}; use model.lora_rank=0 (full fine-tune)")
 
 
 def selected_per_trajectory(cfg: RunConfig) -> int:
@@ -424,15 +475,17 @@ def selected_per_trajectory(cfg: RunConfig) -> int:
 
 def _validate_engine(cfg: RunConfig) -> None:
     e = cfg.engine
+    default = EngineConfig()
+    for key, users in ENGINE_KEYS.items():
+        if getattr(e, key) != getattr(default, key) and e.name in ENGINES and e.name not in users:
+            raise ConfigError(f"engine.{key}: does not apply to engine.name={e.name}; it is read only by "
+                              f"{list(users)}; remove it")
     if e.name == "jagg":
         n = selected_per_trajectory(cfg)
         if e.window > n:
             raise ConfigError(f"engine.window: W={e.window} is larger than the {n} steps selected per trajectory "
                               f"(steps.mode={cfg.steps.mode}, sampler.num_steps={cfg.sampler.num_steps}); "
                               f"choose 2 <= W <= {n}")
-    if e.evaluation == "retain" and e.name not in ("jagg", "single_step"):
-        raise ConfigError(f"engine.evaluation: 'retain' composes with jagg and single_step, not {e.name!r} "
-                          "(the plain recompute-free engine is engine.name=retain)")
     if e.wave_size and cfg.advantage.std_mode == "global":
         raise ConfigError("engine.wave_size: rollout waves need per-group advantages; advantage.std_mode=global "
                           "couples every group, so use engine.wave_size=0 (whole batch) or std_mode=group")

@@ -1,4 +1,4 @@
-"""Dataclasses that cross the seams: sampler output, rollout record, engine counters.
+"""Dataclasses that cross the seams: sampler output, trajectory payloads, the rollout, plans, engine counters.
 
 Shape notation used across the package:
   B  trajectories in the rollout (prompts × group size)
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -30,38 +30,98 @@ class StepOut(NamedTuple):
 
 
 @dataclass
-class Rollout:
-    """Everything a gradient engine needs from the sampling phase.
+class FlowTrajectory:
+    """What a flow-matching rollout recorded: the data every gradient engine trains on.
 
     Tensors live on the policy's device; float32.
     """
 
-    prompts: list[str]  # length B
-    group_ids: torch.Tensor  # (B,) long: trajectories with the same id share a prompt
     cond: dict[str, torch.Tensor]  # conditioning, every tensor batched on dim 0 (B, ...)
     sigmas: torch.Tensor  # (T+1,) decreasing grid, sigmas[0] = 1, sigmas[T] = 0
     xs: torch.Tensor  # (B, T+1, *S) states x_0 (noise) .. x_T (sample)
     velocities: torch.Tensor  # (B, T, *S) (guided) velocities used at each step
     log_probs: torch.Tensor  # (B, T) rollout log-probs of the taken transitions (0 where std == 0)
     noise: torch.Tensor  # (B, T, *S) standard-normal noise injected at each step (0 for deterministic steps)
-    selected: torch.Tensor  # (B, T) bool: steps that receive gradients
-    rewards: torch.Tensor | None = None  # (B,) combined reward (NaN where excluded)
-    reward_components: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> (B,)
-    valid: torch.Tensor | None = None  # (B,) bool: reward usable in statistics
-    advantages: torch.Tensor | None = None  # (B,) float
-    loss_weights: torch.Tensor | None = None  # (B, T) aggregation weights from losses.aggregation_weights
-    images: torch.Tensor | None = None  # (B, C, H, W) decoded samples in [0, 1]
-    metadata: list[dict[str, Any]] = field(default_factory=list)
-    timings: dict[str, float] = field(default_factory=dict)
-    extras: dict[str, Any] = field(default_factory=dict)  # engine-owned state (retained graphs, buffers, …)
-
-    @property
-    def batch_size(self) -> int:
-        return self.xs.shape[0]
+    images: torch.Tensor | None = None  # (B, C, H, W) decoded samples in [0, 1] ((B, C, F, H, W) for video)
+    engine_state: Any = None  # the engine's own typed state from planning / sampling (see engines/base.py)
 
     @property
     def num_steps(self) -> int:
         return self.xs.shape[1] - 1
+
+
+@dataclass
+class TokenTrajectory:
+    """What a masked diffusion LM rollout recorded (L completion tokens after P prompt tokens)."""
+
+    sequences: torch.Tensor  # (B, P+L) long: prompt + final completion ids
+    prompt_length: int  # P
+    log_probs: torch.Tensor  # (B, L) old per-token log-prob estimates under the rollout's masks
+    masks: torch.Tensor  # (B, M, P+L) bool: the estimator's masks (one forward each), drawn once per rollout
+    mask_weights: torch.Tensor  # (B, M, P+L) float: the estimator's per-forward, per-token weights
+    records: dict[str, torch.Tensor]  # sampler records (commit_step, confidence, entropy, margin, …), each (B, L)
+    examples: list = field(default_factory=list)  # the task instances (prompt + reference answer) per row
+    completions: list[str] = field(default_factory=list)  # decoded completions (B,)
+    ref_log_probs: torch.Tensor | None = None  # (B, L) reference estimates (β > 0)
+    strata: torch.Tensor | None = None  # (B, L) long SML stratum per token (−1 outside the completion), or None
+    groups: int = 1  # forward groups: the masks split into `groups` consecutive slices (SML strata K)
+    token_weights: torch.Tensor | None = None  # (B, L) per-token policy-loss weights (DPS), or None
+    token_weight_stats: dict[str, float] = field(default_factory=dict)  # their statistics for the log
+
+    @property
+    def completion_ids(self) -> torch.Tensor:
+        """(B, L) long."""
+        return self.sequences[:, self.prompt_length:]
+
+
+@dataclass
+class Rollout:
+    """A scored batch: the family's trajectory payload plus what GRPO adds (rewards, advantages, loss weights).
+
+    ``selected`` / ``trained`` / ``loss_weights`` are (B, N) over the payload's trainable units: N = T steps for
+    a :class:`FlowTrajectory`, N = L completion tokens for a :class:`TokenTrajectory`.
+    """
+
+    prompts: list[str]  # length B
+    group_ids: torch.Tensor  # (B,) long: trajectories with the same id share a prompt
+    traj: FlowTrajectory | TokenTrajectory
+    selected: torch.Tensor  # (B, N) bool: units the engine runs (planned; filtered unless another rank trains)
+    trained: torch.Tensor | None = None  # (B, N) bool: units whose loss counts (selected and kept)
+    rewards: torch.Tensor | None = None  # (B,) combined reward (NaN where excluded)
+    reward_components: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> (B,)
+    valid: torch.Tensor | None = None  # (B,) bool: reward usable in statistics
+    advantages: torch.Tensor | None = None  # (B,) float
+    loss_weights: torch.Tensor | None = None  # (B, N) aggregation weights (see loss_weights.grpo_loss_weights)
+    batch_rewards: torch.Tensor | None = None  # (W·B,) every rank's rewards (= rewards in one process)
+    advantage_stats: dict[str, float] = field(default_factory=dict)  # frac_reward_zero_std, adv_clip_frac, …
+    metadata: list[dict[str, Any]] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.prompts)
+
+
+@dataclass
+class BatchPlan:
+    """The decisions a flow family makes before sampling a batch (engines may amend them in ``Engine.plan``)."""
+
+    prompts: list[str]
+    group_ids: torch.Tensor  # (B,) long
+    selected: torch.Tensor  # (B, T) bool: steps that will be trained
+    x0: torch.Tensor  # (B, *S) initial noise
+    metadata: list[dict[str, Any]] = field(default_factory=list)  # per-sample metadata the rewards receive
+    sde_mask: torch.Tensor | None = None  # (B, T) bool: False makes that step a deterministic ODE step
+    engine_state: Any = None  # the engine's own typed state (e.g. the step chosen per group)
+    wave: tuple | None = None  # (whole batch's selected (B_all, T), this wave's rows (B,)) for rollout waves
+
+
+@dataclass
+class RolloutHooks:
+    """What an engine asks of the sampler: grad-enabled forwards at ``grad_mask`` handed to ``on_grad_step``."""
+
+    grad_mask: torch.Tensor  # (B, T) bool
+    on_grad_step: Callable  # (k, idx (n,), v with graph (n, *S), x_k (n, *S), x_next (n, *S)) -> None
 
 
 @dataclass

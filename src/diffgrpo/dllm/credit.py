@@ -113,19 +113,4 @@ def weight_stats(w: torch.Tensor, valid: torch.Tensor, top_frac: float = 0.2) ->
             "dps/max": float(vals.max()), "dps/top20_share": sum(shares) / len(shares)}
 
 
-def family_token_weights(family, rollout) -> torch.Tensor:
-    """The ``token_weights`` hook of :class:`~diffgrpo.dllm.grpo.DLLMFamily`: DPS weights (B, L) for a rollout
-    from ``rollout.extras["sampler"]`` (no forwards); logs its statistics in ``rollout.extras["dps_metrics"]``."""
-    from .grpo import completion_mask
-
-    d = family.cfg.daca
-    L = family.gen_length
-    valid = completion_mask(rollout.xs[:, 0, -L:], family.vocab.eos_id)  # (B, L)
-    w = dps_weights(rollout.extras["sampler"], valid, score=d.dps_score, mix=d.dps_mix, clip_min=d.dps_clip_min,
-                    clip_max=d.dps_clip_max, steps=family.steps, block_length=family.block_length)
-    rollout.extras["dps_metrics"] = weight_stats(w, valid)
-    return w
-
-
-__all__ = ["DPS_SCORES", "raw_scores", "normalise_clip", "mix_uniform", "dps_weights", "weight_stats",
-           "family_token_weights"]
+__all__ = ["DPS_SCORES", "raw_scores", "normalise_clip", "mix_uniform", "dps_weights", "weight_stats"]

@@ -48,6 +48,14 @@ import torch
 from ..samplers import masked
 
 
+def completion_mask(completions: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """(B, L) ids → (B, L) bool: the tokens an estimator scores, up to and including the first <eos> (all if there
+    is none)."""
+    is_eos = completions == eos_id
+    before = torch.cumsum(is_eos.long(), 1) - is_eos.long()  # number of eos strictly before j
+    return before == 0
+
+
 def mean_field(B: int, P: int, L: int, *, p_mask_prompt: float = 0.0, generator: torch.Generator | None = None,
                device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """→ masks (B, 1, P+L), weights (B, 1, L)."""
@@ -200,5 +208,5 @@ def token_log_probs(logits_fn, input_ids: torch.Tensor, masks: torch.Tensor, wei
     return (lp * weights).sum(1)
 
 
-__all__ = ["ESTIMATORS", "SML_MODES", "SML_PARTITIONS", "mean_field", "coupled", "random_mask", "stratified",
+__all__ = ["ESTIMATORS", "SML_MODES", "SML_PARTITIONS", "completion_mask", "mean_field", "coupled", "random_mask", "stratified",
            "assign_strata", "stratify", "any_order_log_likelihood", "apply_masks", "token_log_probs"]

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 
 def _root_modules(policy) -> list[nn.Module]:
-    for name in ("net", "model", "transformer", "module"):
+    for name in ("transformer", "model", "module"):
         m = getattr(policy, name, None)
         if isinstance(m, nn.Module):
             return [m]

@@ -10,13 +10,13 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 
 from ..losses import aggregate, ppo_clip_loss
 from ..samplers import flow_sde
-from ..types import EngineStats, Rollout
+from ..types import BatchPlan, EngineStats, FlowTrajectory, Rollout, RolloutHooks
 
 
 @dataclass
@@ -35,6 +35,8 @@ class EngineContext:
     # DTensors, while a module holds unsharded copies from its forward until the next backward (the root one even
     # across iterations), so engines must not re-read them from the modules.
     params: list | None = None
+    forward_mult: int = 1  # network inputs per sample-forward: 2 under true classifier-free guidance, else 1
+    all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None  # sums a tensor over ranks (None: one process)
 
 
 def trainable_params(ctx: EngineContext) -> list[torch.Tensor]:
@@ -43,11 +45,47 @@ def trainable_params(ctx: EngineContext) -> list[torch.Tensor]:
 
 
 class Engine(Protocol):
+    """The contract of a flow-matching gradient engine. Every engine implements every hook (a no-op where it does
+    not apply); the flow family calls them in this order each iteration:
+
+    1. ``plan(plan, generator)`` before sampling: amend the :class:`~diffgrpo.types.BatchPlan` (trained steps,
+       SDE/ODE steps, ``plan.engine_state``), drawing any randomness from ``generator`` (the step stream).
+    2. ``collect(ctx, plan, rollout)``: run the batch through ``rollout(plan) -> Rollout`` (sampling, rewards,
+       loss weights) once, or in waves with each wave's first-update gradient accumulated into ``.grad`` before
+       the next (Retain). → (rollout, stats of the first update already in ``.grad``, or None).
+    3. ``rollout_hooks(ctx, plan)`` (called by ``rollout``): grad-enabled rollout forwards the engine keeps or
+       back-propagates during sampling, or None. Their state rides on ``plan.engine_state``.
+    4. ``sample_weights(ctx, traj, trained)`` (called when the loss weights are formed): per-sample loss
+       multipliers (B,) from the trained (B, T) steps, or None.
+    5. ``backward(ctx, rollout, epoch)``: accumulate ∇ Σ w·L into ``.grad`` (epoch 0 = first update after the
+       rollout); never steps the optimizer and never rescales the loss.
+    """
+
     name: str
 
-    def backward(self, ctx: EngineContext, rollout: Rollout, epoch: int = 0) -> EngineStats:
-        """Accumulate ∇ of Σ w·L into ``.grad``; ``epoch`` is the inner update index (0 = first after rollout)."""
-        ...
+    def plan(self, plan: BatchPlan, generator: torch.Generator) -> None: ...
+
+    def collect(self, ctx: EngineContext, plan: BatchPlan,
+                rollout: Callable[[BatchPlan], Rollout]) -> tuple[Rollout, EngineStats | None]: ...
+
+    def rollout_hooks(self, ctx: EngineContext, plan: BatchPlan) -> RolloutHooks | None: ...
+
+    def sample_weights(self, ctx: EngineContext, traj: FlowTrajectory,
+                       trained: torch.Tensor) -> torch.Tensor | None: ...
+
+    def backward(self, ctx: EngineContext, rollout: Rollout, epoch: int = 0) -> EngineStats: ...
+
+
+def one_wave(ctx: EngineContext, plan: BatchPlan,
+             rollout: Callable[[BatchPlan], Rollout]) -> tuple[Rollout, EngineStats | None]:
+    """``Engine.collect`` of every engine that samples a batch in one piece: the rollout, no gradient yet."""
+    return rollout(plan), None
+
+
+def count_backward(ctx: EngineContext, stats: EngineStats, samples: int, calls: int = 1) -> None:
+    """Count ``calls`` backward calls through ``samples`` samples (×2 network inputs each under true CFG)."""
+    stats.backward_calls += calls
+    stats.sample_backwards += samples * ctx.forward_mult
 
 
 def take_cond(cond: dict[str, torch.Tensor], idx: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -67,8 +105,8 @@ def reference_velocity(ctx: EngineContext, rollout: Rollout, idx: torch.Tensor, 
     if ctx.beta <= 0:
         return None
     with torch.no_grad(), ctx.policy.reference():
-        sig = rollout.sigmas[k].expand(len(idx))
-        return ctx.policy.velocity(rollout.xs[idx, k], sig, take_cond(rollout.cond, idx))
+        sig = rollout.traj.sigmas[k].expand(len(idx))
+        return ctx.policy.velocity(rollout.traj.xs[idx, k], sig, take_cond(rollout.traj.cond, idx))
 
 
 def step_loss(ctx: EngineContext, rollout: Rollout, idx: torch.Tensor, k: int, v: torch.Tensor,
@@ -79,15 +117,15 @@ def step_loss(ctx: EngineContext, rollout: Rollout, idx: torch.Tensor, k: int, v
     Differentiable w.r.t. ``v`` only through the closed-form step density, so engines can take
     ∂L/∂v cheaply (JAGG) or back-propagate into the network (recompute).
     """
-    sig, sig_next = rollout.sigmas[k], rollout.sigmas[k + 1]
-    out = flow_sde.step(v, sig, sig_next, rollout.xs[idx, k], prev_sample=rollout.xs[idx, k + 1], **ctx.kernel)
+    sig, sig_next = rollout.traj.sigmas[k], rollout.traj.sigmas[k + 1]
+    out = flow_sde.step(v, sig, sig_next, rollout.traj.xs[idx, k], prev_sample=rollout.traj.xs[idx, k + 1], **ctx.kernel)
     adv = rollout.advantages[idx]
-    loss, ratio, clipped = ppo_clip_loss(out.log_prob, rollout.log_probs[idx, k], adv, ctx.clip_range)
+    loss, ratio, clipped = ppo_clip_loss(out.log_prob, rollout.traj.log_probs[idx, k], adv, ctx.clip_range)
     kl = torch.zeros_like(loss)
     if ctx.beta > 0:
         if v_ref is None:
             raise ValueError("beta > 0 needs the reference velocity")
-        ref_mean = flow_sde.step(v_ref, sig, sig_next, rollout.xs[idx, k], prev_sample=rollout.xs[idx, k + 1],
+        ref_mean = flow_sde.step(v_ref, sig, sig_next, rollout.traj.xs[idx, k], prev_sample=rollout.traj.xs[idx, k + 1],
                                  **ctx.kernel).mean
         kl = flow_sde.gaussian_kl(out.mean, ref_mean.detach(), out.std, flowgrpo_compat=ctx.kl_flowgrpo_compat,
                                   sigma=sig, sigma_next=sig_next)
@@ -188,7 +226,7 @@ def engine_run(ctx: EngineContext, name: str, phase: str = "train"):
     """Times the block, measures peak memory and converts the policy's forward counters into EngineStats."""
     stats = EngineStats(engine=name)
     before = dict(ctx.policy.counters)
-    device = getattr(ctx.policy, "device", torch.device("cpu"))
+    device = ctx.policy.device
     t0 = time.perf_counter()
     with MemoryMeter(device) as mem:
         yield stats

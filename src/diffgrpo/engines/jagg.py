@@ -13,7 +13,7 @@ applied with one forward with grad on [x_a; x_b] at [σ_a; σ_b] (conditioning t
 per sample, so their endpoints need not coincide): by default the j-th windows of all trajectories together.
 
 Current velocities. g_k needs v_k under the current θ. The endpoints take it from the grad forward itself
-(its detached output). Interior steps take ``rollout.velocities`` on the first update (epoch 0: θ = θ_old, exact
+(its detached output). Interior steps take ``rollout.traj.velocities`` on the first update (epoch 0: θ = θ_old, exact
 and free) and a no-grad forward at (x_k, σ_k) after an optimizer step (epoch > 0). With β > 0 the KL term's
 ∂/∂v is part of g_k and every window step needs a no-grad reference forward (as in ``recompute``).
 
@@ -62,8 +62,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..types import EngineStats, Rollout
-from .base import EngineContext, StatsAccumulator, chunks, engine_run, step_loss, take_cond
+from ..types import BatchPlan, EngineStats, FlowTrajectory, Rollout, RolloutHooks
+from .base import EngineContext, StatsAccumulator, chunks, count_backward, engine_run, one_wave, step_loss, take_cond
 from .recompute import recompute_pairs
 from .retain import RetainedSteps, retain_hooks, usable_store
 
@@ -150,12 +150,12 @@ class JaggEngine:
     name = "jagg"
     alpha_fn = staticmethod(sigma_weights)  # (W,) σ values → (W,) α
 
-    def __init__(self, cfg=None):
+    def __init__(self, cfg):
         self.cfg = cfg
-        self.window = int(getattr(cfg, "window", 4))
-        self.jagg_frac = float(getattr(cfg, "jagg_frac", 1.0))
-        self.jagg_min_score = float(getattr(cfg, "jagg_min_score", -1.0))
-        self.evaluation = getattr(cfg, "evaluation", "recompute")
+        self.window = int(cfg.window)
+        self.jagg_frac = float(cfg.jagg_frac)
+        self.jagg_min_score = float(cfg.jagg_min_score)
+        self.evaluation = str(cfg.evaluation)
         if self.window < 2:
             raise ValueError(f"engine.window must be >= 2, got {self.window}")
         if self.evaluation not in ("recompute", "retain"):
@@ -164,13 +164,22 @@ class JaggEngine:
 
     # -- planning ------------------------------------------------------------------------------------------
 
-    def rollout_hooks(self, ctx: EngineContext, plan):
-        """``evaluation=retain``: keep the rollout graphs of the window endpoints (from ``plan.selected``)."""
+    def plan(self, plan: BatchPlan, generator: torch.Generator) -> None:
+        pass
+
+    def collect(self, ctx: EngineContext, plan: BatchPlan, rollout) -> tuple[Rollout, EngineStats | None]:
+        return one_wave(ctx, plan, rollout)
+
+    def sample_weights(self, ctx: EngineContext, traj: FlowTrajectory, trained: torch.Tensor) -> torch.Tensor | None:
+        return None
+
+    def rollout_hooks(self, ctx: EngineContext, plan: BatchPlan) -> RolloutHooks | None:
+        """``evaluation=retain``: keep the rollout graphs of the window endpoints (from ``plan.selected``) in a
+        :class:`RetainedSteps` on ``plan.engine_state``."""
         if self.evaluation != "retain":
-            return None, None
-        if ctx.sigmas is None:
-            raise RuntimeError("jagg: EngineContext.sigmas is not set (the Trainer sets it)")
-        return retain_hooks(ctx, plan, ctx.sigmas, anchor_mask(plan.selected, self.window))
+            return None
+        hooks, plan.engine_state = retain_hooks(ctx, plan, anchor_mask(plan.selected, self.window))
+        return hooks
 
     def windows(self, rollout: Rollout) -> list[Window]:
         """Every trajectory's selected steps split into windows, scored from the rollout velocities."""
@@ -181,12 +190,12 @@ class JaggEngine:
         found: dict[int, list[Window]] = {}
         for steps, trajs in by_steps.items():
             per_traj = [found.setdefault(i, []) for i in trajs]
-            rows = torch.tensor(trajs, device=rollout.velocities.device)
+            rows = torch.tensor(trajs, device=rollout.traj.velocities.device)
             for ws in split_windows(list(steps), self.window):
                 cos = res = None
                 if len(ws) > 2:
-                    alpha = self.alpha_fn(rollout.sigmas[ws])
-                    v = rollout.velocities[rows][:, ws].transpose(0, 1)  # (W, n, *S)
+                    alpha = self.alpha_fn(rollout.traj.sigmas[ws])
+                    v = rollout.traj.velocities[rows][:, ws].transpose(0, 1)  # (W, n, *S)
                     cos, res = (t.tolist() for t in linearity_scores(v, alpha))
                 for j, (i, lst) in enumerate(zip(trajs, per_traj)):
                     w = Window(i, ws)
@@ -239,22 +248,22 @@ class JaggEngine:
         One forward on the batch [x_{i,k}] at per-sample σ_k with the rows' conditioning. This is the step an
         ``evaluation="retain"`` variant replaces by graphs kept from the rollout.
         """
-        x = rollout.xs[traj, steps]  # (m, *S)
-        sig = rollout.sigmas[steps]  # (m,)
+        x = rollout.traj.xs[traj, steps]  # (m, *S)
+        sig = rollout.traj.sigmas[steps]  # (m,)
         with torch.enable_grad():
-            return ctx.policy.velocity(x, sig, take_cond(rollout.cond, traj))
+            return ctx.policy.velocity(x, sig, take_cond(rollout.traj.cond, traj))
 
     def interior_velocities(self, ctx: EngineContext, rollout: Rollout, traj: torch.Tensor, steps: torch.Tensor,
                             epoch: int) -> torch.Tensor:
         """Current velocities (no graph) at interior rows → (m, *S): the rollout's on epoch 0, else recomputed."""
         if epoch == 0:
-            return rollout.velocities[traj, steps]
+            return rollout.traj.velocities[traj, steps]
         out = []
         with torch.no_grad():
             for part in chunks(torch.arange(len(traj), device=traj.device), ctx.micro_batch_size):
                 ti, si = traj[part], steps[part]
-                out.append(ctx.policy.velocity(rollout.xs[ti, si], rollout.sigmas[si], take_cond(rollout.cond, ti)))
-        return torch.cat(out) if out else rollout.velocities[traj, steps]
+                out.append(ctx.policy.velocity(rollout.traj.xs[ti, si], rollout.traj.sigmas[si], take_cond(rollout.traj.cond, ti)))
+        return torch.cat(out) if out else rollout.traj.velocities[traj, steps]
 
     def reference_velocities(self, ctx: EngineContext, rollout: Rollout, traj: torch.Tensor,
                              steps: torch.Tensor, store: RetainedSteps | None = None) -> torch.Tensor | None:
@@ -266,7 +275,7 @@ class JaggEngine:
         if store is not None:
             kept = store.mask[traj, steps]  # (m,)
             if bool(kept.any()):
-                v = rollout.velocities.new_empty((len(traj),) + tuple(rollout.velocities.shape[2:]))
+                v = rollout.traj.velocities.new_empty((len(traj),) + tuple(rollout.traj.velocities.shape[2:]))
                 v[kept] = store.gather(traj[kept], steps[kept], reference=True).to(v.dtype)
                 if bool((~kept).any()):
                     v[~kept] = self.reference_velocities(ctx, rollout, traj[~kept], steps[~kept]).to(v.dtype)
@@ -275,7 +284,7 @@ class JaggEngine:
         with torch.no_grad(), ctx.policy.reference():
             for part in chunks(torch.arange(len(traj), device=traj.device), ctx.micro_batch_size):
                 ti, si = traj[part], steps[part]
-                out.append(ctx.policy.velocity(rollout.xs[ti, si], rollout.sigmas[si], take_cond(rollout.cond, ti)))
+                out.append(ctx.policy.velocity(rollout.traj.xs[ti, si], rollout.traj.sigmas[si], take_cond(rollout.traj.cond, ti)))
         return torch.cat(out)
 
     # -- upstream signals ------------------------------------------------------------------------------------
@@ -305,12 +314,12 @@ class JaggEngine:
                     store: RetainedSteps | None = None) -> None:
         """One joint forward/backward for the windows ``wins`` (with ``store``: no forward, the endpoints'
         retained rollout graphs)."""
-        dev = rollout.xs.device
+        dev = rollout.traj.xs.device
         # anchor rows: endpoints of every window; member rows: every step of every window
         a_traj, a_step = [], []
         m_traj, m_step, m_anchor, m_alpha, m_interior = [], [], [], [], []
         for w in wins:
-            alpha = self.alpha_fn(rollout.sigmas[w.steps])  # (W,)
+            alpha = self.alpha_fn(rollout.traj.sigmas[w.steps])  # (W,)
             base = len(a_traj)
             for s in w.anchors:
                 a_traj.append(w.traj)
@@ -358,13 +367,12 @@ class JaggEngine:
             G.index_add_(0, first, (1 - a) * g)  # G_a = Σ (1 − α_k) g_k
             G.index_add_(0, second, a * g)  # G_b = Σ α_k g_k (one-step windows: α = 0, nothing added)
             out.backward(G.to(out.dtype))
-        mult = 2 if getattr(ctx.policy, "uses_cfg", False) else 1
-        stats.backward_calls += 1
-        stats.sample_backwards += len(a_traj) * mult
+        count_backward(ctx, stats, len(a_traj))
 
     def backward(self, ctx: EngineContext, rollout: Rollout, epoch: int = 0) -> EngineStats:
         acc = StatsAccumulator()
-        store = usable_store(rollout, epoch) if self.evaluation == "retain" else None
+        state = rollout.traj.engine_state
+        store = usable_store(state if isinstance(state, RetainedSteps) else None, epoch)
         with engine_run(ctx, self.name) as stats:
             wins = self.windows(rollout)
             use = self.route(wins)

@@ -15,8 +15,9 @@ import contextlib
 
 import torch
 
-from ..types import EngineStats, Rollout
-from .base import EngineContext, StatsAccumulator, chunks, engine_run, reference_velocity, step_loss, take_cond
+from ..types import BatchPlan, EngineStats, FlowTrajectory, Rollout, RolloutHooks
+from .base import (EngineContext, StatsAccumulator, chunks, count_backward, engine_run, one_wave, reference_velocity,
+                   step_loss, take_cond)
 
 
 def recompute_pairs(ctx: EngineContext, rollout: Rollout, stats: EngineStats, acc: StatsAccumulator,
@@ -27,20 +28,18 @@ def recompute_pairs(ctx: EngineContext, rollout: Rollout, stats: EngineStats, ac
     backward but the last one when ``last_backward`` (otherwise on all of them).
     """
     work = []
-    for k in range(rollout.num_steps):
+    for k in range(rollout.traj.num_steps):
         for idx in chunks(pairs[:, k].nonzero().flatten(), ctx.micro_batch_size):
             work.append((k, idx))
-    mult = 2 if getattr(ctx.policy, "uses_cfg", False) else 1
     for j, (k, idx) in enumerate(work):
         v_ref = reference_velocity(ctx, rollout, idx, k)
-        sig = rollout.sigmas[k].expand(len(idx))
+        sig = rollout.traj.sigmas[k].expand(len(idx))
         final = last_backward and j == len(work) - 1
         with (torch.enable_grad(), (contextlib.nullcontext() if final else ctx.no_sync())):
-            v = ctx.policy.velocity(rollout.xs[idx, k], sig, take_cond(rollout.cond, idx))  # (n, *S) with graph
+            v = ctx.policy.velocity(rollout.traj.xs[idx, k], sig, take_cond(rollout.traj.cond, idx))  # (n, *S) with graph
             loss, terms = step_loss(ctx, rollout, idx, k, v, v_ref)
             loss.backward()
-        stats.backward_calls += 1
-        stats.sample_backwards += len(idx) * mult
+        count_backward(ctx, stats, len(idx))
         acc.add(terms)
 
 
@@ -57,10 +56,24 @@ def recompute_fallback(ctx: EngineContext, rollout: Rollout, name: str) -> Engin
 
 
 class RecomputeEngine:
+    """The baseline (see the module docstring). No plan, rollout or weighting hooks: those are no-ops."""
+
     name = "recompute"
 
     def __init__(self, cfg=None):
         self.cfg = cfg
+
+    def plan(self, plan: BatchPlan, generator: torch.Generator) -> None:
+        pass
+
+    def collect(self, ctx: EngineContext, plan: BatchPlan, rollout) -> tuple[Rollout, EngineStats | None]:
+        return one_wave(ctx, plan, rollout)
+
+    def rollout_hooks(self, ctx: EngineContext, plan: BatchPlan) -> RolloutHooks | None:
+        return None
+
+    def sample_weights(self, ctx: EngineContext, traj: FlowTrajectory, trained: torch.Tensor) -> torch.Tensor | None:
+        return None
 
     def backward(self, ctx: EngineContext, rollout: Rollout, epoch: int = 0) -> EngineStats:
         acc = StatsAccumulator()

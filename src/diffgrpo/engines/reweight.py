@@ -32,12 +32,10 @@ import torch
 
 from .. import distributed
 from ..samplers import flow_sde
-from ..types import EngineStats, Rollout
+from ..types import BatchPlan, EngineStats, FlowTrajectory, Rollout, RolloutHooks
 from ._per_sample import PerSampleGrads, per_sample_grads_loop
-from .base import EngineContext, StatsAccumulator, engine_run, take_cond, trainable_params
+from .base import EngineContext, StatsAccumulator, engine_run, one_wave, take_cond, trainable_params
 from .recompute import recompute_fallback, recompute_pairs
-
-REWEIGHT_KEY = "reweight_buffers"
 
 
 class GradBuffers:
@@ -90,14 +88,26 @@ def combine(pg: torch.Tensor, kl: torch.Tensor | None, adv: torch.Tensor, c: tor
 
 
 class ReweightEngine:
+    """LeanGRPO-Reweight (see the module docstring). No engine-specific config."""
+
     name = "reweight"
 
     def __init__(self, cfg=None):
         self.cfg = cfg
 
-    def rollout_hooks(self, ctx: EngineContext, plan):
+    def plan(self, plan: BatchPlan, generator: torch.Generator) -> None:
+        pass
+
+    def collect(self, ctx: EngineContext, plan: BatchPlan, rollout) -> tuple[Rollout, EngineStats | None]:
+        return one_wave(ctx, plan, rollout)
+
+    def sample_weights(self, ctx: EngineContext, traj: FlowTrajectory, trained: torch.Tensor) -> torch.Tensor | None:
+        return None
+
+    def rollout_hooks(self, ctx: EngineContext, plan: BatchPlan) -> RolloutHooks | None:
+        """Back-propagate every planned step during sampling into per-trajectory buffers (``plan.engine_state``)."""
         if ctx.sigmas is None:
-            raise RuntimeError("reweight: EngineContext.sigmas is not set (the Trainer sets it)")
+            raise RuntimeError("reweight: EngineContext.sigmas is not set (the flow family sets it)")
         sigmas = ctx.sigmas
         params = trainable_params(ctx)
         psg = PerSampleGrads(ctx.policy, params)
@@ -108,12 +118,11 @@ class ReweightEngine:
                                "(nn.Linear / nn.Conv2d); use dist.mode=ddp or another engine")
         planned = plan.selected
         buf = GradBuffers(planned.shape[0], psg.numel, ctx.beta > 0, planned)
-        plan.extras[REWEIGHT_KEY] = buf
+        plan.engine_state = buf
         last_k = int(planned.any(0).nonzero().max()) if bool(planned.any()) else -1
         if psg.supported():
             buf.exit.enter_context(psg.recording())
         buf.exit.enter_context(ctx.no_sync())
-        mult = 2 if getattr(ctx.policy, "uses_cfg", False) else 1
         cond_cache = {}
 
         def on_grad_step(k, idx, v, x_k, x_next):
@@ -148,16 +157,17 @@ class ReweightEngine:
                 else:
                     dst.index_add_(0, idx, per_sample_grads_loop(params, v, g, retain_graph=keep))
                     buf.backward_calls += n
-                buf.sample_backwards += n * mult
+                buf.sample_backwards += n * ctx.forward_mult
             if k == last_k:
                 buf.exit.close()
             buf.seconds += time.perf_counter() - t0
 
-        return planned, on_grad_step
+        return RolloutHooks(grad_mask=planned, on_grad_step=on_grad_step)
 
     def backward(self, ctx: EngineContext, rollout: Rollout, epoch: int = 0) -> EngineStats:
         acc = StatsAccumulator()
-        buf = rollout.extras.get(REWEIGHT_KEY)
+        buf = rollout.traj.engine_state
+        buf = buf if isinstance(buf, GradBuffers) else None
         c = None
         if buf is not None and not buf.released and epoch == 0:
             buf.exit.close()

@@ -30,17 +30,28 @@ from __future__ import annotations
 
 import contextlib
 import math
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
+from ..errors import ConfigError
 from ..samplers import flow_sde
-from ..types import EngineStats, Rollout
-from .base import EngineContext, StatsAccumulator, chunks, engine_run, reference_velocity, step_loss, take_cond
+from ..types import BatchPlan, EngineStats, FlowTrajectory, Rollout, RolloutHooks
+from .base import (EngineContext, StatsAccumulator, chunks, count_backward, engine_run, one_wave, reference_velocity,
+                   step_loss, take_cond)
 from .retain import RetainedSteps, retain_hooks, usable_store
 
 CANDIDATE_PRESETS = ("first_half", "all")
-STEP_KEY = "single_step_k"  # rollout.extras / plan.extras key: (B,) long, the trained step of each sample
+
+
+@dataclass
+class SingleStepState:
+    """Planned before sampling and carried by the plan and the trajectory: each sample's trained step, and the
+    rollout graphs of those steps under ``engine.evaluation=retain``."""
+
+    k: torch.Tensor  # (B,) long
+    store: RetainedSteps | None = None
 
 
 # ---------------------------------------------------------------------- pure functions
@@ -50,8 +61,6 @@ def _allowed(k_max: int | None) -> str:
 
 
 def _parse_step_list(spec: str, k_max: int | None) -> list[int]:
-    from ..config import ConfigError
-
     try:
         steps = [int(p) for p in spec.split(",") if p.strip() != ""]
     except ValueError:
@@ -72,8 +81,6 @@ def candidate_steps(spec: str, num_steps: int) -> list[int]:
     ``first_half``: steps 0 … ⌈(T−1)/2⌉−1 (the high-noise half); ``all``: 0 … T−2; ``"0,1,2"``: those steps,
     each within 0 … T−2, deduplicated and sorted. Raises ConfigError naming ``engine.candidate_steps``.
     """
-    from ..config import ConfigError
-
     k_max = num_steps - 1
     spec = str(spec).strip()
     if k_max < 1:
@@ -145,68 +152,73 @@ def rectification_weights(factors: torch.Tensor, trained: torch.Tensor,
 
 # ---------------------------------------------------------------------- the engine
 class SingleStepEngine:
-    """Flash-GRPO. Config: ``engine.candidate_steps``, ``engine.rectify``, ``engine.micro_batch_size``.
+    """Flash-GRPO. Config: ``engine.candidate_steps``, ``engine.rectify``, ``engine.evaluation``.
 
-    Hooks used by the trainer: :meth:`plan` (iso-temporal step per group, ODE-everywhere-else rollout) and
-    :meth:`sample_weights` (temporal gradient rectification). ``all_reduce`` (a callable summing a tensor
-    over ranks, None at world size 1) makes the rectification normalisation global when distributed.
+    Hooks: :meth:`plan` (iso-temporal step per group, ODE-everywhere-else rollout), :meth:`rollout_hooks` (the
+    trained step's graph under ``evaluation=retain``) and :meth:`sample_weights` (temporal gradient
+    rectification, normalised over every rank through ``ctx.all_reduce``).
     """
 
     name = "single_step"
 
-    def __init__(self, cfg=None, *, all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None):
+    def __init__(self, cfg):
         self.cfg = cfg
-        self.candidate_spec = str(getattr(cfg, "candidate_steps", "first_half"))
-        self.rectify = bool(getattr(cfg, "rectify", True))
-        self.all_reduce = all_reduce
-        self.evaluation = str(getattr(cfg, "evaluation", "recompute"))
+        self.candidate_spec = str(cfg.candidate_steps)
+        self.rectify = bool(cfg.rectify)
+        self.evaluation = str(cfg.evaluation)
         if self.evaluation not in ("recompute", "retain"):
             raise NotImplementedError(f"single_step: engine.evaluation={self.evaluation!r} is not available; "
                                       "use 'recompute' or 'retain'")
         check_candidate_spec(self.candidate_spec)
 
     # -------------------------------------------------------------- planning (before sampling)
-    def plan(self, trainer, plan) -> None:
-        """Pick k_g per prompt group (drawn with ``trainer.gen_steps``), train only that step, SDE only there."""
+    def plan(self, plan: BatchPlan, generator: torch.Generator) -> None:
+        """Pick k_g per prompt group (drawn from ``generator``), train only that step, SDE only there."""
         B, T = plan.selected.shape
         cands = candidate_steps(self.candidate_spec, T)
         _, group_index = torch.unique(plan.group_ids.cpu(), return_inverse=True)  # (B,) 0 … n_groups−1
-        per_group = group_steps(int(group_index.max()) + 1, cands, trainer.gen_steps)  # (n_groups,)
+        per_group = group_steps(int(group_index.max()) + 1, cands, generator)  # (n_groups,)
         k = per_group[group_index].to(plan.selected.device)  # (B,)
         sel = torch.zeros(B, T, dtype=torch.bool, device=plan.selected.device)
         sel[torch.arange(B, device=sel.device), k] = True
         plan.selected = sel
         plan.sde_mask = sel.clone()  # SDE kernel at k_i only, ODE elsewhere
-        plan.extras[STEP_KEY] = k
+        plan.engine_state = SingleStepState(k=k)
 
-    def rollout_hooks(self, ctx: EngineContext, plan):
+    def collect(self, ctx: EngineContext, plan: BatchPlan, rollout) -> tuple[Rollout, EngineStats | None]:
+        return one_wave(ctx, plan, rollout)
+
+    def rollout_hooks(self, ctx: EngineContext, plan: BatchPlan) -> RolloutHooks | None:
         """``evaluation=retain``: keep the rollout graph of each sample's trained step (from the plan)."""
         if self.evaluation != "retain":
-            return None, None
-        if ctx.sigmas is None:
-            raise RuntimeError("single_step: EngineContext.sigmas is not set (the Trainer sets it)")
-        return retain_hooks(ctx, plan, ctx.sigmas, plan.selected)
+            return None
+        hooks, store = retain_hooks(ctx, plan, plan.selected)
+        if isinstance(plan.engine_state, SingleStepState):
+            plan.engine_state = SingleStepState(k=plan.engine_state.k, store=store)
+        else:  # a plan this engine did not make: the trained steps come from the selection
+            plan.engine_state = SingleStepState(k=plan.selected.float().argmax(1).long(), store=store)
+        return hooks
 
     # -------------------------------------------------------------- rectification (after rewards)
     @staticmethod
-    def trained_steps(rollout: Rollout) -> torch.Tensor:
+    def trained_steps(traj: FlowTrajectory, selected: torch.Tensor) -> torch.Tensor:
         """(B,) long: each sample's trained step (from the plan, else the first selected step)."""
-        k = rollout.extras.get(STEP_KEY)
-        if k is None:
-            k = rollout.selected.float().argmax(1)
-        return k.to(rollout.selected.device).long()
+        state = traj.engine_state
+        k = state.k if isinstance(state, SingleStepState) else selected.float().argmax(1)
+        return k.to(selected.device).long()
 
-    def sample_weights(self, ctx: EngineContext, rollout: Rollout) -> torch.Tensor:
-        """ρ (B,): 1/c(σ_k) of the kernel in use, mean 1 over trained samples; ones when ``rectify`` is off."""
-        B = rollout.batch_size
+    def sample_weights(self, ctx: EngineContext, traj: FlowTrajectory, trained: torch.Tensor) -> torch.Tensor | None:
+        """ρ (B,): 1/c(σ_k) of the kernel in use, mean 1 over trained samples (over every rank with
+        ``ctx.all_reduce``); ones when ``rectify`` is off."""
+        B = trained.shape[0]
         if not self.rectify:
-            return torch.ones(B, device=rollout.selected.device)
-        k = self.trained_steps(rollout)
+            return torch.ones(B, device=trained.device)
+        k = self.trained_steps(traj, trained)
         kern = ctx.kernel
-        c = rectification_factor(rollout.sigmas[k], rollout.sigmas[k + 1], sde_type=kern["sde_type"],
+        c = rectification_factor(traj.sigmas[k], traj.sigmas[k + 1], sde_type=kern["sde_type"],
                                  noise_level=kern["noise_level"],
                                  cps_flowgrpo_compat=kern.get("cps_flowgrpo_compat", False))
-        return rectification_weights(c.to(rollout.selected.device), rollout.selected.any(1), self.all_reduce)
+        return rectification_weights(c.to(trained.device), trained.any(1), ctx.all_reduce)
 
     # -------------------------------------------------------------- gradient
     def velocity_with_graph(self, ctx: EngineContext, rollout: Rollout, idx: torch.Tensor, k: torch.Tensor,
@@ -218,16 +230,17 @@ class SingleStepEngine:
         """
         if store is not None:
             return store.gather(idx, k)
-        x = rollout.xs[idx, k]  # (n, *S)
+        x = rollout.traj.xs[idx, k]  # (n, *S)
         with torch.enable_grad():
-            return ctx.policy.velocity(x, rollout.sigmas[k], take_cond(rollout.cond, idx))
+            return ctx.policy.velocity(x, rollout.traj.sigmas[k], take_cond(rollout.traj.cond, idx))
 
     def backward(self, ctx: EngineContext, rollout: Rollout, epoch: int = 0) -> EngineStats:
         acc = StatsAccumulator()
-        store = usable_store(rollout, epoch) if self.evaluation == "retain" else None
+        state = rollout.traj.engine_state
+        store = usable_store(state.store if isinstance(state, SingleStepState) else None, epoch)
         with engine_run(ctx, self.name) as stats:
             trained = rollout.selected.any(1)  # (B,)
-            k_all = self.trained_steps(rollout)  # (B,)
+            k_all = self.trained_steps(rollout.traj, rollout.selected)  # (B,)
             if bool((rollout.selected.sum(1) > 1).any()):
                 raise ValueError("single_step trains one step per sample, but the rollout selects several; "
                                  "build the batch plan with the single_step engine")
@@ -236,7 +249,6 @@ class SingleStepEngine:
                 store = None
             # retained graphs: one chunk, so that one backward call covers graphs shared by several rows
             work = chunks(trained.nonzero().flatten(), 0 if store is not None else ctx.micro_batch_size)
-            mult = 2 if getattr(ctx.policy, "uses_cfg", False) else 1
             for j, idx in enumerate(work):
                 k = k_all[idx]  # (n,)
                 final = j == len(work) - 1
@@ -253,8 +265,7 @@ class SingleStepEngine:
                         loss = loss + part
                         acc.add(terms)
                     loss.backward()
-                stats.backward_calls += 1
-                stats.sample_backwards += len(idx) * mult
+                count_backward(ctx, stats, len(idx))
             if store is not None:
                 store.settle(stats)
         stats.metrics.update(acc.metrics())

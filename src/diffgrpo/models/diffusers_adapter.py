@@ -33,6 +33,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..errors import ConfigError
 from .lora import ATTN_TARGETS, JOINT_TARGETS, adapter_disabled, add_lora, load_lora_state_dict, lora_state_dict
 from .reference import frozen_reference
 
@@ -370,6 +371,10 @@ class DiffusersFlowPolicy:
         else:
             self.transformer.load_state_dict(sd)
 
+    def export(self, run_dir: str | Path) -> Path:
+        """The end-of-run export into ``run_dir``: ``lora/`` (diffusers LoRA format) or ``transformer/``."""
+        return self.save_adapter(Path(run_dir) / ("lora" if self.lora_rank > 0 else "transformer"))
+
     def save_adapter(self, directory: str | Path) -> Path | None:
         """LoRA: save in diffusers format (``<Pipeline>.save_lora_weights``), loadable with the pipeline's
         ``load_lora_weights``. Full fine-tune: ``transformer.save_pretrained``. Returns the directory."""
@@ -397,8 +402,6 @@ def _is_local(path: str) -> bool:
 
 def latent_shape_for(pipe, family: str, resolution: int, num_frames: int) -> tuple[int, ...]:
     """(C, H/f, W/f) for images or (C, F', H/f, W/f) for video, from the pipeline's VAE factors."""
-    from ..config import ConfigError
-
     tr = pipe.transformer
     fam = FAMILIES[family]
     f = getattr(pipe, "vae_scale_factor_spatial", None) or getattr(pipe, "vae_scale_factor", 8)
@@ -418,8 +421,6 @@ def latent_shape_for(pipe, family: str, resolution: int, num_frames: int) -> tup
 def build_diffusers_policy(cfg, *, progress: bool = True, log=print) -> DiffusersFlowPolicy:
     """``model.name=diffusers``: load the pipeline at ``model.pretrained`` with ``from_pretrained`` and wrap it."""
     from diffusers import DiffusionPipeline
-
-    from ..config import ConfigError
 
     m = cfg.model
     if not m.pretrained:

@@ -19,11 +19,14 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+from pathlib import Path
 
 import torch
 import torch.nn as nn
 
 from ..cache import cache_root, save_dir_atomic
+from ..dllm.tasks import VOCAB, get_task, pad_right
+from ..errors import ConfigError
 from .pretraining import pretrain_step
 from .reference import frozen_reference
 
@@ -62,6 +65,18 @@ class MaskedLMPolicy:
         return shift_logits(out) if self.logits_shift else out
 
     __call__ = logits
+
+    def named_trainable_parameters(self) -> dict[str, nn.Parameter]:
+        return {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+
+    def export(self, run_dir) -> Path:
+        """Save the trained model as a ``from_pretrained`` directory ``<run_dir>/model`` (with its tokenizer when
+        it has a transformers one)."""
+        d = Path(run_dir) / "model"
+        self.model.save_pretrained(str(d))
+        if isinstance(self.vocab, HFTokenizerVocab):
+            self.vocab.tok.save_pretrained(str(d))
+        return d
 
     def reference(self):
         """Inside the block ``logits`` uses the frozen initial weights."""
@@ -139,8 +154,6 @@ def pretrain_tiny_mlm(task, pcfg, *, progress: bool = True, arch: dict | None = 
     reward can train away and which therefore shows on held-out prompts too."""
     from tqdm.auto import tqdm
 
-    from ..dllm.tasks import VOCAB
-
     g = torch.Generator().manual_seed(pcfg.seed)
     torch.manual_seed(pcfg.seed)
     net = tiny_bert(len(VOCAB), max_positions=task.prompt_length + task.gen_length, **(arch or {}))
@@ -175,8 +188,6 @@ def load_or_pretrain_mlm(task, pcfg, *, cache_dir: str = "", progress: bool = Tr
     """The cached pretrained tiny dLLM for this task and recipe; pretrains (and caches) it if absent."""
     from safetensors.torch import load_file, save_file
 
-    from ..dllm.tasks import VOCAB
-
     a = {**TINY_ARCH, **(arch or {})}
     path = cache_root(cache_dir) / f"tiny-mlm-{task.name}-{_recipe_key(task.name, a, pcfg)}"
     if (path / "model.safetensors").is_file():
@@ -201,7 +212,8 @@ class HFTokenizerVocab:
         self.tok = tok
         self.mask_id = mask_id if mask_id is not None else tok.mask_token_id
         if self.mask_id is None:
-            raise ValueError("tokenizer has no mask token; set dllm.mask_token_id")
+            raise ConfigError("dllm.mask_token_id: the tokenizer has no mask token; set the id of the model's mask "
+                              "token (LLaDA: 126336)")
         self.eos_id = tok.eos_token_id if tok.eos_token_id is not None else tok.sep_token_id
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else self.eos_id
 
@@ -225,8 +237,6 @@ class HFTokenizerVocab:
         return out
 
     def encode_completions(self, completions, length):
-        from ..dllm.tasks import pad_right
-
         return pad_right([self.encode(c) for c in completions], length, self.eos_id)
 
 
@@ -254,7 +264,6 @@ def load_hf_masked_lm(path: str, *, trust_remote_code: bool = False, logits_shif
 
 def build_tiny_mlm_policy(cfg, *, progress=True, log=print, pretrained=True) -> MaskedLMPolicy:
     """Factory for ``model.name=tiny_mlm``: the cached pretrained tiny dLLM for ``dllm.task``."""
-    from ..dllm.tasks import VOCAB, get_task
 
     task = get_task(cfg.dllm.task)
     if pretrained:
@@ -268,10 +277,11 @@ def build_hf_masked_lm_policy(cfg, *, progress=True, log=print) -> MaskedLMPolic
     """Factory for ``model.name=hf_masked_lm``: ``dllm.model_path`` (local directory or hub id)."""
     d = cfg.dllm
     if not d.model_path:
-        raise ValueError("model.name=hf_masked_lm needs dllm.model_path")
+        raise ConfigError("dllm.model_path: required for model.name=hf_masked_lm (a local model directory or hub id)")
     shift = {"auto": None, "true": True, "false": False}[str(d.logits_shift).lower()]
     return load_hf_masked_lm(d.model_path, trust_remote_code=d.trust_remote_code, logits_shift=shift,
-                             device=cfg.model.device, keep_reference=cfg.loss.beta > 0)
+                             device=cfg.model.device, keep_reference=cfg.loss.beta > 0,
+                             mask_token_id=d.mask_token_id if d.mask_token_id >= 0 else None)
 
 
 __all__ = ["MaskedLMPolicy", "shift_logits", "untied_state_dict", "tiny_bert", "masked_diffusion_loss", "pretrain_tiny_mlm",

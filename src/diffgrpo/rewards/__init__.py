@@ -12,6 +12,7 @@ from typing import Callable
 
 import torch
 
+from ..errors import ConfigError, RewardError, suggest
 from .image import digit_alignment, jpeg_compressibility, jpeg_incompressibility
 
 RewardFn = Callable[..., object]
@@ -23,14 +24,8 @@ REWARDS: dict[str, RewardFn] = {
 }
 
 
-class RewardError(RuntimeError):
-    """A reward function failed or returned something unusable."""
-
-
 def resolve_reward(name: str) -> RewardFn:
     """Registry key or ``package.module:function`` → callable. Raises ConfigError for unknown names."""
-    from ..config import ConfigError, _suggest
-
     if name in REWARDS:
         return REWARDS[name]
     if ":" in name:
@@ -42,7 +37,7 @@ def resolve_reward(name: str) -> RewardFn:
         if not callable(fn):
             raise ConfigError(f"reward.weights: {name!r} is not callable")
         return fn
-    raise ConfigError(f"reward.weights: unknown reward {name!r}{_suggest(name, list(REWARDS))}; "
+    raise ConfigError(f"reward.weights: unknown reward {name!r}{suggest(name, list(REWARDS))}; "
                       f"choose one of {sorted(REWARDS)} or module:function")
 
 

@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..cache import cache_lock, cache_root, save_dir_atomic
 from ..data import digits_split, prompt_digit
 
 
@@ -69,8 +70,6 @@ _CLASSIFIERS: dict[tuple, tuple[DigitClassifier, float]] = {}
 def load_classifier(image_size: int = 16, cache_dir: str = "", epochs: int = 25, log=print):
     """Cached classifier for ``image_size``: (model, held-out accuracy)."""
     from safetensors.torch import load_file, save_file
-
-    from ..cache import cache_lock, cache_root, save_dir_atomic
 
     key = (image_size, str(cache_root(cache_dir)), epochs)
     if key in _CLASSIFIERS:

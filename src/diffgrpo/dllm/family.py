@@ -1,0 +1,188 @@
+"""The masked diffusion LM family: LLaDA-style rollouts with verifiable rewards, trained by a likelihood method.
+
+One iteration of this family, top to bottom:
+
+    examples  prompts_per_batch task instances (P/W per rank in the local layout, a share of every group in the
+              spread layout), each repeated group_size times
+    rollout   semi-autoregressive masked decoding (``samplers.masked.sample``, recording per token its commit
+              step, confidence, entropy, margin and decode order) → decode → the task's verifier →
+              ``grpo_loss_weights`` over the completion tokens (advantage baseline and std from the method unless
+              ``dllm.method_defaults=false``) → the method's masks and ℓ_old (ℓ_ref) → DPS token weights →
+              :class:`~diffgrpo.types.Rollout` whose payload is a :class:`~diffgrpo.types.TokenTrajectory`
+    backward  :meth:`diffgrpo.dllm.grpo.TokenGRPO.backward`
+    evaluate  the held-out test split, ``dllm.eval_samples`` completions per prompt at ``dllm.eval_temperature``
+
+Data parallel (``dist.mode=ddp``): each rank samples its share with its own sampling and mask streams; rewards
+and group ids are all-gathered for the advantages and the token-mean normaliser counts every rank's trained
+tokens (× W, as DDP averages), so W ranks take the one-process step on the union of their samples.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .. import distributed
+from ..engines.base import EngineContext
+from ..errors import ConfigError
+from ..family import Sync
+from ..loss_weights import apply, grpo_loss_weights
+from ..samplers import masked
+from ..types import EngineStats, Rollout, TokenTrajectory
+from . import credit
+from .grpo import METHODS, TokenGRPO
+from .likelihood import completion_mask
+from .tasks import Example, get_task
+
+SAMPLER_RECORDS = ("commit_step", "confidence", "entropy", "margin", "block_rank", "order", "step_log_prob")
+
+
+class DLLMFamily:
+    """Masked diffusion LMs (``tiny_mlm``, ``hf_masked_lm``) on the one GRPO loop."""
+
+    name = "dllm"
+
+    def __init__(self, cfg, policy, world: distributed.WorldInfo, *, log=print):
+        self.cfg, self.d, self.daca = cfg, cfg.dllm, cfg.daca
+        self.policy, self.world, self.log = policy, world, log
+        self.device = policy.device
+        self.vocab = policy.vocab
+        self.task = get_task(self.d.task)
+        self.gen_length = self.d.gen_length or self.task.gen_length
+        self.block_length = self.d.block_length or self.gen_length
+        self.steps = self.d.diffusion_steps or self.gen_length
+        masked.schedule(self.gen_length, self.block_length, self.steps)  # validates the sizes
+        method = METHODS[self.d.method]
+        a = cfg.advantage
+        self.baseline = method["baseline"] if self.d.method_defaults else a.baseline
+        self.std_mode = method["std_mode"] if self.d.method_defaults else a.std_mode
+        self.spread = world.world_size > 1 and cfg.dist.group_layout == "spread"
+        rank = world.rank  # own sampling and mask streams per rank (rank 0 keeps the one-process seeds)
+        self.gen_prompts = torch.Generator().manual_seed(cfg.seed if self.spread else distributed.seed_for(cfg.seed, rank))
+        self.gen_sample = torch.Generator(device=self.device).manual_seed(distributed.seed_for(cfg.seed + 11, rank))
+        gen_masks = torch.Generator(device=self.device).manual_seed(distributed.seed_for(cfg.seed + 12, rank))
+        self.ctx = EngineContext(policy=policy, kernel={}, clip_range=self.d.clip_range, beta=cfg.loss.beta,
+                                 micro_batch_size=cfg.engine.micro_batch_size)
+        self.method = TokenGRPO(self.d, self.daca, self.ctx, generator=gen_masks)
+
+    # ------------------------------------------------------------------ the family protocol
+    @staticmethod
+    def check_world(cfg, world) -> None:
+        if world.world_size > 1 and cfg.dist.mode == "fsdp2":
+            raise ConfigError(f"dist.mode=fsdp2 is implemented for flow-matching models; masked diffusion LMs "
+                              f"(model.name={cfg.model.name}) train data parallel with dist.mode=ddp")
+
+    def network(self) -> torch.nn.Module:
+        return self.policy.model
+
+    def connect(self, sync: Sync) -> None:
+        self.ctx.params, self.ctx.no_sync, self.ctx.all_reduce = sync.params, sync.no_sync, sync.all_reduce
+
+    def collect(self) -> tuple[Rollout, EngineStats | None]:
+        return self.rollout(), None
+
+    def backward(self, rollout: Rollout, epoch: int) -> EngineStats:
+        return self.method.backward(rollout, epoch)
+
+    def rng_state(self) -> dict:
+        return {"prompts": self.gen_prompts.get_state(), "sample": self.gen_sample.get_state(),
+                "masks": self.method.gen_masks.get_state()}
+
+    def set_rng_state(self, state: dict) -> None:
+        self.gen_prompts.set_state(state["prompts"])
+        if "sample" not in state:
+            self.log("warning: the checkpoint holds no dLLM sampling streams (written by an older version); "
+                     "sampling continues from fresh streams, so the run does not replay the uninterrupted one")
+            return
+        self.gen_sample.set_state(state["sample"])
+        self.method.gen_masks.set_state(state["masks"])
+
+    # ------------------------------------------------------------------ pieces
+    def generate(self, examples: list[Example], *, temperature: float, generator=None) -> masked.MaskedSample:
+        ids = self.vocab.encode_prompts([e.prompt for e in examples], self.task.prompt_length).to(self.device)
+        return masked.sample(self.policy, ids, mask_id=self.vocab.mask_id, gen_length=self.gen_length,
+                             block_length=self.block_length, steps=self.steps, temperature=temperature,
+                             remasking=self.d.remasking, generator=generator)
+
+    def examples(self, prompts=None) -> tuple[list[Example], torch.Tensor]:
+        """A fresh training batch (→ examples (B,), group ids (B,)), or the instances of given prompts."""
+        t, W = self.cfg.train, self.world.world_size
+        if prompts is None:
+            n = t.prompts_per_batch if W == 1 or self.spread else t.prompts_per_batch // W  # local: P/W per rank
+            ex = [e for e in self.task.sample("train", n, self.gen_prompts) for _ in range(t.group_size)]
+            gids = torch.arange(n).repeat_interleave(t.group_size)
+            if W > 1 and self.spread:  # the same prompts on every rank (shared stream); keep this rank's share
+                rows = distributed.rank_rows(gids, self.world.rank, W)
+                ex, gids = [ex[i] for i in rows.tolist()], gids[rows]
+            return ex, gids
+        lookup = {e.prompt: e for s in ("train", "test") for e in self.task.instances(s)}
+        ex = [p if isinstance(p, Example) else lookup[p] for p in prompts]
+        return ex, torch.arange(len(ex)) // t.group_size
+
+    # ------------------------------------------------------------------ rollout
+    def rollout(self, prompts: list | None = None, group_ids: torch.Tensor | None = None) -> Rollout:
+        """Sample a group per prompt, score, weight, draw the estimator's masks, store ℓ_old (and ℓ_ref)."""
+        t0 = time.perf_counter()
+        examples, gids = self.examples(prompts)
+        group_ids = gids if group_ids is None else group_ids
+        smp = self.generate(examples, temperature=self.d.temperature, generator=self.gen_sample)
+        t_sample = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        texts = [self.vocab.decode(c) for c in smp.completions]
+        scored = self.task.rewards(texts, examples)
+        rewards = scored.pop("reward")
+        t_reward = time.perf_counter() - t1
+        L = self.gen_length
+        planned = completion_mask(smp.completions, self.vocab.eos_id)  # (B, L)
+        w = grpo_loss_weights(rewards, group_ids, planned, adv_cfg=self.cfg.advantage,
+                              aggregation=self.cfg.loss.aggregation, world=self.world, spread=self.spread,
+                              std_mode=self.std_mode, baseline=self.baseline, log=self.log)
+        records = {k: getattr(smp, k) for k in SAMPLER_RECORDS}
+        est = self.method.score_rollout(smp.sequences, L, smp.order)
+        traj = TokenTrajectory(sequences=smp.sequences, prompt_length=smp.sequences.shape[1] - L,
+                               log_probs=est["log_probs"], ref_log_probs=est["ref_log_probs"], masks=est["masks"],
+                               mask_weights=est["mask_weights"], strata=est["strata"], groups=est["groups"],
+                               records=records, examples=examples, completions=texts)
+        if self.daca.dps_score != "none":  # DACA's denoising progress scores: per-token weights, zero forwards
+            d = self.daca
+            traj.token_weights = credit.dps_weights(records, planned, score=d.dps_score, mix=d.dps_mix,
+                                                    clip_min=d.dps_clip_min, clip_max=d.dps_clip_max,
+                                                    steps=self.steps, block_length=self.block_length)
+            traj.token_weight_stats = credit.weight_stats(traj.token_weights, planned)
+        ro = Rollout(prompts=[e.prompt for e in examples], group_ids=group_ids.to(self.device), traj=traj,
+                     selected=planned, rewards=rewards, reward_components={"task": rewards.clone(), **scored},
+                     metadata=[{"completion": t} for t in texts], timings={"sample": t_sample, "reward": t_reward})
+        apply(ro, w)
+        ro.timings["rollout"] = time.perf_counter() - t0
+        return ro
+
+    # ------------------------------------------------------------------ evaluation
+    @torch.no_grad()
+    def score(self, examples: list[Example], *, temperature: float, samples: int = 1, seed: int = 0,
+              prefix: str = "eval/") -> dict[str, float]:
+        """Decode ``samples`` completions per example (seeded, batches of 256) and average the task's reward
+        components: → {prefix+"reward", prefix+"accuracy", prefix+"rewards/<k>/mean"}. Not counted as cost."""
+        ex = [e for e in examples for _ in range(samples)]
+        saved = dict(self.policy.counters)
+        g = torch.Generator(device=self.device).manual_seed(seed)
+        outs = []
+        for i in range(0, len(ex), 256):
+            smp = self.generate(ex[i:i + 256], temperature=temperature, generator=g)
+            outs += [self.vocab.decode(c) for c in smp.completions]
+        self.policy.counters.update(saved)  # evaluation is not training cost
+        scored = self.task.rewards(outs, ex)
+        row = {f"{prefix}reward": float(scored["reward"].mean()), f"{prefix}accuracy": float(scored["correct"].mean())}
+        for k, v in scored.items():
+            row[f"{prefix}rewards/{k}/mean"] = float(v.mean())
+        return row
+
+    def evaluate(self) -> tuple[dict[str, float], None]:
+        """Held-out test split (first ``dllm.eval_size`` instances), ``dllm.eval_samples`` completions each at
+        ``dllm.eval_temperature``."""
+        pool = self.task.instances("test")
+        ex = pool[: self.d.eval_size] if self.d.eval_size else pool
+        return self.score(ex, temperature=self.d.eval_temperature, samples=self.d.eval_samples,
+                          seed=self.cfg.eval.seed), None
+
+
+__all__ = ["DLLMFamily", "SAMPLER_RECORDS"]

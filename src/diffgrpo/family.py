@@ -1,0 +1,79 @@
+"""The family protocol: what the training loop asks of a kind of generative model.
+
+Three layers, each a protocol declared in one place:
+  loop    ``Trainer`` (trainer.py): world, policy, optimizer, EMA, the update, ``step``, checkpoints, ``train``;
+          it knows nothing of pixels or tokens.
+  family  ``Family`` (here): planning a batch, the rollout, decoding, rewards, the loss weights (through
+          ``loss_weights.grpo_loss_weights``, shared by every family), evaluation and its own RNG streams.
+          ``flow.family.FlowFamily`` (flow-matching image/video transformers) and ``dllm.family.DLLMFamily``
+          (masked diffusion LMs) implement it as equals; ``trainer.FAMILIES`` is the registry.
+  engine  how the gradient of a rollout is formed: a flow ``engines.base.Engine``, or a masked LM's
+          likelihood method (``dllm.grpo.TokenGRPO``), called by its family's ``backward``.
+
+A new family is one module implementing :class:`Family`, one entry in ``trainer.FAMILIES`` and its model names
+in ``config.MODEL_FAMILIES``; the loop does not change.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+import torch
+
+from .types import EngineStats, Rollout
+
+
+@dataclass
+class Sync:
+    """What the loop hands a family once data parallelism is set up (no-ops in one process)."""
+
+    params: list  # the trainable parameters as the optimizer holds them (sharded DTensors under FSDP2)
+    no_sync: Callable[[], contextlib.AbstractContextManager] = field(default=contextlib.nullcontext)
+    all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None  # Σ over ranks; None in one process
+
+
+class Family(Protocol):
+    """A kind of generative model trained by the one GRPO loop. Built with ``(cfg, policy, world, log)``."""
+
+    name: str
+    policy: Any
+
+    @staticmethod
+    def check_world(cfg, world) -> None:
+        """Refuse (ConfigError) a data-parallel layout this family cannot run; called before the model loads."""
+        ...
+
+    def network(self) -> torch.nn.Module:
+        """The trained module that data parallelism wraps (DDP) or shards (FSDP2)."""
+        ...
+
+    def connect(self, sync: Sync) -> None:
+        """Called once after wrapping and building the optimizer."""
+        ...
+
+    def rollout(self, prompts: list | None = None, group_ids: torch.Tensor | None = None) -> Rollout:
+        """Sample, decode, score and weight one batch (a fresh training batch by default), in one piece."""
+        ...
+
+    def collect(self) -> tuple[Rollout, EngineStats | None]:
+        """The next training batch as the engine wants it sampled; with the first update's stats when the engine
+        already accumulated that gradient into ``.grad`` (zeroed by the caller) during sampling, else None."""
+        ...
+
+    def backward(self, rollout: Rollout, epoch: int) -> EngineStats:
+        """Accumulate ∇ Σ w·L of ``rollout`` into ``.grad`` (zeroed by the caller); epoch 0 = first update."""
+        ...
+
+    def evaluate(self) -> tuple[dict[str, float], torch.Tensor | None]:
+        """Held-out metrics ({"eval/…": value}) and images to save (or None), under the current weights."""
+        ...
+
+    def rng_state(self) -> dict:
+        """Every random stream of the family, for checkpoints."""
+        ...
+
+    def set_rng_state(self, state: dict) -> None: ...
+
+
+__all__ = ["Family", "Sync"]
