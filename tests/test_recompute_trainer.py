@@ -197,3 +197,19 @@ def test_train_writes_the_outputs_a_user_expects(make_trainer, tmp_path):
     a, _ = tr2.evaluate()
     b, _ = tr2.evaluate()
     assert a == b
+
+
+def test_checkpoint_rng_layout_of_earlier_versions_still_loads(make_trainer):
+    """Earlier checkpoints kept the flow streams at the top level of ``rng`` (no "family" entry). Loading one
+    restores the same streams, so the next rollout is the one the saving trainer would have drawn."""
+    tr = make_trainer()
+    tr.rollout()  # move every stream away from its seed
+    st = tr.state()
+    old = {"torch": st["rng"]["torch"], **st["rng"]["family"]}  # the earlier flat layout
+    assert set(old) == {"torch", "prompts", "noise", "steps", "group_noise"}
+    expected = tr.rollout()
+    fresh = make_trainer()
+    fresh.load_state({**st, "rng": old, "iteration": 1})
+    got = fresh.rollout()
+    assert got.prompts == expected.prompts
+    assert torch.equal(got.traj.xs, expected.traj.xs) and torch.equal(got.selected, expected.selected)

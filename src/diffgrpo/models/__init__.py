@@ -1,9 +1,15 @@
 """Policy adapters. ``POLICIES`` maps ``model.name`` to a factory ``(RunConfig, progress, log) -> policy``.
 
-A policy adapter provides: ``encode(prompts) -> cond`` (dict of tensors batched on dim 0),
-``velocity(x, sigma, cond)`` (CFG inside), ``decode(x) -> images in [0, 1]``, ``trainable_parameters()``,
-``reference()`` (context manager: velocity uses the reference weights), ``latent_shape``, ``uses_cfg``,
-``device`` and ``counters`` ({"forwards_grad", "forwards_nograd"} sample-forward counts).
+Every policy provides ``trainable_parameters()``, ``named_trainable_parameters()``, ``state_dict()`` /
+``load_state_dict()`` (the trainable weights), ``reference()`` (context manager: the KL reference weights),
+``export(run_dir)`` (the end-of-run export in the ecosystem's format), ``forward_module`` (what its forwards go
+through: the trained module or its data-parallel wrapper), ``uses_cfg``, ``device`` and ``counters``
+({"forwards_grad", "forwards_nograd"} sample-forward counts).
+
+Flow policies (one class for every flow model, :class:`DiffusersFlowPolicy`, the built-in tiny SD3 included):
+``encode(prompts) -> cond`` (dict of tensors batched on dim 0), ``velocity(x, sigma, cond)`` (CFG inside),
+``decode(x) -> images in [0, 1]``, ``latent_shape``, ``transformer``. Masked-LM policies
+(:class:`~diffgrpo.models.hf_masked_lm.MaskedLMPolicy`): ``logits(input_ids)``, ``vocab``, ``model``.
 """
 from __future__ import annotations
 
