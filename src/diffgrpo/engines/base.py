@@ -76,10 +76,27 @@ class Engine(Protocol):
     def backward(self, ctx: EngineContext, rollout: Rollout, epoch: int = 0) -> EngineStats: ...
 
 
-def one_wave(ctx: EngineContext, plan: BatchPlan,
+# The no-op hooks, for an engine to name in its class body where a hook does not apply (``plan = keep_plan``):
+# every engine still states all five hooks, without inheriting an implementation.
+def keep_plan(engine, plan: BatchPlan, generator: torch.Generator) -> None:
+    """``Engine.plan`` of an engine that trains the family's plan as it is."""
+
+
+def one_wave(engine, ctx: EngineContext, plan: BatchPlan,
              rollout: Callable[[BatchPlan], Rollout]) -> tuple[Rollout, EngineStats | None]:
-    """``Engine.collect`` of every engine that samples a batch in one piece: the rollout, no gradient yet."""
+    """``Engine.collect`` of an engine that samples a batch in one piece: the rollout, no gradient yet."""
     return rollout(plan), None
+
+
+def no_rollout_hooks(engine, ctx: EngineContext, plan: BatchPlan) -> RolloutHooks | None:
+    """``Engine.rollout_hooks`` of an engine that does no work during sampling."""
+    return None
+
+
+def unit_sample_weights(engine, ctx: EngineContext, traj: FlowTrajectory,
+                        trained: torch.Tensor) -> torch.Tensor | None:
+    """``Engine.sample_weights`` of an engine that weighs every sample alike (no multipliers)."""
+    return None
 
 
 def count_backward(ctx: EngineContext, stats: EngineStats, samples: int, calls: int = 1) -> None:

@@ -62,8 +62,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..types import BatchPlan, EngineStats, FlowTrajectory, Rollout, RolloutHooks
-from .base import EngineContext, StatsAccumulator, chunks, count_backward, engine_run, one_wave, step_loss, take_cond
+from ..types import BatchPlan, EngineStats, Rollout, RolloutHooks
+from .base import (EngineContext, StatsAccumulator, chunks, count_backward, engine_run, keep_plan, one_wave, step_loss,
+                   take_cond, unit_sample_weights)
 from .recompute import recompute_pairs
 from .retain import RetainedSteps, retain_hooks, usable_store
 
@@ -164,14 +165,9 @@ class JaggEngine:
 
     # -- planning ------------------------------------------------------------------------------------------
 
-    def plan(self, plan: BatchPlan, generator: torch.Generator) -> None:
-        pass
-
-    def collect(self, ctx: EngineContext, plan: BatchPlan, rollout) -> tuple[Rollout, EngineStats | None]:
-        return one_wave(ctx, plan, rollout)
-
-    def sample_weights(self, ctx: EngineContext, traj: FlowTrajectory, trained: torch.Tensor) -> torch.Tensor | None:
-        return None
+    plan = keep_plan
+    collect = one_wave
+    sample_weights = unit_sample_weights
 
     def rollout_hooks(self, ctx: EngineContext, plan: BatchPlan) -> RolloutHooks | None:
         """``evaluation=retain``: keep the rollout graphs of the window endpoints (from ``plan.selected``) in a

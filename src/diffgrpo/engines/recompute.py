@@ -15,9 +15,9 @@ import contextlib
 
 import torch
 
-from ..types import BatchPlan, EngineStats, FlowTrajectory, Rollout, RolloutHooks
-from .base import (EngineContext, StatsAccumulator, chunks, count_backward, engine_run, one_wave, reference_velocity,
-                   step_loss, take_cond)
+from ..types import EngineStats, Rollout
+from .base import (EngineContext, StatsAccumulator, chunks, count_backward, engine_run, keep_plan, no_rollout_hooks,
+                   one_wave, reference_velocity, step_loss, take_cond, unit_sample_weights)
 
 
 def recompute_pairs(ctx: EngineContext, rollout: Rollout, stats: EngineStats, acc: StatsAccumulator,
@@ -63,17 +63,10 @@ class RecomputeEngine:
     def __init__(self, cfg=None):
         self.cfg = cfg
 
-    def plan(self, plan: BatchPlan, generator: torch.Generator) -> None:
-        pass
-
-    def collect(self, ctx: EngineContext, plan: BatchPlan, rollout) -> tuple[Rollout, EngineStats | None]:
-        return one_wave(ctx, plan, rollout)
-
-    def rollout_hooks(self, ctx: EngineContext, plan: BatchPlan) -> RolloutHooks | None:
-        return None
-
-    def sample_weights(self, ctx: EngineContext, traj: FlowTrajectory, trained: torch.Tensor) -> torch.Tensor | None:
-        return None
+    plan = keep_plan
+    collect = one_wave
+    rollout_hooks = no_rollout_hooks
+    sample_weights = unit_sample_weights
 
     def backward(self, ctx: EngineContext, rollout: Rollout, epoch: int = 0) -> EngineStats:
         acc = StatsAccumulator()

@@ -24,7 +24,8 @@ import time
 import torch
 
 from ..types import BatchPlan, EngineStats, FlowTrajectory, Rollout, RolloutHooks
-from .base import EngineContext, StatsAccumulator, count_backward, engine_run, step_loss, take_cond
+from .base import (EngineContext, StatsAccumulator, count_backward, engine_run, keep_plan, step_loss, take_cond,
+                   unit_sample_weights)
 from .recompute import recompute_fallback, recompute_pairs
 
 
@@ -197,8 +198,8 @@ class RetainEngine:
         self.cfg = cfg
         self.wave_size = int(cfg.wave_size)
 
-    def plan(self, plan: BatchPlan, generator: torch.Generator) -> None:
-        pass
+    plan = keep_plan
+    sample_weights = unit_sample_weights
 
     def collect(self, ctx: EngineContext, plan: BatchPlan, rollout) -> tuple[Rollout, EngineStats | None]:
         """Roll out the batch in waves of ``wave_size`` complete groups, each wave's first-update gradient
@@ -218,9 +219,6 @@ class RetainEngine:
     def rollout_hooks(self, ctx: EngineContext, plan: BatchPlan) -> RolloutHooks | None:
         hooks, plan.engine_state = retain_hooks(ctx, plan, plan.selected)
         return hooks
-
-    def sample_weights(self, ctx: EngineContext, traj: FlowTrajectory, trained: torch.Tensor) -> torch.Tensor | None:
-        return None
 
     def backward(self, ctx: EngineContext, rollout: Rollout, epoch: int = 0) -> EngineStats:
         acc = StatsAccumulator()

@@ -32,9 +32,10 @@ import torch
 
 from .. import distributed
 from ..samplers import flow_sde
-from ..types import BatchPlan, EngineStats, FlowTrajectory, Rollout, RolloutHooks
+from ..types import BatchPlan, EngineStats, Rollout, RolloutHooks
 from ._per_sample import PerSampleGrads, per_sample_grads_loop
-from .base import EngineContext, StatsAccumulator, engine_run, one_wave, take_cond, trainable_params
+from .base import (EngineContext, StatsAccumulator, engine_run, keep_plan, one_wave, take_cond, trainable_params,
+                   unit_sample_weights)
 from .recompute import recompute_fallback, recompute_pairs
 
 
@@ -95,14 +96,9 @@ class ReweightEngine:
     def __init__(self, cfg=None):
         self.cfg = cfg
 
-    def plan(self, plan: BatchPlan, generator: torch.Generator) -> None:
-        pass
-
-    def collect(self, ctx: EngineContext, plan: BatchPlan, rollout) -> tuple[Rollout, EngineStats | None]:
-        return one_wave(ctx, plan, rollout)
-
-    def sample_weights(self, ctx: EngineContext, traj: FlowTrajectory, trained: torch.Tensor) -> torch.Tensor | None:
-        return None
+    plan = keep_plan
+    collect = one_wave
+    sample_weights = unit_sample_weights
 
     def rollout_hooks(self, ctx: EngineContext, plan: BatchPlan) -> RolloutHooks | None:
         """Back-propagate every planned step during sampling into per-trajectory buffers (``plan.engine_state``)."""

@@ -185,8 +185,7 @@ class SingleStepEngine:
         plan.sde_mask = sel.clone()  # SDE kernel at k_i only, ODE elsewhere
         plan.engine_state = SingleStepState(k=k)
 
-    def collect(self, ctx: EngineContext, plan: BatchPlan, rollout) -> tuple[Rollout, EngineStats | None]:
-        return one_wave(ctx, plan, rollout)
+    collect = one_wave
 
     def rollout_hooks(self, ctx: EngineContext, plan: BatchPlan) -> RolloutHooks | None:
         """``evaluation=retain``: keep the rollout graph of each sample's trained step (from the plan)."""
