@@ -36,7 +36,9 @@ def save_dir_atomic(target: Path, write) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
         write(tmp)
-        if target.exists():
+        if target.is_symlink():  # replace a link, never write through it
+            target.unlink()
+        elif target.exists():
             shutil.rmtree(target)
         os.replace(tmp, target)
     finally:

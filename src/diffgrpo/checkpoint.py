@@ -6,63 +6,66 @@ Layout under ``<run_dir>/checkpoints/``:
     ema.safetensors       EMA of the trainable weights (when enabled)
     optimizer.pt          optimizer state (tensors and plain containers only: loads with weights_only=True)
     rng.pt                RNG states of every generator in use (same)
-    state.json            iteration counter, resolved config, file sizes (checked on load)
+    state.json            iteration counter, resolved config, every file's size and SHA-256 (checked on load)
   latest.json             manifest naming the newest complete checkpoint, replaced atomically
 
 Nothing is ever unpickled beyond tensors and plain containers (``torch.load(weights_only=True)``).
-A checkpoint directory whose files do not match its ``state.json`` (truncated mid-write) is skipped and the
-previous one is used.
+A checkpoint directory whose files do not match its ``state.json`` (truncated mid-write, or damaged at the same
+size) is skipped and the previous one is used. Every file is written into a fresh temporary directory that is
+renamed into place, so a symlink planted in the run directory is never written through.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
 import shutil
+import tempfile
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
+
+from .fileio import atomic_write
 
 _DIR_RE = re.compile(r"^iter_(\d{6,})$")
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+def sha256(path: Path) -> str:
+    """Hex SHA-256 of a file's bytes."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def save_checkpoint(run_dir: Path, iteration: int, *, trainable: dict[str, torch.Tensor], optimizer: dict,
                     rng: dict[str, torch.Tensor], config: dict, ema: dict[str, torch.Tensor] | None = None,
                     extra: dict | None = None, keep_last: int = 2) -> Path:
     """Write checkpoint ``iteration`` atomically, update the manifest, prune to the newest ``keep_last``."""
-    from safetensors.torch import save_file
-
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"iter_{iteration:06d}"
-    tmp = root / f".tmp_iter_{iteration:06d}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp_iter_{iteration:06d}.", dir=root))
     save_file({k: v.detach().contiguous().cpu() for k, v in trainable.items()}, str(tmp / "trainable.safetensors"))
     if ema is not None:
         save_file({k: v.detach().contiguous().cpu() for k, v in ema.items()}, str(tmp / "ema.safetensors"))
     torch.save(optimizer, tmp / "optimizer.pt")
     torch.save(rng, tmp / "rng.pt")
-    files = {p.name: p.stat().st_size for p in tmp.iterdir()}
-    state = {"iteration": iteration, "config": config, "files": files, "extra": extra or {}}
-    _atomic_write_text(tmp / "state.json", json.dumps(state, indent=1))
     for p in tmp.iterdir():  # flush file contents before the rename makes the checkpoint visible
         with open(p, "rb") as f:
             os.fsync(f.fileno())
-    if final.exists():
+    files = {p.name: {"size": p.stat().st_size, "sha256": sha256(p)} for p in tmp.iterdir()}
+    state = {"iteration": iteration, "config": config, "files": files, "extra": extra or {}}
+    atomic_write(tmp / "state.json", json.dumps(state, indent=1))
+    if final.is_symlink():
+        final.unlink()
+    elif final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
-    _atomic_write_text(root / "latest.json", json.dumps({"latest": final.name, "iteration": iteration}))
+    atomic_write(root / "latest.json", json.dumps({"latest": final.name, "iteration": iteration}))
     for old in list_checkpoints(run_dir)[:-keep_last] if keep_last > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     return final
@@ -78,10 +81,18 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
 
 
 def is_complete(ckpt: Path) -> bool:
-    """True when ``state.json`` parses and every file it lists exists with the recorded size."""
+    """True when ``state.json`` parses and every file it lists exists with the recorded size and SHA-256
+    (checkpoints of earlier versions record sizes only)."""
     try:
         state = json.loads((ckpt / "state.json").read_text())
-        return all((ckpt / n).is_file() and (ckpt / n).stat().st_size == s for n, s in state["files"].items())
+        for name, rec in state["files"].items():
+            f = ckpt / name
+            if f.is_symlink() or not f.is_file():
+                return False
+            size, digest = (rec, None) if isinstance(rec, int) else (rec["size"], rec["sha256"])
+            if f.stat().st_size != size or (digest is not None and sha256(f) != digest):
+                return False
+        return True
     except (OSError, ValueError, KeyError, TypeError):
         return False
 
@@ -91,14 +102,13 @@ def latest_complete(run_dir: Path, log=print) -> Path | None:
     for ckpt in reversed(list_checkpoints(run_dir)):
         if is_complete(ckpt):
             return ckpt
-        log(f"warning: checkpoint {ckpt} is incomplete (truncated write); using an earlier one")
+        log(f"warning: checkpoint {ckpt} is incomplete or damaged (its files do not match state.json); "
+            "using an earlier one")
     return None
 
 
 def load_checkpoint(ckpt: Path) -> dict:
     """→ {"iteration", "config", "trainable", "ema" (or None), "optimizer", "rng", "extra"}; safe loading only."""
-    from safetensors.torch import load_file
-
     state = json.loads((ckpt / "state.json").read_text())
     return {
         "iteration": int(state["iteration"]),

@@ -9,7 +9,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from .config import RunConfig
+import yaml
+
+from .config import RunConfig, from_dict
 from .errors import ConfigError, RewardError, TrainingError
 
 
@@ -44,12 +46,76 @@ def _resume_dir(args) -> Path | None:
     return max(runs, key=lambda d: d.stat().st_mtime) if runs else None
 
 
+# Keys a resume may change: how long, how fast and how the run is logged, and where it runs. Anything else would
+# change the model, the data or the objective of a run half-way.
+RESUMABLE = ("train.num_iterations", "train.lr", "train.save_every", "train.keep_checkpoints", "train.max_bad_updates",
+             "eval.every", "log.", "dist.", "model.device", "model.cache_dir")
+# Values that make the library import or run code: taken from the current command line only, never from a run
+# directory's saved config.yaml (a downloaded run directory must not execute its author's code).
+CODE_KEYS = ("reward.weights", "engine.name", "dllm.trust_remote_code")
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and k != "weights":
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _saved_data(run: Path, command: str) -> dict:
+    path = run / "config.yaml"
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        raise ConfigError(f"{command}: cannot read {str(path)!r} ({type(e).__name__})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{command}: {str(path)!r} does not hold a config mapping")
+    return data
+
+
+def _distrust(data: dict, overrides: list[str], *, path: Path, command: str, strict: bool) -> dict:
+    """The saved config ``data`` without the code it names (CODE_KEYS) unless the command line repeats the key:
+    refused when ``strict`` (a resume needs it), else replaced by the default with a message."""
+    given = {o.split("=", 1)[0].strip() for o in overrides}
+    default = RunConfig().to_dict()
+    for key in CODE_KEYS:
+        sec, name = key.split(".")
+        section = data.get(sec) if isinstance(data.get(sec), dict) else {}
+        value = section.get(name)
+        code = (value is True if name == "trust_remote_code" else
+                any(":" in str(k) for k in value) if isinstance(value, dict) else ":" in str(value or ""))
+        if not code or any(g == key or g.startswith(key + ".") for g in given):
+            continue
+        if strict:
+            raise ConfigError(f"{command}: the run's config sets {key}={value!r}, which runs code named in "
+                              f"{str(path)!r}; repeat {key}=... on this command line to allow it")
+        print(f"{command}: ignoring {key}={value!r} from {str(path)!r} (it would run code from the run directory); "
+              f"repeat {key}=... on the command line to use it")
+        section[name] = default[sec][name]
+    return data
+
+
 def cmd_train(args) -> int:
     from .trainer import Trainer
 
     run = _resume_dir(args)
     if run is not None:  # the run's resolved config, then any overrides (e.g. more iterations)
-        cfg = RunConfig.from_yaml(run / "config.yaml", [*args.overrides, f"log.output_dir={run}"])
+        if args.config:
+            raise ConfigError("--config: cannot be combined with --resume (the run's own config.yaml is used); "
+                              "pass changes as key=value overrides")
+        data = _distrust(_saved_data(run, "--resume"), args.overrides, path=run / "config.yaml", command="--resume",
+                         strict=True)
+        saved = from_dict(RunConfig, data)
+        cfg = RunConfig.from_overrides([*args.overrides, f"log.output_dir={run}"], base=saved)
+        old = _flat(saved.to_dict())
+        for key, value in _flat(cfg.to_dict()).items():
+            if old.get(key) != value and not key.startswith(RESUMABLE):
+                raise ConfigError(f"--resume: {key} cannot change when a run resumes (it would change the model, the "
+                                  f"data or the objective half-way); a resume may change {list(RESUMABLE)}; start a "
+                                  "new run instead")
     else:
         if args.resume == "auto":
             print("--resume auto: no unfinished run found; starting a new one")
@@ -59,9 +125,10 @@ def cmd_train(args) -> int:
     summary = trainer.train(resume=run is not None)
     if trainer.world.rank > 0:  # torchrun: rank 0 reports
         return 0
-    if summary.get("interrupted"):
-        print(f"interrupted; resume with: diffgrpo train --resume {cfg.log.output_dir}")
-        return 0
+    if summary.get("interrupted"):  # the shell's convention, so schedulers and `&&` see the preemption
+        print(f"interrupted by signal {summary['interrupted']}; resume with: diffgrpo train --resume "
+              f"{cfg.log.output_dir}")
+        return 128 + int(summary["interrupted"])
     start, end = summary["start"], summary["end"]
     for k in end:
         if k.startswith("eval/rewards/"):
@@ -102,12 +169,19 @@ def cmd_sample(args) -> int:
     from .samplers.rollout import sample_trajectories
     from .trainer import Trainer
 
+    if args.num < 1:
+        raise ConfigError(f"--num: value {args.num} is out of range; must be >= 1")
+    if not Path(args.out).suffix:
+        raise ConfigError(f"--out: {args.out!r} has no file extension; give e.g. samples.png (images) or "
+                          "samples.txt (text completions)")
     src = Path(args.weights) if args.weights else None
     overrides = list(args.overrides)
     if src is not None and src.is_dir():
         if not (src / "config.yaml").is_file() or not (src / "weights.safetensors").is_file():
             raise ConfigError(f"--weights: run directory {str(src)!r} has no config.yaml + weights.safetensors")
-        cfg = RunConfig.from_yaml(src / "config.yaml", overrides + ["log.progress=false"])
+        data = _distrust(_saved_data(src, "--weights"), overrides, path=src / "config.yaml", command="--weights",
+                         strict=False)
+        cfg = RunConfig.from_overrides(overrides + ["log.progress=false"], base=from_dict(RunConfig, data))
         src = src / "weights.safetensors"
     else:
         cfg = RunConfig.from_overrides(overrides + ["log.progress=false"])
@@ -143,6 +217,11 @@ def _sample_text(trainer, args) -> int:
     from .dllm.tasks import Example
 
     fam = trainer.family
+    for p in args.prompt or []:
+        try:
+            fam.vocab.encode(p)
+        except ValueError as e:
+            raise ConfigError(f"--prompt: {p!r} cannot be encoded: {e} of model.name={trainer.cfg.model.name}") from None
     if args.prompt:
         examples = [Example(prompt=p, answer="") for p in args.prompt]
     else:
@@ -165,6 +244,8 @@ def cmd_bench(args) -> int:
     from .bench import bench_engines
     from .engines import ENGINES
 
+    if args.repeats < 1:
+        raise ConfigError(f"--repeats: value {args.repeats} is out of range; must be >= 1 (timed runs per variant)")
     cfg = _load_cfg(args)
     _threads()
     variants = args.variants.split(";") if args.variants else list(ENGINES)
@@ -248,6 +329,9 @@ def main(argv: list[str] | None = None) -> int:
     except (RewardError, TrainingError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # a second SIGINT while the current iteration finishes
+        print("error: interrupted before a checkpoint could be written", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

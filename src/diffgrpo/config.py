@@ -227,6 +227,7 @@ class DistConfig:
     group_layout: str = _f("local", choices=("local", "spread"),
                            doc="local: each rank samples whole groups; spread: every group's samples split over ranks")
     backend: str = _f("", doc="process-group backend; empty = nccl with CUDA, gloo otherwise")
+    timeout: float = _f(1800.0, lo=1.0, doc="timeout of collectives in seconds; a stalled rank fails the job after it")
 
 
 @dataclass

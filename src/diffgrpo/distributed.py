@@ -25,6 +25,7 @@ loss on the union of the ranks' samples is built with world-size-scaled weights 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 from typing import NamedTuple
 
@@ -51,14 +52,16 @@ def info() -> WorldInfo:
     return WorldInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", dist.get_rank())))
 
 
-def init_from_env(backend: str | None = None) -> WorldInfo:
-    """Create the default process group when launched by torchrun (WORLD_SIZE > 1); otherwise do nothing."""
+def init_from_env(backend: str | None = None, timeout: float | None = None) -> WorldInfo:
+    """Create the default process group when launched by torchrun (WORLD_SIZE > 1); otherwise do nothing.
+    ``timeout`` (seconds): a collective that a stalled rank never joins fails after it (torch's default: 30 min)."""
     if is_initialized():
         return info()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-        dist.init_process_group(backend=backend)
+        kw = {} if timeout is None else {"timeout": datetime.timedelta(seconds=float(timeout))}
+        dist.init_process_group(backend=backend, **kw)
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     return info()

@@ -36,7 +36,7 @@ class GRPOWeights:
     selected: torch.Tensor  # (B, N) bool: units the engine runs (see the module docstring)
     loss_weights: torch.Tensor  # (B, N)
     batch_rewards: torch.Tensor  # (W·B,) every rank's rewards
-    stats: dict[str, float]  # advantage statistics (frac_reward_zero_std, adv_clip_frac, …)
+    stats: dict[str, float]  # advantage statistics (frac_reward_zero_std, adv_clip_frac, …, trained_units: all ranks')
 
 
 def grpo_loss_weights(rewards: torch.Tensor, group_ids: torch.Tensor, planned: torch.Tensor, *, adv_cfg,
@@ -82,6 +82,10 @@ def grpo_loss_weights(rewards: torch.Tensor, group_ids: torch.Tensor, planned: t
         full = distributed.all_gather(full.to(torch.uint8)).bool()
         full_sw = None if full_sw is None else distributed.all_gather(full_sw.float())
     weights = aggregation_weights(full, aggregation, full_sw)[rows] * W  # (B, N)
+    n_trained = trained.sum().reshape(1).float()
+    if W > 1:
+        n_trained = distributed.all_gather(n_trained)  # (W,): every rank's trained units
+    stats = {**stats, "trained_units": float(n_trained.sum())}
     # some rank trains: every rank runs its planned units (filtered ones at weight 0) so collectives pair up
     selected = planned if (W > 1 and bool(full.any())) else trained
     return GRPOWeights(advantages=adv.to(dev), valid=valid.to(dev), trained=trained, selected=selected,

@@ -8,6 +8,7 @@ import io
 import statistics
 from pathlib import Path
 
+from .fileio import atomic_write
 from .runlog import read_metrics
 
 
@@ -92,5 +93,5 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
             parts.append(f"<h2>Samples at the {tag}</h2><img alt='samples {tag}' src='data:image/png;base64,{b64}'>")
     parts.append(f"<h2>Resolved config</h2><pre>{html.escape(config)}</pre></body></html>")
     dest = Path(out) if out else run / "report.html"
-    dest.write_text("\n".join(parts))
+    atomic_write(dest, "\n".join(parts))  # never through a symlink planted at the destination
     return dest

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+from .fileio import append_line, atomic_write, read_jsonl
+
 
 class MetricsWriter:
     """Appends one JSON object per line to ``metrics.jsonl``; mirrors scalars to TensorBoard when asked."""
@@ -33,8 +35,7 @@ class MetricsWriter:
 
     def write(self, row: dict) -> None:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
-        with open(self.path, "a") as f:
-            f.write(json.dumps(clean) + "\n")
+        append_line(self.path, json.dumps(clean))
         if self.tb is not None and "iteration" in row:
             for k, v in row.items():
                 if isinstance(v, (int, float)) and k != "iteration" and math.isfinite(float(v)):
@@ -49,9 +50,9 @@ class MetricsWriter:
             self.wandb.finish()
 
 
-def read_metrics(path: Path) -> list[dict]:
-    p = Path(path)
-    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()] if p.exists() else []
+def read_metrics(path: Path, log=print) -> list[dict]:
+    """The rows of a metrics log; a torn last line is dropped with a warning (see ``fileio.read_jsonl``)."""
+    return read_jsonl(path, log=log)
 
 
 def save_grid(images: torch.Tensor, path: Path, nrow: int, scale: int = 4) -> None:
@@ -70,7 +71,8 @@ def save_grid(images: torch.Tensor, path: Path, nrow: int, scale: int = 4) -> No
     arr = arr[0].numpy() if c == 1 else arr.permute(1, 2, 0).numpy()
     img = Image.fromarray(arr)
     img = img.resize((img.width * scale, img.height * scale), Image.NEAREST)
-    img.save(path)
+    fmt = {".jpg": "JPEG", ".jpeg": "JPEG"}.get(Path(path).suffix.lower(), "PNG")
+    atomic_write(path, lambda tmp: img.save(tmp, format=fmt))
 
 
 def plot_curves(rows: list[dict], path: Path, keys: tuple[str, ...], title: str = "") -> bool:
@@ -94,6 +96,6 @@ def plot_curves(rows: list[dict], path: Path, keys: tuple[str, ...], title: str 
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
         fig.tight_layout()
-        fig.savefig(path, dpi=110)
+        atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
     plt.close(fig)
     return drew

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import torch
+from filelock import FileLock, Timeout
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
@@ -31,6 +32,7 @@ from .dllm.family import DLLMFamily
 from .ema import EMA
 from .errors import ConfigError, TrainingError
 from .family import Family, Sync
+from .fileio import atomic_write
 from .flow.family import FlowFamily
 from .models import POLICIES
 from .runlog import MetricsWriter, plot_curves, read_metrics, save_grid
@@ -47,8 +49,8 @@ class Trainer:
         if cfg.model.cache_dir:
             os.environ["DIFFGRPO_CACHE"] = cfg.model.cache_dir
         # data parallel (torchrun): process group before the model (sets the CUDA device); rank > 0 is silent
-        self.world = (distributed.init_from_env(cfg.dist.backend or None) if cfg.dist.mode != "none"
-                      else distributed.WorldInfo(0, 1, 0))
+        self.world = (distributed.init_from_env(cfg.dist.backend or None, cfg.dist.timeout)
+                      if cfg.dist.mode != "none" else distributed.WorldInfo(0, 1, 0))
         if self.world.rank > 0:
             self.log = log = _silent
         family_cls = FAMILIES[MODEL_FAMILIES[cfg.model.name]]
@@ -74,8 +76,9 @@ class Trainer:
         self.family.connect(sync)
         self.ema = EMA(self.policy.named_trainable_parameters(), t.ema_decay) if t.ema_decay > 0 else None
         self.iteration = 0
-        self.bad_updates = 0  # consecutive skipped (non-finite) updates
+        self.bad_updates = 0  # consecutive skipped updates (non-finite gradient, or nothing to train)
         self._stop_signal = None
+        self._saved_at = -1  # iteration of the last checkpoint written or loaded
 
     # ------------------------------------------------------------------ one iteration
     def rollout(self, prompts: list | None = None, group_ids: torch.Tensor | None = None) -> Rollout:
@@ -90,34 +93,56 @@ class Trainer:
     def update(self, rollout: Rollout, first_stats: EngineStats | None = None) -> tuple[EngineStats, dict[str, float]]:
         """``num_inner_epochs`` optimizer updates on one rollout. Returns the merged stats and update metrics.
 
-        ``first_stats``: the first update's gradient is already in ``.grad`` (rollout waves) with these stats."""
+        ``first_stats``: the first update's gradient is already in ``.grad`` (rollout waves) with these stats.
+        An update is skipped when its gradient is not finite, and so is the rollout when no rank has a sample to
+        train (every reward non-finite, or every group filtered out); ``train.max_bad_updates`` skipped updates
+        in a row stop the run, and so do non-finite weights after an update (TrainingError)."""
         total = EngineStats()
         info = {"grad_norm": 0.0, "skipped_updates": 0}
+        trains = self._trains(rollout)
         for epoch in range(self.cfg.train.num_inner_epochs):
             stats = first_stats if (epoch == 0 and first_stats is not None) else self.backward(rollout, epoch)
             total.engine = stats.engine
             norm = self._grad_norm()
-            if not torch.isfinite(torch.tensor(norm)):
-                self.bad_updates += 1
-                info["skipped_updates"] += 1
-                self.optimizer.zero_grad(set_to_none=True)
-                self.log(f"warning: non-finite loss/gradient at iteration {self.iteration + 1}; update skipped "
-                         f"({self.bad_updates} in a row, limit train.max_bad_updates={self.cfg.train.max_bad_updates})")
-                if self.bad_updates >= self.cfg.train.max_bad_updates:
-                    raise TrainingError(f"stopping: {self.bad_updates} consecutive updates had a non-finite loss or "
-                                        f"gradient (train.max_bad_updates={self.cfg.train.max_bad_updates})")
-            else:
-                self.bad_updates = 0
-                if self.cfg.train.max_grad_norm > 0:
-                    torch.nn.utils.clip_grad_norm_(self.params, self.cfg.train.max_grad_norm)
-                self.optimizer.step()
-                if self.ema is not None:
-                    self.ema.update()
-            info["grad_norm"] = norm
             total.merge(stats)
+            info["grad_norm"] = norm
             if epoch == 0:
                 info.update({f"first_epoch/{k}": v for k, v in stats.metrics.items()})
+            if not trains or not torch.isfinite(torch.tensor(norm)):
+                why = ("no sample could be trained (every reward non-finite, or every group filtered out)"
+                       if not trains else "non-finite loss/gradient")
+                self._skip(why, info)
+                if not trains:
+                    break
+                continue
+            self.bad_updates = 0
+            if self.cfg.train.max_grad_norm > 0:
+                torch.nn.utils.clip_grad_norm_(self.params, self.cfg.train.max_grad_norm)
+            self.optimizer.step()
+            if not self._weights_finite():
+                raise TrainingError(f"stopping: the weights are non-finite after the update of iteration "
+                                    f"{self.iteration + 1} (train.lr={self.cfg.train.lr}); the last checkpoint holds "
+                                    "the weights before it")
+            if self.ema is not None:
+                self.ema.update()
         return total, info
+
+    def _skip(self, why: str, info: dict) -> None:
+        """Count a skipped update; ``train.max_bad_updates`` in a row stop the run."""
+        self.bad_updates += 1
+        info["skipped_updates"] += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        limit = self.cfg.train.max_bad_updates
+        self.log(f"warning: update skipped at iteration {self.iteration + 1}: {why} ({self.bad_updates} in a row, "
+                 f"limit train.max_bad_updates={limit})")
+        if self.bad_updates >= limit:
+            raise TrainingError(f"stopping: {self.bad_updates} consecutive updates were skipped ({why}; "
+                                f"train.max_bad_updates={limit})")
+
+    @staticmethod
+    def _trains(rollout: Rollout) -> bool:
+        """Whether some rank has a finite reward and a unit to train in this rollout (the same on every rank)."""
+        return bool(torch.isfinite(rollout.batch_rewards).any()) and rollout.advantage_stats["trained_units"] > 0
 
     def _grad_norm(self) -> float:
         if self.cfg.dist.mode == "fsdp2" and self.world.world_size > 1:  # sharded DTensor grads
@@ -156,9 +181,22 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints and the whole job
     def run_dir(self) -> Path:
-        if not self.cfg.log.output_dir:  # rank 0's timestamp for every rank
-            self.cfg.log.output_dir = distributed.all_gather_object(
-                str(Path("runs") / time.strftime("%Y%m%d-%H%M%S")))[0]
+        """The run directory; by default a new ``runs/<timestamp>`` (made exclusively, so runs started in the same
+        second get distinct directories: ``-2``, ``-3``, …), rank 0's for every rank."""
+        if not self.cfg.log.output_dir:
+            name = None
+            if self.world.rank == 0:
+                stamp = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+                stamp.parent.mkdir(parents=True, exist_ok=True)
+                for n in range(1, 1000):
+                    cand = stamp if n == 1 else stamp.with_name(f"{stamp.name}-{n}")
+                    try:
+                        cand.mkdir()
+                        name = str(cand)
+                        break
+                    except FileExistsError:
+                        continue
+            self.cfg.log.output_dir = distributed.all_gather_object(name)[0]
         p = Path(self.cfg.log.output_dir)
         if self.world.rank == 0:
             p.mkdir(parents=True, exist_ok=True)
@@ -200,6 +238,7 @@ class Trainer:
 
     def save_checkpoint(self) -> Path:
         st = self.state()  # on every rank (collectives); rank 0 writes
+        self._saved_at = self.iteration
         if self.world.rank > 0:
             return self.run_dir()
         return save_checkpoint(self.run_dir(), self.iteration, trainable=st["trainable"], optimizer=st["optimizer"],
@@ -207,19 +246,33 @@ class Trainer:
                                keep_last=self.cfg.train.keep_checkpoints)
 
     def _resume(self, out: Path) -> bool:
-        """Load the newest complete checkpoint of ``out`` and drop metric rows written after it."""
+        """Load the newest complete checkpoint of ``out`` and drop metric rows written after it. Without one, the
+        run restarts from iteration 0 (its earlier log is kept as ``metrics.restarted.jsonl``)."""
         ckpt = latest_complete(out, log=self.log)
         if ckpt is None:
-            self.log(f"no complete checkpoint in {out}; starting from the beginning")
+            self.log(f"no complete checkpoint in {out}; restarting the run from iteration 0")
+            if self.world.rank == 0 and (out / "metrics.jsonl").exists():
+                os.replace(out / "metrics.jsonl", out / "metrics.restarted.jsonl")
+            distributed.all_gather_object(None)  # the other ranks wait for the move
             return False
         self.load_state(load_checkpoint(ckpt))
-        rows = [r for r in read_metrics(out / "metrics.jsonl") if r.get("iteration", 0) <= self.iteration]
+        if not self._weights_finite():
+            raise TrainingError(f"checkpoint {ckpt} holds non-finite weights; delete it to resume from an earlier one")
+        lr = self.cfg.train.lr  # a resume may change the learning rate: the checkpoint's optimizer state holds the old
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self._saved_at = self.iteration
+        rows = [r for r in read_metrics(out / "metrics.jsonl", log=self.log) if r.get("iteration", 0) <= self.iteration]
         if self.world.rank == 0:
-            tmp = out / ".metrics.jsonl.tmp"
-            tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-            os.replace(tmp, out / "metrics.jsonl")
+            atomic_write(out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
         self.log(f"resumed from {ckpt} (iteration {self.iteration})")
         return True
+
+    def _weights_finite(self) -> bool:
+        norms = [p.detach().float().norm() for p in self.params]
+        if self.cfg.dist.mode == "fsdp2" and self.world.world_size > 1:  # sharded DTensors
+            norms = [distributed.to_full(n) for n in norms]
+        return bool(torch.isfinite(torch.stack(norms)).all()) if norms else True
 
     def _on_signal(self, signum, frame):
         if self._stop_signal is not None:  # second signal: stop now
@@ -230,10 +283,25 @@ class Trainer:
     # ------------------------------------------------------------------ the whole job
     def train(self, resume: bool = False) -> dict[str, float]:
         """Run ``train.num_iterations`` iterations with evaluation, logging, checkpoints and outputs in the run
-        directory. ``resume``: continue from the run directory's newest complete checkpoint.
-        SIGINT/SIGTERM finish the current iteration, save a checkpoint and return (``summary["interrupted"]``)."""
-        cfg = self.cfg
+        directory, which is locked for the run's life (a second run or resume of it is refused). ``resume``:
+        continue from the run directory's newest complete checkpoint. SIGINT/SIGTERM finish the current
+        iteration, save a checkpoint and return (``summary["interrupted"]`` = the signal number)."""
         out = self.run_dir()
+        lock = FileLock(str(out / ".lock"))
+        if self.world.rank == 0:  # rank 0 holds it for the whole job
+            try:
+                lock.acquire(timeout=0)
+            except Timeout:
+                raise TrainingError(f"log.output_dir: {str(out)!r} is in use by another run (its lock file "
+                                    f"{out / '.lock'} is held); wait for it to end or choose another directory") from None
+        try:
+            return self._train(out, resume)
+        finally:
+            if lock.is_locked:
+                lock.release()
+
+    def _train(self, out: Path, resume: bool) -> dict[str, float]:
+        cfg = self.cfg
         resumed = self._resume(out) if resume else False
         lead = self.world.rank == 0  # only rank 0 writes files; every rank trains and evaluates
         if not resumed:
@@ -241,7 +309,9 @@ class Trainer:
                 raise TrainingError(f"log.output_dir: {str(out)!r} already holds a run; resume it with "
                                     "--resume or choose another directory")
             if lead:
-                (out / "config.yaml").write_text(cfg.to_yaml())
+                atomic_write(out / "config.yaml", cfg.to_yaml())
+        elif lead:  # the resumed run's config, with the overrides it was resumed with
+            atomic_write(out / "config.yaml", cfg.to_yaml())
         writer = (MetricsWriter(out, tensorboard=cfg.log.tensorboard, wandb=cfg.log.wandb, config=cfg.to_dict())
                   if lead else _NullWriter())
         self.log(f"run directory: {out}")
@@ -254,10 +324,11 @@ class Trainer:
                 save_grid(images, out / f"samples_{tag}.png", nrow=cfg.eval.seeds_per_prompt * 2)
             return row
 
-        rows = read_metrics(out / "metrics.jsonl") if resumed else []
-        evals = [r for r in rows if "eval/reward" in r]
+        rows = read_metrics(out / "metrics.jsonl", log=self.log) if resumed else []
+        evals = [r for r in rows if any(k.startswith("eval/") for k in r)]
         first = evals[0] if evals else do_eval("start")
         last_eval = evals[-1] if evals else first
+        start_iteration = self.iteration
         self.log(f"eval at start: {_fmt(first)}")
         handlers = {}
         if threading.current_thread() is threading.main_thread():
@@ -279,29 +350,36 @@ class Trainer:
                 if self._stop_signal is not None:
                     self.log(f"stopped by signal {self._stop_signal} after iteration {self.iteration}; "
                              f"continue with: diffgrpo train --resume {out}")
-                    return {"start": first, "end": last_eval, "interrupted": True}
+                    writer.close()
+                    return {"start": first, "end": last_eval, "interrupted": int(self._stop_signal)}
+            bar.close()
+            if cfg.train.save_every and self._saved_at != self.iteration:  # "train N more" resumes from here
+                self.save_checkpoint()
+            if self.iteration > start_iteration or not (evals and evals[-1].get("iteration") == self.iteration):
+                last_eval = do_eval("end")  # (a resumed finished run already holds its end evaluation)
+            writer.close()
+        except BaseException:
+            writer.close()
+            raise
         finally:
             bar.close()
-            writer.close()
             for sig, h in handlers.items():
                 signal.signal(sig, h)
-        if cfg.train.num_iterations:
-            last_eval = do_eval("end")
         self.log(f"eval at end:   {_fmt(last_eval)}")
         weights = distributed.to_full(self.policy.state_dict())  # a collective under FSDP2
         ema_weights = self.ema.state_dict() if self.ema is not None else None
         if not lead:
             return {"start": first, "end": last_eval}
-        save_file(weights, str(out / "weights.safetensors"))
+        atomic_write(out / "weights.safetensors", lambda tmp: save_file(weights, str(tmp)))
         if self.ema is not None:
-            save_file(ema_weights, str(out / "weights_ema.safetensors"))
+            atomic_write(out / "weights_ema.safetensors", lambda tmp: save_file(ema_weights, str(tmp)))
         self.policy.export(out)  # the library's own format: LoRA for load_lora_weights, or a from_pretrained directory
         if cfg.log.save_images:
-            rows = read_metrics(out / "metrics.jsonl")
+            rows = read_metrics(out / "metrics.jsonl", log=self.log)
             keys = ("reward",) + tuple(k for k in last_eval if k.startswith("eval/rewards/"))
             plot_curves(rows, out / "reward_curve.png", keys, title="reward (train) and held-out eval")
         summary = {"start": first, "end": last_eval}
-        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        atomic_write(out / "summary.json", json.dumps(summary, indent=2))
         return summary
 
 

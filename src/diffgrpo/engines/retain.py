@@ -177,7 +177,8 @@ def merge_rollouts(ros: list[Rollout]) -> Rollout:
              / max(sum(n_groups), 1.0),
              "adv_clip_frac": sum(n * r.advantage_stats["adv_clip_frac"] for n, r in zip(n_valid, ros))
              / max(sum(n_valid), 1.0),
-             "num_invalid": sum(int(r.advantage_stats["num_invalid"]) for r in ros)}
+             "num_invalid": sum(int(r.advantage_stats["num_invalid"]) for r in ros),
+             "trained_units": sum(r.advantage_stats["trained_units"] for r in ros)}
     return Rollout(prompts=sum((r.prompts for r in ros), []), group_ids=cat(lambda r: r.group_ids), traj=traj,
                    selected=cat(lambda r: r.selected), trained=cat(lambda r: r.trained),
                    rewards=cat(lambda r: r.rewards),

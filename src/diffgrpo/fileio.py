@@ -1,0 +1,85 @@
+"""Writing run files so that a crash, a full disk or a symlink planted in a run directory cannot corrupt them or
+redirect them elsewhere.
+
+  atomic_write(path, data)  bytes / text / a writer ``f(tmp_path)`` into a fresh temporary file in the same
+                            directory (``mkstemp``: a new name, created exclusively, never an existing file or
+                            link), flushed to disk, then renamed over ``path``. ``os.replace`` replaces a symlink
+                            at ``path`` itself instead of writing through it.
+  append_line(path, text)   appends to a log opened with ``O_NOFOLLOW`` (a symlink at ``path`` is refused), in one
+                            ``write`` call.
+  read_jsonl(path)          the rows of a JSON-lines log; a torn last line (a write cut short by a full disk or a
+                            kill) is dropped with a warning, a damaged line elsewhere is an error naming the line.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+from .errors import TrainingError
+
+
+def atomic_write(path: str | Path, data: bytes | str | Callable[[Path], None]) -> Path:
+    """Write ``data`` (bytes, text, or ``writer(tmp_path)``) to ``path`` through a temporary file + rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    tmp = Path(tmp_name)
+    try:
+        if callable(data):
+            os.close(fd)
+            fd = -1
+            data(tmp)
+        else:
+            with os.fdopen(fd, "wb") as f:
+                fd = -1
+                f.write(data.encode() if isinstance(data, str) else data)
+        with open(tmp, "rb") as f:  # flush the contents before the rename makes them visible
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        if tmp.exists():
+            tmp.unlink()
+    return path
+
+
+def append_line(path: str | Path, text: str) -> None:
+    """Append ``text`` + newline to ``path`` (created if missing), refusing to follow a symlink at ``path``."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise TrainingError(f"{path} is a symbolic link; refusing to write through it") from None
+        raise
+    try:
+        os.write(fd, (text + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+def read_jsonl(path: str | Path, log=print) -> list[dict]:
+    """Rows of a JSON-lines file ([] if it does not exist); see the module docstring for damaged lines."""
+    p = Path(path)
+    if not p.exists():
+        return []
+    lines = p.read_text(errors="replace").splitlines()
+    rows = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            if i == len(lines) - 1:
+                log(f"warning: {p}: the last line is incomplete (a write cut short); it is ignored")
+                continue
+            raise TrainingError(f"{p}: line {i + 1} is not valid JSON (the file is damaged)") from None
+    return rows
+
+
+__all__ = ["atomic_write", "append_line", "read_jsonl"]
