@@ -208,6 +208,10 @@ def test_writers_replace_planted_symlinks_instead_of_following_them(tmp_path, ca
         append_line(link, "{}")
     atomic_write(link, "new")
     assert victim.read_text() == "keep me" and link.read_text() == "new" and not link.is_symlink()
+    (run / ".lock").unlink(missing_ok=True)
+    (run / ".lock").symlink_to(victim)  # the lock file is never opened through a link either
+    assert main(["train", "--resume", str(run)]) == 1
+    assert "error: log.output_dir: cannot lock" in capsys.readouterr().err and victim.read_text() == "keep me"
 
 
 # ------------------------------------------------------------------------------------------ command-line misuse

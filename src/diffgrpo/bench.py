@@ -25,6 +25,7 @@ import torch
 from .config import MODEL_FAMILIES, RunConfig
 from .engines.base import MemoryMeter
 from .errors import ConfigError
+from .fileio import atomic_write
 from .engines.recompute import RecomputeEngine
 from .trainer import Trainer
 
@@ -152,8 +153,8 @@ def bench_engines(cfg: RunConfig, variants: list[str], *, repeats: int = 3, out_
     if out_dir:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "engines.json").write_text(json.dumps(report, indent=2))
-        (out / "engines.md").write_text(md)
+        atomic_write(out / "engines.json", json.dumps(report, indent=2))
+        atomic_write(out / "engines.md", md)
     log(md)
     return report
 

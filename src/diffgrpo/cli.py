@@ -13,6 +13,7 @@ import yaml
 
 from .config import RunConfig, from_dict
 from .errors import ConfigError, RewardError, TrainingError
+from .fileio import atomic_write
 
 
 def _load_cfg(args) -> RunConfig:
@@ -233,8 +234,7 @@ def _sample_text(trainer, args) -> int:
         smp = fam.generate(examples, temperature=temperature, generator=g)
     lines = [f"{e.prompt}\t{fam.vocab.decode(c)}" for e, c in zip(examples, smp.completions)]
     out = Path(args.out if not args.out.endswith(".png") else args.out[:-4] + ".txt")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("\n".join(lines) + "\n")
+    atomic_write(out, "\n".join(lines) + "\n")
     print("\n".join(lines))
     print(f"wrote {len(lines)} completions to {out}")
     return 0

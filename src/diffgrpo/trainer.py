@@ -294,6 +294,8 @@ class Trainer:
             except Timeout:
                 raise TrainingError(f"log.output_dir: {str(out)!r} is in use by another run (its lock file "
                                     f"{out / '.lock'} is held); wait for it to end or choose another directory") from None
+            except OSError as e:  # e.g. a symlink planted at .lock: never followed
+                raise TrainingError(f"log.output_dir: cannot lock {str(out / '.lock')!r} ({e.strerror})") from None
         try:
             return self._train(out, resume)
         finally:

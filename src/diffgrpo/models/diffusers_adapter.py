@@ -33,6 +33,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..cache import save_dir_atomic
 from ..errors import ConfigError
 from .lora import ATTN_TARGETS, JOINT_TARGETS, adapter_disabled, add_lora, load_lora_state_dict, lora_state_dict
 from .reference import frozen_reference
@@ -372,8 +373,10 @@ class DiffusersFlowPolicy:
             self.transformer.load_state_dict(sd)
 
     def export(self, run_dir: str | Path) -> Path:
-        """The end-of-run export into ``run_dir``: ``lora/`` (diffusers LoRA format) or ``transformer/``."""
-        return self.save_adapter(Path(run_dir) / ("lora" if self.lora_rank > 0 else "transformer"))
+        """The end-of-run export into ``run_dir``: ``lora/`` (diffusers LoRA format) or ``transformer/``, written
+        into a temporary directory renamed into place."""
+        target = Path(run_dir) / ("lora" if self.lora_rank > 0 else "transformer")
+        return save_dir_atomic(target, self.save_adapter)
 
     def save_adapter(self, directory: str | Path) -> Path | None:
         """LoRA: save in diffusers format (``<Pipeline>.save_lora_weights``), loadable with the pipeline's

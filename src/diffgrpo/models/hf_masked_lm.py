@@ -72,11 +72,12 @@ class MaskedLMPolicy:
     def export(self, run_dir) -> Path:
         """Save the trained model as a ``from_pretrained`` directory ``<run_dir>/model`` (with its tokenizer when
         it has a transformers one)."""
-        d = Path(run_dir) / "model"
-        self.model.save_pretrained(str(d))
-        if isinstance(self.vocab, HFTokenizerVocab):
-            self.vocab.tok.save_pretrained(str(d))
-        return d
+        def write(d: Path) -> None:
+            self.model.save_pretrained(str(d))
+            if isinstance(self.vocab, HFTokenizerVocab):
+                self.vocab.tok.save_pretrained(str(d))
+
+        return save_dir_atomic(Path(run_dir) / "model", write)  # a temporary directory renamed into place
 
     def reference(self):
         """Inside the block ``logits`` uses the frozen initial weights."""
