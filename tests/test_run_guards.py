@@ -261,3 +261,34 @@ def test_a_stalled_rank_fails_the_collective_after_dist_timeout(tmp_path):
     ctx.join(timeout=60)
     r0 = json.loads((tmp_path / "rank0.json").read_text())
     assert r0["error"] and r0["seconds"] < 10  # not the 30-minute default
+
+
+def test_a_full_disk_ends_the_run_in_one_line_and_it_resumes(tmp_path, capsys):
+    """The log hits a file-size limit (as on a full disk): the run stops with one line and exit 1, leaving a torn
+    last line; --resume and report read past it."""
+    import resource
+
+    _run(tmp_path, "warm", "train.num_iterations=1")  # the built-in model is cached before the limit applies
+    out = tmp_path / "full"
+    limit = 3 * 1024  # `ulimit -f 3`
+
+    def cap():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    p = _cli(["train", *FAST, "train.num_iterations=6", "train.save_every=0", "log.save_images=false",
+              f"log.output_dir={out}"], preexec_fn=cap)
+    text = p.communicate(timeout=300)[0]
+    assert p.returncode == 1, text
+    last = text.strip().splitlines()[-1]
+    assert last.startswith("error: ") and "metrics.jsonl" in last and "resume the run" in last
+    assert (out / "metrics.jsonl").stat().st_size == limit  # cut mid-line
+    assert main(["report", str(out)]) == 0
+    assert main(["train", "--resume", str(out)]) == 0  # no checkpoint (save_every=0): restarts from iteration 0
+    assert [r["iteration"] for r in read_jsonl(out / "metrics.jsonl") if "reward" in r] == [1, 2, 3, 4, 5, 6]
+    # a checkpoint that cannot be written is one line too, and leaves the earlier ones intact
+    ck = tmp_path / "ck"
+    _run(tmp_path, "ck", "train.num_iterations=1", "train.save_every=1")
+    p = _cli(["train", "--resume", str(ck), "train.num_iterations=3", "log.save_images=false"], preexec_fn=cap)
+    text = p.communicate(timeout=300)[0]
+    assert p.returncode == 1 and "error: cannot write checkpoint 2 into" in text, text
+    assert latest_complete(ck) == list_checkpoints(ck)[0] and load_checkpoint(latest_complete(ck))["iteration"] == 1

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from .errors import TrainingError
 from .fileio import atomic_write
 
 _DIR_RE = re.compile(r"^iter_(\d{6,})$")
@@ -49,17 +50,23 @@ def save_checkpoint(run_dir: Path, iteration: int, *, trainable: dict[str, torch
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"iter_{iteration:06d}"
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp_iter_{iteration:06d}.", dir=root))
-    save_file({k: v.detach().contiguous().cpu() for k, v in trainable.items()}, str(tmp / "trainable.safetensors"))
-    if ema is not None:
-        save_file({k: v.detach().contiguous().cpu() for k, v in ema.items()}, str(tmp / "ema.safetensors"))
-    torch.save(optimizer, tmp / "optimizer.pt")
-    torch.save(rng, tmp / "rng.pt")
-    for p in tmp.iterdir():  # flush file contents before the rename makes the checkpoint visible
-        with open(p, "rb") as f:
-            os.fsync(f.fileno())
-    files = {p.name: {"size": p.stat().st_size, "sha256": sha256(p)} for p in tmp.iterdir()}
-    state = {"iteration": iteration, "config": config, "files": files, "extra": extra or {}}
-    atomic_write(tmp / "state.json", json.dumps(state, indent=1))
+    try:
+        save_file({k: v.detach().contiguous().cpu() for k, v in trainable.items()}, str(tmp / "trainable.safetensors"))
+        if ema is not None:
+            save_file({k: v.detach().contiguous().cpu() for k, v in ema.items()}, str(tmp / "ema.safetensors"))
+        torch.save(optimizer, tmp / "optimizer.pt")
+        torch.save(rng, tmp / "rng.pt")
+        for p in tmp.iterdir():  # flush file contents before the rename makes the checkpoint visible
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+        files = {p.name: {"size": p.stat().st_size, "sha256": sha256(p)} for p in tmp.iterdir()}
+        state = {"iteration": iteration, "config": config, "files": files, "extra": extra or {}}
+        atomic_write(tmp / "state.json", json.dumps(state, indent=1))
+    except Exception as e:  # a full disk or a file-size limit: the earlier checkpoints stay as they were
+        shutil.rmtree(tmp, ignore_errors=True)
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise TrainingError(f"cannot write checkpoint {iteration} into {root} ({msg}); the earlier checkpoints "
+                            "are intact: free space and resume the run") from None
     if final.is_symlink():
         final.unlink()
     elif final.exists():

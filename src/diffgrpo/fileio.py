@@ -56,10 +56,16 @@ def append_line(path: str | Path, text: str) -> None:
         if e.errno == errno.ELOOP:
             raise TrainingError(f"{path} is a symbolic link; refusing to write through it") from None
         raise
+    data = (text + "\n").encode()
     try:
-        os.write(fd, (text + "\n").encode())
+        written = os.write(fd, data)
+    except OSError as e:  # a full disk or a file-size limit: one line, the run's checkpoints stay usable
+        raise TrainingError(f"{path}: cannot append ({e.strerror}); free space and resume the run") from None
     finally:
         os.close(fd)
+    if written != len(data):
+        raise TrainingError(f"{path}: a write was cut short ({written} of {len(data)} bytes; disk full or a "
+                            "file-size limit); free space and resume the run")
 
 
 def read_jsonl(path: str | Path, log=print) -> list[dict]:
