@@ -90,3 +90,33 @@ def test_every_family_implements_the_whole_protocol_itself():
         assert cls.name == key and cls.__bases__ == (object,)
         for m in members:
             assert m in vars(cls), f"{cls.__name__} lacks {m}"
+
+
+def test_error_messages_name_only_keys_that_exist():
+    """Every config key a raised error names (``section.key``) is a real key, so a user can act on it."""
+    import re
+
+    from diffgrpo.config import RunConfig
+
+    def keys(obj, prefix=""):
+        import dataclasses
+        out = set()
+        for f in dataclasses.fields(obj):
+            v = getattr(obj, f.name)
+            out |= keys(v, f"{prefix}{f.name}.") if dataclasses.is_dataclass(v) else {f"{prefix}{f.name}"}
+        return out
+
+    real = keys(RunConfig())
+    sections = {k.split(".")[0] for k in real if "." in k}
+    pattern = re.compile(r"(?<![\w./-])(" + "|".join(sorted(sections)) + r")\.([a-z_]+)")
+    named = []
+    for path in SRC.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Raise) and node.exc is not None:
+                for c in ast.walk(node.exc):
+                    if isinstance(c, ast.Constant) and isinstance(c.value, str):
+                        named += [(f"{path.relative_to(SRC)}:{node.lineno}", f"{s}.{k}")
+                                  for s, k in pattern.findall(c.value)]
+    assert len(named) > 40  # the scan sees the messages
+    unknown = [(where, key) for where, key in named if key not in real and not key.startswith("reward.weights")]
+    assert unknown == []
