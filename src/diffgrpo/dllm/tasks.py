@@ -11,7 +11,7 @@ pretrain the built-in model) and a reward computed from the completion text alon
 Verifiers score any string and never raise: a completion longer than ``Task.max_chars`` (64 characters per
 token of the task's ``gen_length``, far beyond any decoded completion) scores 0 without being parsed; digits are
 ASCII only (no Unicode digit passes for an answer); countdown expressions are read by a bounded parser (no
-``eval``, no ``**``, literals of at most 15 digits, nesting at most 32 deep); a JSON document too deep to decode
+``eval``, no ``**``, literals of at most 15 digits, nesting at most 32 deep); a JSON document nested deeper than 64
 scores as not JSON. Every component but json_schema's ``errors`` (a count, −1 when not JSON) lies in [0, 1].
 
 Splits: arithmetic, countdown and json_schema split by a seeded hash of the instance; sudoku splits by the
@@ -177,7 +177,7 @@ class Task:
 
 # ---------------------------------------------------------------------------------------------- arithmetic
 def _canonical_int(digits: str) -> str:
-    """'-?[0-9]+' → str(int(digits)) without int(), which refuses more than 4300 digits: '-007' → '-7', '-0' → '0'."""
+    """'-?[0-9]+' → str(int(digits)), without int() (it refuses more than 4300 digits): '-007' → '-7', '-0' → '0'."""
     neg = digits.startswith("-")
     body = digits.lstrip("-").lstrip("0") or "0"
     return "-" + body if neg and body != "0" else body
@@ -304,7 +304,7 @@ class Sudoku(Task):
         blanks = [i for i, ch in enumerate(puzzle) if ch == "."]
         hits = sum(1 for i in blanks if i < len(text) and text[i] == sol[i])
         acc = hits / max(len(blanks), 1)
-        solved = (len(text) == 16 and re.fullmatch("[1-4]{16}", text) is not None and _valid_grid([int(c) for c in text])
+        solved = (re.fullmatch("[1-4]{16}", text) is not None and _valid_grid([int(c) for c in text])
                   and all(p == "." or p == t for p, t in zip(puzzle, text)))
         return {"reward": 0.5 * acc + 0.5 * solved, "cell_accuracy": acc, "correct": float(solved)}
 
@@ -456,6 +456,31 @@ def schema_from_spec(spec: str) -> dict[str, Any]:
     return {"type": "object", "properties": props, "required": list(props), "additionalProperties": False}
 
 
+_MAX_JSON_DEPTH = 64
+
+
+def _json_depth(text: str) -> int:
+    """Deepest nesting of [ and { outside JSON strings (a linear scan; unbalanced text is json.loads' to refuse)."""
+    depth = deepest = 0
+    in_str = escaped = False
+    for ch in text:
+        if in_str:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_str = False
+        elif ch == '"':
+            in_str = True
+        elif ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "]}":
+            depth -= 1
+    return deepest
+
+
 class JsonSchema(Task):
     name, prompt_length, gen_length = "json_schema", 20, 32
 
@@ -484,9 +509,11 @@ class JsonSchema(Task):
     def score(self, completion, ex):
         import jsonschema
 
+        if _json_depth(completion) > _MAX_JSON_DEPTH:  # decided here, not by how deep the caller's stack is
+            return dict(self.refused)
         try:
             obj = json.loads(completion.strip())
-        except (ValueError, RecursionError):  # not JSON (JSONDecodeError is a ValueError), or nested too deep
+        except (ValueError, RecursionError):  # not JSON (JSONDecodeError is a ValueError)
             return dict(self.refused)
         n_err = sum(1 for _ in jsonschema.Draft7Validator(ex.meta["schema"]).iter_errors(obj))
         return {"reward": 1.0 / (1 + n_err), "errors": float(n_err), "correct": float(n_err == 0)}
