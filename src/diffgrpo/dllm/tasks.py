@@ -29,7 +29,7 @@ import json
 import random
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -145,7 +145,7 @@ class Task:
         idx = torch.randint(len(pool), (n,), generator=generator)
         return [pool[int(i)] for i in idx]
 
-    refused: dict[str, float] = {}  # the components of a completion that cannot be read (all zero)
+    refused: ClassVar[dict[str, float]] = {}  # the components of a completion that cannot be read (all zero)
 
     @property
     def max_chars(self) -> int:
@@ -177,7 +177,7 @@ class Task:
 
 # ---------------------------------------------------------------------------------------------- arithmetic
 def _canonical_int(digits: str) -> str:
-    """'-?[0-9]+' → str(int(digits)), without int() (it refuses more than 4300 digits): '-007' → '-7', '-0' → '0'."""
+    """'-?[0-9]+' → str(int(digits)) without int() (which refuses over 4300 digits): '-007' → '-7', '-0' → '0'."""
     neg = digits.startswith("-")
     body = digits.lstrip("-").lstrip("0") or "0"
     return "-" + body if neg and body != "0" else body
@@ -201,7 +201,7 @@ class Arithmetic(Task):
             self._cache[split] = out
         return self._cache[split]
 
-    refused = {"reward": 0.0, "format": 0.0, "correct": 0.0}
+    refused: ClassVar[dict[str, float]] = {"reward": 0.0, "format": 0.0, "correct": 0.0}
 
     def score(self, completion, ex):
         ans = extract_answer(completion)
@@ -296,7 +296,7 @@ class Sudoku(Task):
             self._cache[split] = out
         return self._cache[split]
 
-    refused = {"reward": 0.0, "cell_accuracy": 0.0, "correct": 0.0}
+    refused: ClassVar[dict[str, float]] = {"reward": 0.0, "cell_accuracy": 0.0, "correct": 0.0}
 
     def score(self, completion, ex):
         sol, puzzle = ex.meta["solution"], ex.prompt
@@ -421,7 +421,7 @@ class Countdown(Task):
             self._cache[split] = out
         return self._cache[split]
 
-    refused = {"reward": 0.0, "format": 0.0, "correct": 0.0}
+    refused: ClassVar[dict[str, float]] = {"reward": 0.0, "format": 0.0, "correct": 0.0}
 
     def score(self, completion, ex):
         ans = extract_answer(completion)
@@ -504,7 +504,7 @@ class JsonSchema(Task):
             self._cache[split] = out
         return self._cache[split]
 
-    refused = {"reward": 0.0, "errors": -1.0, "correct": 0.0}
+    refused: ClassVar[dict[str, float]] = {"reward": 0.0, "errors": -1.0, "correct": 0.0}
 
     def score(self, completion, ex):
         import jsonschema
