@@ -8,6 +8,12 @@ pretrain the built-in model) and a reward computed from the completion text alon
   countdown    "3,5,2:13"          → "<answer>3*5-2</answer>"  reward 1.0 correct / 0.1 well-formed / 0
   json_schema  "a:int,b:str"       → '{"a":3,"b":"x"}'         reward 1/(1+#jsonschema errors), 0 if not JSON
 
+Verifiers score any string and never raise: a completion longer than ``Task.max_chars`` (64 characters per
+token of the task's ``gen_length``, far beyond any decoded completion) scores 0 without being parsed; digits are
+ASCII only (no Unicode digit passes for an answer); countdown expressions are read by a bounded parser (no
+``eval``, no ``**``, literals of at most 15 digits, nesting at most 32 deep); a JSON document nested deeper than 64
+scores as not JSON. Every component but json_schema's ``errors`` (a count, −1 when not JSON) lies in [0, 1].
+
 Splits: arithmetic, countdown and json_schema split by a seeded hash of the instance; sudoku splits by the
 *solution grid* (no test solution is ever seen in training, whatever its blanks).
 
@@ -17,14 +23,13 @@ The vocabulary is character level plus the special tokens <pad>, <mask>, <eos> a
 """
 from __future__ import annotations
 
-import ast
 import hashlib
 import itertools
 import json
 import random
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -140,8 +145,23 @@ class Task:
         idx = torch.randint(len(pool), (n,), generator=generator)
         return [pool[int(i)] for i in idx]
 
+    refused: ClassVar[dict[str, float]] = {}  # the components of a completion that cannot be read (all zero)
+
+    @property
+    def max_chars(self) -> int:
+        """Longest completion that is parsed at all: 64 characters per token of ``gen_length`` (the built-in
+        vocabulary's longest token has 9), so that an adversarial string costs O(1) to refuse."""
+        return 64 * self.gen_length
+
     def reward(self, completion: str, ex: Example) -> dict[str, float]:
-        """→ {"reward": float, <components>: float, "correct": 0/1}."""
+        """→ {"reward": float, <components>: float, "correct": 0/1}. Any string is scored and nothing raises:
+        a non-string or a completion longer than ``max_chars`` gets ``refused`` (reward 0)."""
+        if not isinstance(completion, str) or len(completion) > self.max_chars:
+            return dict(self.refused)
+        return self.score(completion, ex)
+
+    def score(self, completion: str, ex: Example) -> dict[str, float]:
+        """The verifier proper, given a string of at most ``max_chars`` characters."""
         raise NotImplementedError
 
     def slip(self, ex: Example) -> str | None:
@@ -156,6 +176,13 @@ class Task:
 
 
 # ---------------------------------------------------------------------------------------------- arithmetic
+def _canonical_int(digits: str) -> str:
+    """'-?[0-9]+' → str(int(digits)) without int() (which refuses over 4300 digits): '-007' → '-7', '-0' → '0'."""
+    neg = digits.startswith("-")
+    body = digits.lstrip("-").lstrip("0") or "0"
+    return "-" + body if neg and body != "0" else body
+
+
 class Arithmetic(Task):
     name, prompt_length, gen_length = "arithmetic", 6, 8
 
@@ -174,10 +201,12 @@ class Arithmetic(Task):
             self._cache[split] = out
         return self._cache[split]
 
-    def reward(self, completion, ex):
+    refused: ClassVar[dict[str, float]] = {"reward": 0.0, "format": 0.0, "correct": 0.0}
+
+    def score(self, completion, ex):
         ans = extract_answer(completion)
-        fmt = ans is not None and re.fullmatch(r"-?\d+", ans) is not None
-        correct = fmt and int(ans) == ex.meta["target"]
+        fmt = ans is not None and re.fullmatch(r"-?[0-9]+", ans) is not None  # ASCII digits only
+        correct = fmt and _canonical_int(ans) == str(ex.meta["target"])
         return {"reward": 0.1 * fmt + 0.9 * correct, "format": float(fmt), "correct": float(correct)}
 
     def slip(self, ex):
@@ -267,13 +296,15 @@ class Sudoku(Task):
             self._cache[split] = out
         return self._cache[split]
 
-    def reward(self, completion, ex):
+    refused: ClassVar[dict[str, float]] = {"reward": 0.0, "cell_accuracy": 0.0, "correct": 0.0}
+
+    def score(self, completion, ex):
         sol, puzzle = ex.meta["solution"], ex.prompt
         text = completion.strip()
         blanks = [i for i, ch in enumerate(puzzle) if ch == "."]
         hits = sum(1 for i in blanks if i < len(text) and text[i] == sol[i])
         acc = hits / max(len(blanks), 1)
-        solved = (len(text) == 16 and text.isdigit() and _valid_grid([int(c) for c in text])
+        solved = (re.fullmatch("[1-4]{16}", text) is not None and _valid_grid([int(c) for c in text])
                   and all(p == "." or p == t for p, t in zip(puzzle, text)))
         return {"reward": 0.5 * acc + 0.5 * solved, "cell_accuracy": acc, "correct": float(solved)}
 
@@ -283,41 +314,83 @@ class Sudoku(Task):
 
 
 # ---------------------------------------------------------------------------------------------- countdown
+_MAX_EXPR_CHARS = 1024  # longer expressions are not read at all
+_MAX_LITERAL_DIGITS = 15  # every integer of at most 15 digits is exact as a float; longer ones are malformed
+_MAX_NESTING = 32  # parentheses and unary minus, together
+_EXPR_TOKEN = re.compile(r"[0-9]+|[-+*/()]")
+
+
+class _Malformed(Exception):
+    pass
+
+
 def safe_eval(expr: str) -> tuple[float, list[int]] | None:
-    """Value and integer literals of an arithmetic expression (+ − * / parentheses), or None if malformed."""
-    if not expr or not re.fullmatch(r"[0-9+\-*/() ]+", expr):
+    """Value and integer literals of an arithmetic expression (+ − * / parentheses, unary minus, spaces between
+    tokens), or None if malformed: another character (``**`` included), a zero divisor, a literal with a leading
+    zero or more than 15 digits, nesting deeper than 32, or more than 1024 characters. A recursive-descent parser
+    with Python's precedence and left associativity, in float arithmetic as Python evaluates it (a product too large
+    for a float is inf, not an error); its work is linear in the length, which is bounded."""
+    if not isinstance(expr, str) or not expr or len(expr) > _MAX_EXPR_CHARS \
+            or not re.fullmatch(r"[0-9+\-*/() ]+", expr):
         return None
-    try:
-        tree = ast.parse(expr, mode="eval")
-    except SyntaxError:
-        return None
+    toks = _EXPR_TOKEN.findall(expr)  # spaces dropped: "1 2" leaves two numbers in a row, which does not parse
     nums: list[int] = []
+    pos = 0
 
-    def ev(n):
-        if isinstance(n, ast.Expression):
-            return ev(n.body)
-        if isinstance(n, ast.Constant) and isinstance(n.value, int):
-            nums.append(n.value)
-            return float(n.value)
-        if isinstance(n, ast.BinOp) and type(n.op) in (ast.Add, ast.Sub, ast.Mult, ast.Div):
-            a, b = ev(n.left), ev(n.right)
-            if isinstance(n.op, ast.Add):
-                return a + b
-            if isinstance(n.op, ast.Sub):
-                return a - b
-            if isinstance(n.op, ast.Mult):
-                return a * b
-            if b == 0:
-                raise ZeroDivisionError
-            return a / b
-        if isinstance(n, ast.UnaryOp) and isinstance(n.op, ast.USub):
-            return -ev(n.operand)
-        raise ValueError("unsupported syntax")
+    def peek() -> str:
+        return toks[pos] if pos < len(toks) else ""
+
+    def factor(depth: int) -> float:
+        nonlocal pos
+        if depth > _MAX_NESTING:
+            raise _Malformed
+        t = peek()
+        pos += 1
+        if t == "-":
+            return -factor(depth + 1)
+        if t == "(":
+            v = expr_(depth + 1)
+            if peek() != ")":
+                raise _Malformed
+            pos += 1
+            return v
+        if t.isdigit():  # the token pattern admits ASCII digits only
+            if len(t) > _MAX_LITERAL_DIGITS or (t[0] == "0" and t.strip("0")):
+                raise _Malformed
+            nums.append(int(t))
+            return float(int(t))
+        raise _Malformed
+
+    def term(depth: int) -> float:
+        nonlocal pos
+        v = factor(depth)
+        while peek() in ("*", "/"):
+            op = peek()
+            pos += 1
+            w = factor(depth)
+            if op == "*":
+                v = v * w
+            elif w == 0:
+                raise _Malformed
+            else:
+                v = v / w
+        return v
+
+    def expr_(depth: int) -> float:
+        nonlocal pos
+        v = term(depth)
+        while peek() in ("+", "-"):
+            op = peek()
+            pos += 1
+            w = term(depth)
+            v = v + w if op == "+" else v - w
+        return v
 
     try:
-        return ev(tree), nums
-    except (ValueError, ZeroDivisionError, RecursionError):
+        value = expr_(0)
+    except _Malformed:
         return None
+    return (value, nums) if pos == len(toks) else None
 
 
 class Countdown(Task):
@@ -348,7 +421,9 @@ class Countdown(Task):
             self._cache[split] = out
         return self._cache[split]
 
-    def reward(self, completion, ex):
+    refused: ClassVar[dict[str, float]] = {"reward": 0.0, "format": 0.0, "correct": 0.0}
+
+    def score(self, completion, ex):
         ans = extract_answer(completion)
         parsed = safe_eval(ans) if ans is not None else None
         if parsed is None:
@@ -381,6 +456,31 @@ def schema_from_spec(spec: str) -> dict[str, Any]:
     return {"type": "object", "properties": props, "required": list(props), "additionalProperties": False}
 
 
+_MAX_JSON_DEPTH = 64
+
+
+def _json_depth(text: str) -> int:
+    """Deepest nesting of [ and { outside JSON strings (a linear scan; unbalanced text is json.loads' to refuse)."""
+    depth = deepest = 0
+    in_str = escaped = False
+    for ch in text:
+        if in_str:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_str = False
+        elif ch == '"':
+            in_str = True
+        elif ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "]}":
+            depth -= 1
+    return deepest
+
+
 class JsonSchema(Task):
     name, prompt_length, gen_length = "json_schema", 20, 32
 
@@ -404,13 +504,17 @@ class JsonSchema(Task):
             self._cache[split] = out
         return self._cache[split]
 
-    def reward(self, completion, ex):
+    refused: ClassVar[dict[str, float]] = {"reward": 0.0, "errors": -1.0, "correct": 0.0}
+
+    def score(self, completion, ex):
         import jsonschema
 
+        if _json_depth(completion) > _MAX_JSON_DEPTH:  # decided here, not by how deep the caller's stack is
+            return dict(self.refused)
         try:
             obj = json.loads(completion.strip())
-        except (json.JSONDecodeError, ValueError):
-            return {"reward": 0.0, "errors": -1.0, "correct": 0.0}
+        except (ValueError, RecursionError):  # not JSON (JSONDecodeError is a ValueError)
+            return dict(self.refused)
         n_err = sum(1 for _ in jsonschema.Draft7Validator(ex.meta["schema"]).iter_errors(obj))
         return {"reward": 1.0 / (1 + n_err), "errors": float(n_err), "correct": float(n_err == 0)}
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from ..cache import cache_root, save_dir_atomic
+from ..cache import cache_lock, cache_root, save_dir_atomic
 from ..dllm.tasks import VOCAB, get_task, pad_right
 from ..errors import ConfigError
 from .pretraining import pretrain_step
@@ -186,24 +186,28 @@ def pretrain_tiny_mlm(task, pcfg, *, progress: bool = True, arch: dict | None = 
 
 def load_or_pretrain_mlm(task, pcfg, *, cache_dir: str = "", progress: bool = True, log=print,
                          arch: dict | None = None) -> nn.Module:
-    """The cached pretrained tiny dLLM for this task and recipe; pretrains (and caches) it if absent."""
+    """The cached pretrained tiny dLLM for this task and recipe; pretrains (and caches) it if absent.
+
+    Checked, pretrained and saved under the entry's lock: concurrent runs and torchrun ranks pretrain once, the
+    others wait and then load the same weights."""
     from safetensors.torch import load_file, save_file
 
     a = {**TINY_ARCH, **(arch or {})}
     path = cache_root(cache_dir) / f"tiny-mlm-{task.name}-{_recipe_key(task.name, a, pcfg)}"
-    if (path / "model.safetensors").is_file():
-        net = tiny_bert(len(VOCAB), max_positions=task.prompt_length + task.gen_length, **a)
-        net.load_state_dict(load_file(str(path / "model.safetensors")))
-        return net.eval()
-    log(f"no cached tiny dLLM at {path}; pretraining it ({pcfg.steps} steps, runs once)")
-    net = pretrain_tiny_mlm(task, pcfg, progress=progress, arch=a)
+    net = tiny_bert(len(VOCAB), max_positions=task.prompt_length + task.gen_length, **a)
+    with cache_lock(path):
+        if not (path / "model.safetensors").is_file():
+            log(f"no cached tiny dLLM at {path}; pretraining it ({pcfg.steps} steps, runs once)")
+            trained = pretrain_tiny_mlm(task, pcfg, progress=progress, arch=a)
 
-    def write(tmp):
-        save_file(untied_state_dict(net), str(tmp / "model.safetensors"))
-        (tmp / "config.json").write_text(json.dumps({"task": task.name, "arch": a, "pretrain": vars(pcfg)}, indent=2))
+            def write(tmp):
+                save_file(untied_state_dict(trained), str(tmp / "model.safetensors"))
+                (tmp / "config.json").write_text(json.dumps({"task": task.name, "arch": a, "pretrain": vars(pcfg)},
+                                                            indent=2))
 
-    save_dir_atomic(path, write)
-    return net
+            save_dir_atomic(path, write)
+    net.load_state_dict(load_file(str(path / "model.safetensors")))
+    return net.eval()
 
 
 class HFTokenizerVocab:
