@@ -282,6 +282,7 @@ class RunConfig:
                 raise ConfigError(f"override {item!r} must look like key=value (e.g. engine.name=recompute)")
             key, raw = item.split("=", 1)
             key = key.strip()
+            _walk(cfg, key)  # an unknown key is reported before its value is parsed
             set_path(cfg, key, _parse_value(key, raw) if raw.strip() else "")
         validate(cfg)
         return cfg
@@ -317,6 +318,11 @@ def _one_line(text: str) -> str:
     return " ".join(str(text).split())
 
 
+def _show_key(key: str) -> str:
+    """A key as written in messages: plain when it is printable without spaces, else its repr (one line)."""
+    return key if key.isprintable() and not any(c.isspace() for c in key) else repr(key)
+
+
 def _yaml_problem(e: Exception) -> str:
     """``line L, column C: problem`` of a YAML parse error (one line); other errors by their message."""
     problem = getattr(e, "problem", None) or getattr(e, "context", None)
@@ -332,7 +338,7 @@ def _parse_value(key: str, raw: str):
     try:
         return yaml.safe_load(raw)
     except Exception as e:  # noqa: BLE001 - YAMLError, or a constructor's ValueError (e.g. 2024-13-45)
-        raise ConfigError(f"{key}: value {raw!r} is not valid YAML ({_yaml_problem(e)}); give a scalar, a list "
+        raise ConfigError(f"{_show_key(key)}: value {raw!r} is not valid YAML ({_yaml_problem(e)}); give a scalar, a list "
                           f"[a, b] or a mapping {{k: v}}, quoting text that contains YAML syntax") from None
 
 
@@ -417,10 +423,11 @@ def _coerce(key: str, value, tp, meta):
                 raise TypeError
             value = {str(k): v for k, v in value.items()}
             for k, v in value.items():
+                entry = _show_key(f"{key}.{k}")
                 if not isinstance(v, (int, float)) or isinstance(v, bool):
-                    raise ConfigError(f"{key}.{k}: weight {v!r} must be a number")
+                    raise ConfigError(f"{entry}: weight {v!r} must be a number")
                 if not math.isfinite(v):
-                    raise ConfigError(f"{key}.{k}: weight {v!r} must be a finite number")
+                    raise ConfigError(f"{entry}: weight {v!r} must be a finite number")
         elif origin is list:
             if isinstance(value, (int, float, str)) and not isinstance(value, bool):
                 value = [value]
@@ -450,9 +457,9 @@ def _hints(cls) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
-def set_path(cfg, dotted: str, value) -> None:
-    """Set ``a.b=value`` on nested dataclasses, with type/range checks and did-you-mean on unknown keys.
-    A mapping given for a section sets each of its keys by its full dotted name."""
+def _walk(cfg, dotted: str):
+    """Resolve a dotted key → (owner dataclass, field, its type, entry name or None for ``reward.weights.<name>``).
+    Unknown keys fail with a did-you-mean hint."""
     parts = dotted.split(".")
     obj, path = cfg, []
     for i, part in enumerate(parts):
@@ -462,24 +469,32 @@ def set_path(cfg, dotted: str, value) -> None:
             full = ".".join(path + [part])
             raise ConfigError(f"unknown config key {full!r}{suggest(part, names)}; keys under {where}: {names}")
         path.append(part)
-        hints = _hints(type(obj))
         fld = next(f for f in dataclasses.fields(obj) if f.name == part)
+        tp = _hints(type(obj))[part]
         if i == len(parts) - 1:
-            if dataclasses.is_dataclass(hints[part]):
-                if not isinstance(value, dict):
-                    raise ConfigError(f"{dotted}: is a section; set its keys (e.g. {dotted}.<key>=...)")
-                for k, v in value.items():
-                    set_path(cfg, f"{dotted}.{k}", v)
-                return
-            setattr(obj, part, _coerce(".".join(path), value, hints[part], fld.metadata))
-        else:
-            child = getattr(obj, part)
-            if isinstance(child, dict) and i == len(parts) - 2:  # reward.weights.<name>=value
-                setattr(obj, part, _coerce(".".join(path), {**child, parts[-1]: value}, hints[part], fld.metadata))
-                return
-            obj = child
-            if not dataclasses.is_dataclass(obj):
-                raise ConfigError(f"unknown config key {dotted!r}: {'.'.join(path)} is not a section")
+            return obj, fld, tp, None
+        child = getattr(obj, part)
+        if isinstance(child, dict) and i == len(parts) - 2:  # reward.weights.<name>
+            return obj, fld, tp, parts[-1]
+        if not dataclasses.is_dataclass(child):
+            raise ConfigError(f"unknown config key {dotted!r}: {'.'.join(path)} is not a section")
+        obj = child
+
+
+def set_path(cfg, dotted: str, value) -> None:
+    """Set ``a.b=value`` on nested dataclasses, with type/range checks and did-you-mean on unknown keys.
+    A mapping given for a section sets each of its keys by its full dotted name."""
+    obj, fld, tp, entry = _walk(cfg, dotted)
+    if entry is not None:  # reward.weights.<name>=value
+        key = dotted[: -len(entry) - 1]
+        setattr(obj, fld.name, _coerce(key, {**getattr(obj, fld.name), entry: value}, tp, fld.metadata))
+    elif dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{dotted}: is a section; set its keys (e.g. {dotted}.<key>=...)")
+        for k, v in value.items():
+            set_path(cfg, f"{dotted}.{k}", v)
+    else:
+        setattr(obj, fld.name, _coerce(dotted, value, tp, fld.metadata))
 
 
 def from_dict(cls, data: dict):
