@@ -338,3 +338,15 @@ def test_output_dir_without_write_permission_simulated(tmp_path, monkeypatch):
         f"log.output_dir: value {str(ro) + '/run/x'!r} cannot be created: no write permission in {str(ro)!r}")
     assert _error(RunConfig.from_overrides, [f"log.output_dir={ro}"]).startswith(
         f"log.output_dir: value {str(ro)!r} is not writable (no write permission)")
+
+
+# ------------------------------------------------------------------------------------------ YAML booleans
+def test_yaml_booleans_where_a_word_is_meant():
+    """YAML 1.1 reads no / true / 1 as booleans or ints; a choice field gets the word, a bool field the value."""
+    assert RunConfig.from_overrides(["model.mixed_precision=no"]).model.mixed_precision == "no"
+    mlm = RunConfig.from_overrides([*MLM, "dllm.logits_shift=true"])
+    assert mlm.dllm.logits_shift == "true"
+    assert RunConfig.from_overrides([*MLM, "dllm.logits_shift=false"]).dllm.logits_shift == "false"
+    assert RunConfig.from_overrides(["log.progress=0"]).log.progress is False
+    assert RunConfig.from_overrides(["log.progress=1"]).log.progress is True
+    assert _error(RunConfig.from_overrides, ["log.progress=2"]).startswith("log.progress: value 2 is not a valid bool")

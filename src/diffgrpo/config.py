@@ -391,6 +391,8 @@ def _coerce(key: str, value, tp, meta):
         if origin is bool:
             if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
                 value = value.lower() in ("true", "1", "yes")
+            if type(value) is int and value in (0, 1):  # YAML reads 1 / 0 as ints
+                value = bool(value)
             if not isinstance(value, bool):
                 raise TypeError
         elif origin is int:
@@ -406,6 +408,9 @@ def _coerce(key: str, value, tp, meta):
         elif origin is str:
             if value is None:
                 value = ""
+            if isinstance(value, bool):  # YAML 1.1 reads no / yes / true / off as booleans: the word was meant
+                words = ("true", "yes", "on") if value else ("false", "no", "off")
+                value = next((w for w in words if w in (meta.get("choices") or ())), words[0])
             if isinstance(value, (list, tuple)):
                 if not all(isinstance(v, _SCALARS) for v in value):
                     raise TypeError
