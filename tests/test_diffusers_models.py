@@ -344,6 +344,8 @@ def test_real_model_configs_validate(name, tmp_path, monkeypatch):
 
     root = Path(__file__).resolve().parents[1]
     monkeypatch.syspath_prepend(str(root / "examples"))  # the launch commands set PYTHONPATH=examples
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the configs name a GPU this machine may lack
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     (tmp_path / "p.txt").write_text("a photo of a cat\n")
     cfg = RunConfig.from_yaml(root / "configs" / f"{name}.yaml",
                               [f"train.prompts_file={tmp_path / 'p.txt'}", f"eval.prompts_file={tmp_path / 'p.txt'}"])

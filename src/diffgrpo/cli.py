@@ -182,6 +182,8 @@ def cmd_sample(args) -> int:
             raise ConfigError(f"--weights: run directory {str(src)!r} has no config.yaml + weights.safetensors")
         data = _distrust(_saved_data(src, "--weights"), overrides, path=src / "config.yaml", command="--weights",
                          strict=False)
+        if isinstance(data.get("log"), dict):  # sampling writes no run directory (the saved one may be elsewhere)
+            data["log"]["output_dir"] = ""
         cfg = RunConfig.from_overrides(overrides + ["log.progress=false"], base=from_dict(RunConfig, data))
         src = src / "weights.safetensors"
     else:

@@ -3,25 +3,42 @@
 Sources, applied in order: defaults → YAML file → dotted overrides (``engine.name=jagg``). Every value is
 checked against its field's type, allowed values and range; unknown keys fail with a did-you-mean hint.
 Errors are :class:`ConfigError` with a one-line message naming the key, the value and what is allowed.
+:func:`validate` re-applies every per-field check (so a config built or edited in Python is held to the same rules)
+and then the checks that span fields or look at the machine (device, logging packages, output directory).
 """
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import functools
+import importlib
+import importlib.util
+import inspect
+import math
+import os
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 
+from .dllm.tasks import VOCAB, get_task
 from .engines import ENGINES
 from .errors import ConfigError, suggest
-from .rewards import resolve_reward
+from .rewards import REWARDS, resolve_reward
+from .samplers.masked import schedule
+
+# Plausibility bound: samples drawn per iteration (train.prompts_per_batch × train.group_size, all ranks together).
+# Far above any real run (FlowGRPO: 48 × 24 = 1152 per node), far below what would exhaust memory before failing.
+MAX_SAMPLES_PER_ITERATION = 65536
 
 
-def _f(default, *, choices=None, lo=None, hi=None, doc="", **kw):
-    """A dataclass field carrying validation metadata (choices, inclusive bounds) and a doc string."""
-    meta = {"choices": choices, "lo": lo, "hi": hi, "doc": doc}
+def _f(default, *, choices=None, lo=None, hi=None, gt=None, path=False, doc="", **kw):
+    """A dataclass field carrying validation metadata (choices, inclusive bounds ``lo``/``hi``, exclusive lower
+    bound ``gt``, ``path``: a file-system path whose leading ``~`` is expanded) and a doc string."""
+    meta = {"choices": choices, "lo": lo, "hi": hi, "gt": gt, "path": path, "doc": doc}
     if isinstance(default, (dict, list)):
         return field(default_factory=lambda: type(default)(default), metadata=meta, **kw)
     return field(default=default, metadata=meta, **kw)
@@ -37,8 +54,8 @@ class ModelConfig:
                    doc="policy adapter: tiny (flow), diffusers (SD3/FLUX/Wan/Qwen-Image pipeline at model.pretrained), "
                        "tiny_mlm / hf_masked_lm (masked diffusion LM, see dllm.*)")
     guidance_scale: float = _f(1.0, lo=0.0, doc="classifier-free guidance scale; 1 = no CFG (one forward)")
-    device: str = _f("cpu", doc="torch device for the policy")
-    cache_dir: str = _f("", doc="where pretrained built-in models live (default $DIFFGRPO_CACHE or ~/.cache/diffgrpo)")
+    device: str = _f("cpu", doc="torch device for the policy: cpu, cuda, cuda:N or mps (must exist on this machine)")
+    cache_dir: str = _f("", path=True, doc="where pretrained built-in models live (default $DIFFGRPO_CACHE or ~/.cache/diffgrpo)")
     # built-in tiny model architecture (a real diffusers SD3Transformer2DModel at tiny size)
     image_size: int = _f(16, choices=(8, 16, 32), doc="tiny model: image side in pixels")
     patch_size: int = _f(2, choices=(1, 2, 4), doc="tiny model: transformer patch size")
@@ -47,7 +64,7 @@ class ModelConfig:
     head_dim: int = _f(16, lo=4, hi=256, doc="tiny model: channels per head")
     text_dim: int = _f(32, lo=4, hi=1024, doc="tiny model: prompt-encoder width")
     # diffusers pipelines (model.name=diffusers); guidance_scale is true CFG, or FLUX's distilled guidance value
-    pretrained: str = _f("", doc="diffusers: local pipeline directory or hub id")
+    pretrained: str = _f("", path=True, doc="diffusers: local pipeline directory or hub id")
     family: str = _f("auto", choices=("auto", "sd3", "flux", "wan", "qwenimage"),
                      doc="diffusers: model family; auto = from the transformer class")
     dtype: str = _f("float32", choices=("float32", "bfloat16", "float16"), doc="diffusers: weight dtype of the pipeline")
@@ -67,7 +84,7 @@ class ModelConfig:
 @dataclass
 class PretrainConfig:
     steps: int = _f(800, lo=1, doc="flow-matching pretraining steps for the built-in model")
-    batch_size: int = _f(128, lo=1)
+    batch_size: int = _f(128, lo=1, hi=MAX_SAMPLES_PER_ITERATION)
     lr: float = _f(2e-3, lo=0.0)
     cond_dropout: float = _f(0.1, lo=0.0, hi=1.0, doc="probability of the null prompt (enables CFG)")
     seed: int = _f(0)
@@ -136,8 +153,10 @@ class EngineConfig:
 @dataclass
 class TrainConfig:
     num_iterations: int = _f(40, lo=0)
-    prompts_per_batch: int = _f(8, lo=1)
-    group_size: int = _f(8, lo=2, doc="samples per prompt (GRPO group)")
+    prompts_per_batch: int = _f(8, lo=1, hi=MAX_SAMPLES_PER_ITERATION,
+                                doc="prompts per iteration (all ranks); prompts_per_batch × group_size <= 65536")
+    group_size: int = _f(8, lo=2, hi=MAX_SAMPLES_PER_ITERATION,
+                         doc="samples per prompt (GRPO group); prompts_per_batch × group_size <= 65536")
     lr: float = _f(1e-4, lo=0.0, doc="AdamW learning rate (full fine-tune of the built-in model; 3e-4 climbs "
                                      "faster but starts to exploit the reward classifier: noisy, less diverse digits)")
     weight_decay: float = _f(0.0, lo=0.0)
@@ -150,7 +169,7 @@ class TrainConfig:
     ema_decay: float = _f(0.0, lo=0.0, hi=0.9999, doc="EMA of trainable weights for evaluation; 0 = off")
     max_bad_updates: int = _f(3, lo=1, doc="stop after this many consecutive non-finite updates")
     digits: list = _f([0, 1, 2, 3, 4, 5, 6, 7, 8, 9], doc="training prompt digits")
-    prompts_file: str = _f("", doc="text file, one training prompt per line (replaces the digit prompts)")
+    prompts_file: str = _f("", path=True, doc="UTF-8 text file, one training prompt per line (replaces the digit prompts)")
 
 
 @dataclass
@@ -164,9 +183,12 @@ class DLLMConfig:
                      doc="base method: likelihood estimator + advantage baseline")
     method_defaults: bool = _f(True, doc="use the method's advantage baseline/std (else the advantage section)")
     clip_range: float = _f(0.2, lo=0.0, doc="PPO clip ε on per-token ratios (d1 and TRL use 0.2)")
-    gen_length: int = _f(0, lo=0, doc="completion tokens; 0 = the task's default")
-    block_length: int = _f(0, lo=0, doc="semi-autoregressive block size; 0 = gen_length (one block)")
-    diffusion_steps: int = _f(0, lo=0, doc="sampling steps; 0 = gen_length (one token per step)")
+    gen_length: int = _f(0, lo=0, doc="completion tokens; 0 = the task's default (tiny_mlm: at least the longest "
+                                      "answer, at most the default: the built-in model's positions)")
+    block_length: int = _f(0, lo=0, doc="semi-autoregressive block size, a divisor of gen_length; 0 = gen_length "
+                                        "(one block)")
+    diffusion_steps: int = _f(0, lo=0, doc="sampling steps, a multiple of the number of blocks and <= gen_length; "
+                                           "0 = gen_length (one token per step)")
     remasking: str = _f("low_confidence", choices=("low_confidence", "random"))
     temperature: float = _f(1.0, lo=0.0, doc="rollout sampling temperature")
     eval_temperature: float = _f(0.0, lo=0.0, doc="held-out evaluation temperature (0 = greedy)")
@@ -174,7 +196,7 @@ class DLLMConfig:
     eval_samples: int = _f(1, lo=1, doc="completions per held-out prompt (use > 1 with eval_temperature > 0)")
     p_mask_prompt: float = _f(0.15, lo=0.0, hi=1.0, doc="diffu_grpo: probability of masking each prompt token")
     num_mask_samples: int = _f(2, lo=1, doc="random_mask: mask ratios per completion (forwards)")
-    model_path: str = _f("", doc="hf_masked_lm: local directory or hub id")
+    model_path: str = _f("", path=True, doc="hf_masked_lm: local directory or hub id")
     trust_remote_code: bool = _f(False, doc="hf_masked_lm: allow the checkpoint's own code (LLaDA, Dream)")
     mask_token_id: int = _f(-1, lo=-1, doc="hf_masked_lm: id of the mask token; -1 = the tokenizer's "
                                            "(LLaDA checkpoints without one: 126336)")
@@ -207,14 +229,15 @@ class EvalConfig:
     seeds_per_prompt: int = _f(4, lo=1)
     seed: int = _f(1234)
     sde_type: str = _f("ode", choices=("ode", "flow_sde", "dance_sde", "cps"))
-    prompts_file: str = _f("", doc="text file, one evaluation prompt per line (default: the ten digit prompts)")
+    prompts_file: str = _f("", path=True, doc="UTF-8 text file, one evaluation prompt per line (default: the ten digit prompts)")
 
 
 @dataclass
 class LogConfig:
-    output_dir: str = _f("", doc="run directory; default runs/<timestamp>")
+    output_dir: str = _f("", path=True, doc="run directory (~ expanded; must be creatable and writable); "
+                                            "default runs/<timestamp>")
     progress: bool = _f(True, doc="progress bar")
-    tensorboard: bool = _f(False, doc="TensorBoard event files beside metrics.jsonl")
+    tensorboard: bool = _f(False, doc="TensorBoard event files beside metrics.jsonl (needs the tensorboard package)")
     wandb: bool = _f(False, doc="also log to Weights & Biases (needs the wandb package)")
     save_images: bool = _f(True, doc="sample grids and reward curve PNGs")
 
@@ -227,7 +250,8 @@ class DistConfig:
     group_layout: str = _f("local", choices=("local", "spread"),
                            doc="local: each rank samples whole groups; spread: every group's samples split over ranks")
     backend: str = _f("", doc="process-group backend; empty = nccl with CUDA, gloo otherwise")
-    timeout: float = _f(1800.0, lo=1.0, doc="timeout of collectives in seconds; a stalled rank fails the job after it")
+    timeout: float = _f(1800.0, gt=0.0, doc="timeout of collectives; a stalled rank fails the job after this many "
+                                            "seconds")
 
 
 @dataclass
@@ -257,16 +281,23 @@ class RunConfig:
             if "=" not in item:
                 raise ConfigError(f"override {item!r} must look like key=value (e.g. engine.name=recompute)")
             key, raw = item.split("=", 1)
-            set_path(cfg, key.strip(), yaml.safe_load(raw) if raw.strip() else "")
+            key = key.strip()
+            _walk(cfg, key)  # an unknown key is reported before its value is parsed
+            set_path(cfg, key, _parse_value(key, raw) if raw.strip() else "")
         validate(cfg)
         return cfg
 
     @classmethod
     def from_yaml(cls, path: str | Path, overrides: list[str] | None = None) -> "RunConfig":
         p = Path(path)
-        if not p.is_file():
+        if not _is_file(p):
             raise ConfigError(f"--config: file {str(p)!r} does not exist")
-        data = yaml.safe_load(p.read_text()) or {}
+        text = _read_text(p, "--config")
+        try:
+            data = yaml.safe_load(text) or {}
+        except Exception as e:  # noqa: BLE001 - YAMLError, or a constructor's ValueError (e.g. a bad date)
+            raise ConfigError(f"--config: file {str(p)!r} is not valid YAML ({_yaml_problem(e)}); fix the syntax "
+                              f"there") from None
         if not isinstance(data, dict):
             raise ConfigError(f"--config: {str(p)!r} must hold a mapping of sections, got {type(data).__name__}")
         return cls.from_overrides(overrides, base=from_dict(cls, data))
@@ -283,6 +314,76 @@ def to_dict(obj) -> dict[str, Any]:
     return dataclasses.asdict(obj)
 
 
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def _show_key(key: str) -> str:
+    """A key as written in messages: plain when it is printable without spaces, else its repr (one line)."""
+    return key if key.isprintable() and not any(c.isspace() for c in key) else repr(key)
+
+
+def _yaml_problem(e: Exception) -> str:
+    """``line L, column C: problem`` of a YAML parse error (one line); other errors by their message."""
+    problem = getattr(e, "problem", None) or getattr(e, "context", None)
+    mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+    if problem is None:
+        return _one_line(f"{type(e).__name__}: {e}")
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    return where + _one_line(problem)
+
+
+def _parse_value(key: str, raw: str):
+    """An override's value as YAML (a scalar, list or mapping); a syntax error names the key."""
+    try:
+        return yaml.safe_load(raw)
+    except Exception as e:  # noqa: BLE001 - YAMLError, or a constructor's ValueError (e.g. 2024-13-45)
+        raise ConfigError(f"{_show_key(key)}: value {raw!r} is not valid YAML ({_yaml_problem(e)}); give a scalar, a list "
+                          f"[a, b] or a mapping {{k: v}}, quoting text that contains YAML syntax") from None
+
+
+def _exists(p: Path) -> bool:
+    try:
+        return p.exists()
+    except (OSError, ValueError):  # a name too long, an embedded NUL byte
+        return False
+
+
+def _is_file(p: Path) -> bool:
+    try:
+        return p.is_file()
+    except (OSError, ValueError):  # a name too long, an embedded NUL byte
+        return False
+
+
+def _read_text(p: Path, key: str) -> str:
+    """The UTF-8 text of ``p`` (a byte-order mark is dropped); unreadable or non-UTF-8 files name ``key``."""
+    try:
+        data = p.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"{key}: file {str(p)!r} cannot be read ({e.strerror or e})") from None
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{key}: file {str(p)!r} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset "
+                          f"{e.start}); save it as UTF-8") from None
+
+
+_SCALARS = (str, int, float, bool, type(None), datetime.date)
+
+
+def _range_text(lo, hi, gt) -> str:
+    if gt is not None:
+        return f"must be > {gt}"
+    if lo is not None and hi is not None:
+        return f"must be in [{lo}, {hi}]"
+    if lo is not None:
+        return f"must be >= {lo}"
+    if hi is not None:
+        return f"must be <= {hi}"
+    return "must be finite"
+
+
 def _coerce(key: str, value, tp, meta):
     """Check ``value`` against the annotated type ``tp`` and the field's metadata; return the coerced value."""
     origin = typing.get_origin(tp) or tp
@@ -290,45 +391,80 @@ def _coerce(key: str, value, tp, meta):
         if origin is bool:
             if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
                 value = value.lower() in ("true", "1", "yes")
+            if type(value) is int and value in (0, 1):  # YAML reads 1 / 0 as ints
+                value = bool(value)
             if not isinstance(value, bool):
                 raise TypeError
         elif origin is int:
             if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
                 raise TypeError
+            if not isinstance(value, (int, float, str)):
+                raise TypeError
             value = int(value)
         elif origin is float:
-            if isinstance(value, bool):
+            if isinstance(value, bool) or not isinstance(value, (int, float, str)):
                 raise TypeError
             value = float(value)
         elif origin is str:
             if value is None:
                 value = ""
+            if isinstance(value, bool):  # YAML 1.1 reads no / yes / true / off as booleans: the word was meant
+                words = ("true", "yes", "on") if value else ("false", "no", "off")
+                value = next((w for w in words if w in (meta.get("choices") or ())), words[0])
             if isinstance(value, (list, tuple)):
+                if not all(isinstance(v, _SCALARS) for v in value):
+                    raise TypeError
                 value = ",".join(str(v) for v in value)
+            if not isinstance(value, _SCALARS):
+                raise TypeError
             value = str(value)
+            if meta.get("path") and value.startswith("~"):
+                try:
+                    value = os.path.expanduser(value)
+                except (ValueError, OSError):  # e.g. an embedded NUL byte: refused by the path checks
+                    pass
         elif origin is dict:
             if not isinstance(value, dict):
                 raise TypeError
+            value = {str(k): v for k, v in value.items()}
+            for k, v in value.items():
+                entry = _show_key(f"{key}.{k}")
+                if not isinstance(v, (int, float)) or isinstance(v, bool):
+                    raise ConfigError(f"{entry}: weight {v!r} must be a number")
+                if not math.isfinite(v):
+                    raise ConfigError(f"{entry}: weight {v!r} must be a finite number")
         elif origin is list:
             if isinstance(value, (int, float, str)) and not isinstance(value, bool):
                 value = [value]
-            if not isinstance(value, (list, tuple)):
+            if not isinstance(value, (list, tuple)) or not all(isinstance(v, _SCALARS) for v in value):
                 raise TypeError
             value = list(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError) as e:
+        if isinstance(e, ConfigError):
+            raise
         raise ConfigError(f"{key}: value {value!r} is not a valid {origin.__name__}") from None
-    choices, lo, hi = meta.get("choices"), meta.get("lo"), meta.get("hi")
+    choices, lo, hi, gt = meta.get("choices"), meta.get("lo"), meta.get("hi"), meta.get("gt")
     if choices is not None and value not in choices:
         raise ConfigError(f"{key}: value {value!r} is not allowed; choose one of {list(choices)}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{key}: value {value!r} is not a finite number; {_range_text(lo, hi, gt)}")
     if lo is not None and value < lo:
         raise ConfigError(f"{key}: value {value!r} is out of range; must be >= {lo}")
     if hi is not None and value > hi:
         raise ConfigError(f"{key}: value {value!r} is out of range; must be <= {hi}")
+    if gt is not None and not value > gt:
+        raise ConfigError(f"{key}: value {value!r} is out of range; must be > {gt}")
     return value
 
 
-def set_path(cfg, dotted: str, value) -> None:
-    """Set ``a.b=value`` on nested dataclasses, with type/range checks and did-you-mean on unknown keys."""
+@functools.lru_cache(maxsize=None)
+def _hints(cls) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _walk(cfg, dotted: str):
+    """Resolve a dotted key → (owner dataclass, field, its type, entry name or None for ``reward.weights.<name>``).
+    Unknown keys fail with a did-you-mean hint."""
     parts = dotted.split(".")
     obj, path = cfg, []
     for i, part in enumerate(parts):
@@ -338,24 +474,32 @@ def set_path(cfg, dotted: str, value) -> None:
             full = ".".join(path + [part])
             raise ConfigError(f"unknown config key {full!r}{suggest(part, names)}; keys under {where}: {names}")
         path.append(part)
-        hints = typing.get_type_hints(type(obj))
         fld = next(f for f in dataclasses.fields(obj) if f.name == part)
+        tp = _hints(type(obj))[part]
         if i == len(parts) - 1:
-            if dataclasses.is_dataclass(hints[part]):
-                if not isinstance(value, dict):
-                    raise ConfigError(f"{dotted}: is a section; set its keys (e.g. {dotted}.<key>=...)")
-                for k, v in value.items():
-                    set_path(getattr(obj, part), str(k), v)
-                return
-            setattr(obj, part, _coerce(".".join(path), value, hints[part], fld.metadata))
-        else:
-            child = getattr(obj, part)
-            if isinstance(child, dict) and i == len(parts) - 2:  # reward.weights.<name>=value
-                child[parts[-1]] = value
-                return
-            obj = child
-            if not dataclasses.is_dataclass(obj):
-                raise ConfigError(f"unknown config key {dotted!r}: {'.'.join(path)} is not a section")
+            return obj, fld, tp, None
+        child = getattr(obj, part)
+        if isinstance(child, dict) and i == len(parts) - 2:  # reward.weights.<name>
+            return obj, fld, tp, parts[-1]
+        if not dataclasses.is_dataclass(child):
+            raise ConfigError(f"unknown config key {dotted!r}: {'.'.join(path)} is not a section")
+        obj = child
+
+
+def set_path(cfg, dotted: str, value) -> None:
+    """Set ``a.b=value`` on nested dataclasses, with type/range checks and did-you-mean on unknown keys.
+    A mapping given for a section sets each of its keys by its full dotted name."""
+    obj, fld, tp, entry = _walk(cfg, dotted)
+    if entry is not None:  # reward.weights.<name>=value
+        key = dotted[: -len(entry) - 1]
+        setattr(obj, fld.name, _coerce(key, {**getattr(obj, fld.name), entry: value}, tp, fld.metadata))
+    elif dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{dotted}: is a section; set its keys (e.g. {dotted}.<key>=...)")
+        for k, v in value.items():
+            set_path(cfg, f"{dotted}.{k}", v)
+    else:
+        setattr(obj, fld.name, _coerce(dotted, value, tp, fld.metadata))
 
 
 def from_dict(cls, data: dict):
@@ -366,21 +510,172 @@ def from_dict(cls, data: dict):
     return cfg
 
 
+def _check_fields(obj, prefix: str = "") -> None:
+    """Re-apply every field's type, choice, range and finiteness check to a dataclass as it is (values set in
+    Python skip ``set_path``); stores the coerced value, e.g. an int learning rate as a float."""
+    hints = _hints(type(obj))
+    for f in dataclasses.fields(obj):
+        key, tp, value = prefix + f.name, hints[f.name], getattr(obj, f.name)
+        if dataclasses.is_dataclass(tp):
+            if not isinstance(value, tp):
+                raise ConfigError(f"{key}: value {value!r} is not a section; it must be a {tp.__name__}")
+            _check_fields(value, key + ".")
+        else:
+            setattr(obj, f.name, _coerce(key, value, tp, f.metadata))
+
+
 def validate(cfg: RunConfig) -> None:
-    """Cross-field checks that no single field can express. Raises ConfigError."""
+    """Every per-field check again (types, choices, ranges, finiteness: a config may have been built or edited in
+    Python), then the checks that span fields or look at this machine. Raises ConfigError before anything loads."""
+    if not isinstance(cfg, RunConfig):
+        raise ConfigError(f"config: value of type {type(cfg).__name__} is not a RunConfig")
+    _check_fields(cfg)
     family = MODEL_FAMILIES[cfg.model.name]
     _validate_family(cfg, family)
+    t = cfg.train
+    if t.prompts_per_batch * t.group_size > MAX_SAMPLES_PER_ITERATION:
+        raise ConfigError(f"train.prompts_per_batch: value {t.prompts_per_batch} is out of range with "
+                          f"train.group_size={t.group_size} ({t.prompts_per_batch * t.group_size} samples per "
+                          f"iteration); prompts_per_batch × group_size must be <= {MAX_SAMPLES_PER_ITERATION}")
     for key in ("train.prompts_file", "eval.prompts_file"):
         sec, name = key.split(".")
         path = getattr(getattr(cfg, sec), name)
-        if path and not Path(path).expanduser().is_file():
+        if not path:
+            continue
+        p = Path(path).expanduser()
+        if not _is_file(p):
             raise ConfigError(f"{key}: file {path!r} does not exist")
-        if path and not any(line.strip() for line in Path(path).expanduser().read_text().splitlines()):
+        if not any(line.strip() for line in _read_text(p, key).splitlines()):
             raise ConfigError(f"{key}: file {path!r} holds no prompts")
+    _validate_device(cfg.model.device)
+    _validate_logging(cfg.log)
     if family == "flow":
         _validate_flow(cfg)
-    elif cfg.model.name == "hf_masked_lm" and not cfg.dllm.model_path:
+    else:
+        _validate_dllm(cfg)
+
+
+def _validate_device(value: str) -> None:
+    """model.device must name a device this machine has: cpu, cuda / cuda:N (N < the GPU count) or mps."""
+    allowed = "choose 'cpu', 'cuda', 'cuda:N' or 'mps'"
+    try:
+        dev = torch.device(value)
+    except (RuntimeError, ValueError, TypeError):
+        raise ConfigError(f"model.device: value {value!r} is not a torch device; {allowed}") from None
+    if dev.type == "cpu":
+        return
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"model.device: value {value!r} is not available: torch.cuda.is_available() is false "
+                              f"(no GPU, no driver, or a CPU-only torch build); use model.device=cpu")
+        n = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= n:
+            raise ConfigError(f"model.device: value {value!r} is out of range; this machine has {n} CUDA "
+                              f"device(s): cuda:0 .. cuda:{n - 1}")
+        return
+    if dev.type == "mps":
+        if not torch.backends.mps.is_available():
+            raise ConfigError(f"model.device: value {value!r} is not available: torch.backends.mps.is_available() "
+                              f"is false; use model.device=cpu")
+        return
+    raise ConfigError(f"model.device: value {value!r} is not supported; {allowed}")
+
+
+def _importable(name: str) -> bool:
+    """Whether ``import name`` can find the module (without importing it)."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _validate_logging(log: "LogConfig") -> None:
+    if log.wandb and not _importable("wandb"):
+        raise ConfigError("log.wandb: value True needs the wandb package, which is not installed; pip install wandb, "
+                          "or set log.wandb=false")
+    if log.tensorboard and not _importable("tensorboard"):  # runlog writes with torch.utils.tensorboard
+        raise ConfigError("log.tensorboard: value True needs the tensorboard package (torch.utils.tensorboard writes "
+                          "with it), which is not installed; pip install 'diffgrpo[tensorboard]', or set "
+                          "log.tensorboard=false")
+    if log.output_dir:
+        _validate_output_dir(log.output_dir)
+
+
+def _validate_output_dir(value: str) -> None:
+    """The run directory must be a directory we can write in, or creatable under one."""
+    key = "log.output_dir"
+    try:
+        p = Path(value)
+        if p.exists():
+            if not p.is_dir():
+                raise ConfigError(f"{key}: value {value!r} is an existing file, not a directory; choose a directory "
+                                  f"path")
+            if not os.access(p, os.W_OK | os.X_OK):
+                raise ConfigError(f"{key}: value {value!r} is not writable (no write permission); choose a "
+                                  f"directory you can write to")
+            return
+        parent = p.absolute().parent
+        while not parent.exists():
+            parent = parent.parent
+        if not parent.is_dir():
+            raise ConfigError(f"{key}: value {value!r} cannot be created: {str(parent)!r} is a file; choose a "
+                              f"directory path")
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise ConfigError(f"{key}: value {value!r} cannot be created: no write permission in {str(parent)!r}; "
+                              f"choose a directory you can write to")
+    except (OSError, ValueError) as e:
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(f"{key}: value {value!r} is not a usable path ({_one_line(e)})") from None
+
+
+@functools.lru_cache(maxsize=None)
+def _answer_tokens(task_name: str) -> int:
+    """Tokens (built-in character vocabulary) of the task's longest reference answer, over both splits."""
+    task = get_task(task_name)
+    return max(len(VOCAB.encode(e.answer)) for split in ("train", "test") for e in task.instances(split))
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _validate_dllm(cfg: RunConfig) -> None:
+    """Masked-LM sizes, with the sampler's rules (samplers/masked.py:schedule) on the effective values
+    gen_length or the task's default, block_length or gen_length, diffusion_steps or gen_length."""
+    d = cfg.dllm
+    if cfg.model.name == "hf_masked_lm" and not d.model_path:
         raise ConfigError("dllm.model_path: required for model.name=hf_masked_lm (a local model directory or hub id)")
+    task = get_task(d.task)
+    if cfg.model.name == "tiny_mlm" and d.gen_length:
+        if d.gen_length > task.gen_length:
+            raise ConfigError(f"dllm.gen_length: value {d.gen_length} is out of range; the built-in tiny_mlm for "
+                              f"dllm.task={d.task} has positions for {task.gen_length} completion tokens; must be "
+                              f"<= {task.gen_length} (0 = {task.gen_length})")
+        need = _answer_tokens(d.task) if d.gen_length < task.gen_length else 0
+        if d.gen_length < need:
+            raise ConfigError(f"dllm.gen_length: value {d.gen_length} is out of range; the longest "
+                              f"dllm.task={d.task} answer has {need} tokens; must be >= {need} (0 = the task's "
+                              f"default {task.gen_length})")
+    gen = d.gen_length or task.gen_length
+    src = f"dllm.gen_length={gen}" if d.gen_length else f"dllm.task={d.task}'s default gen_length {gen}"
+    block = d.block_length or gen
+    if gen % block:
+        raise ConfigError(f"dllm.block_length: value {d.block_length} does not divide the generation length {gen} "
+                          f"({src}); choose one of {_divisors(gen)} or 0 (one block)")
+    n_blocks = gen // block
+    steps = d.diffusion_steps or gen
+    if steps > gen:
+        raise ConfigError(f"dllm.diffusion_steps: value {steps} is out of range; at most one step per token: must "
+                          f"be <= the generation length {gen} ({src})")
+    if steps % n_blocks:
+        raise ConfigError(f"dllm.diffusion_steps: value {steps} is not a multiple of the {n_blocks} blocks "
+                          f"(generation length {gen} / dllm.block_length {block}); choose one of "
+                          f"{list(range(n_blocks, gen + 1, n_blocks))} or 0 (= {gen})")
+    try:
+        schedule(gen, block, steps)  # the sampler's own rules, in case they grow
+    except ValueError as e:
+        raise ConfigError(f"dllm.diffusion_steps: value {steps} is not usable ({e})") from None
 
 
 # Keys each family reads (a section name covers all its keys); any other key set to a non-default value is refused.
@@ -430,18 +725,59 @@ def _validate_family(cfg: RunConfig, family: str) -> None:
                               f"read only for {what}; remove it")
 
 
+def _split_plugin(name: str) -> tuple[str, str, str]:
+    """``package.module:attr`` → (module, attr, problem); problem is empty when the form is well made."""
+    mod, _, attr = name.partition(":")
+    if not mod:
+        return mod, attr, "the module name is empty"
+    if not all(part.isidentifier() for part in mod.split(".")):
+        return mod, attr, f"{mod!r} is not a dotted module name"
+    if not attr.isidentifier():
+        return mod, attr, f"{attr!r} is not a Python name"
+    return mod, attr, ""
+
+
+def _validate_engine_name(name: str) -> None:
+    allowed = f"choose one of {sorted(ENGINES)} or an importable module:Class"
+    if name in ENGINES:
+        return
+    if ":" not in name:
+        raise ConfigError(f"engine.name: value {name!r} is not a registered engine{suggest(name, list(ENGINES))}; "
+                          f"{allowed}")
+    mod, attr, problem = _split_plugin(name)
+    if problem:
+        raise ConfigError(f"engine.name: value {name!r} is not a valid module:Class ({problem}); {allowed}")
+    try:
+        obj = getattr(importlib.import_module(mod), attr)
+    except Exception as e:  # noqa: BLE001 - anything the user's module raises on import
+        raise ConfigError(f"engine.name: value {name!r} cannot be imported ({type(e).__name__}: {_one_line(e)}); "
+                          f"{allowed}") from None
+    if not inspect.isclass(obj):
+        raise ConfigError(f"engine.name: value {name!r} is not a class (it is a {type(obj).__name__}); {allowed}")
+
+
+def _validate_reward_name(name: str) -> None:
+    if name not in REWARDS and ":" in name:
+        _, _, problem = _split_plugin(name)
+        if problem:
+            raise ConfigError(f"reward.weights: reward {name!r} is not a valid module:function ({problem}); choose "
+                              f"one of {sorted(REWARDS)} or package.module:function")
+    try:
+        resolve_reward(name)  # raises ConfigError for unknown names and failed imports
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - anything the user's module raises on import
+        raise ConfigError(f"reward.weights: cannot import reward {name!r} ({type(e).__name__}: {_one_line(e)})"
+                          ) from None
+
+
 def _validate_flow(cfg: RunConfig) -> None:
-    if cfg.engine.name not in ENGINES and ":" not in cfg.engine.name:
-        raise ConfigError(
-            f"engine.name: value {cfg.engine.name!r} is not a registered engine{suggest(cfg.engine.name, list(ENGINES))}; "
-            f"choose one of {sorted(ENGINES)} or module:Class")
+    _validate_engine_name(cfg.engine.name)
     if not cfg.reward.weights:
         raise ConfigError("reward.weights: at least one reward is required, e.g. reward.weights={digit_alignment: 1.0}")
-    for name, w in cfg.reward.weights.items():
-        resolve_reward(str(name))  # raises ConfigError for unknown names
-        if not isinstance(w, (int, float)) or isinstance(w, bool):
-            raise ConfigError(f"reward.weights.{name}: weight {w!r} must be a number")
-    bad = [d for d in cfg.train.digits if not (isinstance(d, int) and 0 <= d <= 9)]
+    for name in cfg.reward.weights:  # each weight is a finite number (checked with the field)
+        _validate_reward_name(str(name))
+    bad = [d for d in cfg.train.digits if not (isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= 9)]
     if bad or not cfg.train.digits:
         raise ConfigError(f"train.digits: value {cfg.train.digits!r} must be a non-empty list of digits 0..9")
     if cfg.sampler.sde_type == "ode":
@@ -449,11 +785,18 @@ def _validate_flow(cfg: RunConfig) -> None:
                           "choose one of ['flow_sde', 'dance_sde', 'cps'] (eval.sde_type may be 'ode')")
     if cfg.sampler.num_steps < 2:
         raise ConfigError("sampler.num_steps: must be >= 2 (the final step is deterministic and never trained)")
+    k_max = cfg.sampler.num_steps - 1
+    size = min(cfg.steps.window_size, k_max)
+    if cfg.steps.window_start > k_max - size:  # a start no window can use, whatever steps.mode
+        raise ConfigError(f"steps.window_start: value {cfg.steps.window_start} is out of range; a window of {size} "
+                          f"steps (steps.window_size={cfg.steps.window_size}) must end within the {k_max} trainable "
+                          f"steps of sampler.num_steps={cfg.sampler.num_steps}: must be <= {k_max - size} "
+                          f"(or -1: a random start per sample)")
     if cfg.model.name == "diffusers" and not cfg.model.pretrained:
         raise ConfigError("model.pretrained: required for model.name=diffusers (a local pipeline directory or hub id)")
     _validate_engine(cfg)
     pre = cfg.model.pretrained
-    if pre and pre.startswith(("/", "./", "../", "~")) and not Path(pre).expanduser().exists():
+    if pre and pre.startswith(("/", "./", "../", "~")) and not _exists(Path(pre).expanduser()):
         raise ConfigError(f"model.pretrained: path {pre!r} does not exist (give a pipeline directory or a hub id)")
     if cfg.model.family == "flux" and (cfg.model.negative_prompt or cfg.model.guidance_scale < 1.0):
         raise ConfigError("model.negative_prompt: FLUX is guidance-distilled (model.guidance_scale feeds its guidance "
@@ -464,8 +807,6 @@ def _validate_flow(cfg: RunConfig) -> None:
 
 def selected_per_trajectory(cfg: RunConfig) -> int:
     """How many steps ``steps.*`` selects per trajectory (the final step is never trained)."""
-    import math
-
     k_max = cfg.sampler.num_steps - 1
     if cfg.steps.mode == "all":
         return k_max
