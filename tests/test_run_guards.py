@@ -292,3 +292,30 @@ def test_a_full_disk_ends_the_run_in_one_line_and_it_resumes(tmp_path, capsys):
     text = p.communicate(timeout=300)[0]
     assert p.returncode == 1 and "error: cannot write checkpoint 2 into" in text, text
     assert latest_complete(ck) == list_checkpoints(ck)[0] and load_checkpoint(latest_complete(ck))["iteration"] == 1
+
+
+def test_a_checkpoint_with_non_finite_weights_is_refused_on_resume(tmp_path, capsys):
+    from diffgrpo.checkpoint import save_checkpoint
+
+    run = _run(tmp_path, "r", "train.num_iterations=1", "train.save_every=1")
+    ck = load_checkpoint(latest_complete(run))
+    bad = {k: torch.full_like(v, float("nan")) for k, v in ck["trainable"].items()}
+    save_checkpoint(run, 2, trainable=bad, optimizer=ck["optimizer"], rng=ck["rng"], config=ck["config"])
+    assert main(["train", "--resume", str(run), "train.num_iterations=3"]) == 1
+    assert "checkpoint_iter" not in (err := capsys.readouterr().err) and "holds non-finite weights" in err
+
+
+def test_saved_remote_code_and_code_engines_are_not_trusted(tmp_path, capsys):
+    from diffgrpo.cli import _distrust
+
+    data = {"model": {"name": "hf_masked_lm"}, "dllm": {"model_path": "x", "trust_remote_code": True},
+            "engine": {"name": "evil:Engine"}}
+    with pytest.raises(Exception, match="runs code named in"):
+        _distrust(json.loads(json.dumps(data)), [], path=tmp_path / "config.yaml", command="--resume", strict=True)
+    kept = _distrust(json.loads(json.dumps(data)), ["dllm.trust_remote_code=true"], path=tmp_path / "c.yaml",
+                     command="--weights", strict=False)
+    out = capsys.readouterr().out
+    assert kept["dllm"]["trust_remote_code"] is True  # repeated on the command line: the user's choice
+    assert kept["engine"]["name"] == "recompute" and "ignoring engine.name='evil:Engine'" in out
+    dropped = _distrust(json.loads(json.dumps(data)), [], path=tmp_path / "c.yaml", command="--weights", strict=False)
+    assert dropped["dllm"]["trust_remote_code"] is False
