@@ -219,6 +219,7 @@ def test_writers_replace_planted_symlinks_instead_of_following_them(tmp_path, ca
     (["sample", "--num", "0"], "error: --num: value 0 is out of range; must be >= 1"),
     (["sample", "--out", "x"], "error: --out: 'x' has no file extension"),
     (["bench", "engines", "--repeats", "0"], "error: --repeats: value 0 is out of range; must be >= 1"),
+    (["train", "log.output_dir=/proc/diffgrpo-run"], "error: log.output_dir: cannot create '/proc/diffgrpo-run'"),
 ])
 def test_command_line_misuse_is_one_line(argv, line, capsys):
     assert main(argv) == 2

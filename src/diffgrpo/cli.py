@@ -6,6 +6,7 @@ embedded default (the built-in digits model, pretrained on first use).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -23,8 +24,6 @@ def _load_cfg(args) -> RunConfig:
 
 
 def _threads():
-    import os
-
     import torch
 
     if "OMP_NUM_THREADS" not in os.environ:
@@ -122,6 +121,11 @@ def cmd_train(args) -> int:
             print("--resume auto: no unfinished run found; starting a new one")
         cfg = _load_cfg(args)
     _threads()
+    if cfg.log.output_dir and int(os.environ.get("RANK", "0")) == 0:  # before any model loads
+        try:
+            Path(cfg.log.output_dir).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"log.output_dir: cannot create {cfg.log.output_dir!r} ({e.strerror})") from None
     trainer = Trainer(cfg)
     summary = trainer.train(resume=run is not None)
     if trainer.world.rank > 0:  # torchrun: rank 0 reports

@@ -199,7 +199,10 @@ class Trainer:
             self.cfg.log.output_dir = distributed.all_gather_object(name)[0]
         p = Path(self.cfg.log.output_dir)
         if self.world.rank == 0:
-            p.mkdir(parents=True, exist_ok=True)
+            try:
+                p.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise ConfigError(f"log.output_dir: cannot create {str(p)!r} ({e.strerror})") from None
         return p
 
     # ------------------------------------------------------------------ checkpoints
