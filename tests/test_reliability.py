@@ -36,11 +36,14 @@ def _stable_rows(run: Path) -> list[dict]:
     return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in rows]
 
 
-def test_sigkill_mid_run_then_resume_matches_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize("schedule", [[], ["train.lr_schedule=cosine", "train.warmup_iterations=2"]],
+                         ids=["constant", "cosine_warmup"])
+def test_sigkill_mid_run_then_resume_matches_uninterrupted_run(tmp_path, schedule):
     """Bitwise: on CPU with a fixed thread count every kernel is deterministic, and the checkpoint restores
-    weights, optimizer, EMA and every RNG stream exactly, so the resumed run replays the same arithmetic."""
+    weights, optimizer, learning-rate schedule, EMA and every RNG stream exactly, so the resumed run replays the
+    same arithmetic."""
     n_iter = 6
-    args = [*TINY_CLI, f"train.num_iterations={n_iter}", "train.save_every=1"]
+    args = [*TINY_CLI, f"train.num_iterations={n_iter}", "train.save_every=1", *schedule]
     ref, crash = tmp_path / "ref", tmp_path / "crash"
     p = _cli(["train", *args, f"log.output_dir={ref}"])
     assert p.wait(timeout=300) == 0, p.stdout.read()

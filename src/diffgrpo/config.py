@@ -102,6 +102,8 @@ class SamplerConfig:
     logprob_reduce: str = _f("mean", choices=("mean", "sum"), doc="reduction of the Gaussian log-density")
     cps_flowgrpo_compat: bool = _f(False, doc="FlowGRPO's CPS pseudo log-prob (not a likelihood)")
     share_noise_in_group: bool = _f(False, doc="same initial noise for every sample of a prompt group")
+    batch_size: int = _f(0, lo=0, doc="rollout trajectories per network call (whole rows, every step); 0 = the whole "
+                                      "batch. Bounds sampling activations; the noise draws do not change")
 
 
 @dataclass
@@ -159,6 +161,9 @@ class TrainConfig:
                          doc="samples per prompt (GRPO group); prompts_per_batch × group_size <= 65536")
     lr: float = _f(1e-4, lo=0.0, doc="AdamW learning rate (full fine-tune of the built-in model; 3e-4 climbs "
                                      "faster but starts to exploit the reward classifier: noisy, less diverse digits)")
+    lr_schedule: str = _f("constant", choices=("constant", "cosine", "linear"),
+                          doc="learning-rate schedule over num_iterations × num_inner_epochs updates (after warmup)")
+    warmup_iterations: int = _f(0, lo=0, doc="iterations of linear warmup from 0 to train.lr; 0 = none")
     weight_decay: float = _f(0.0, lo=0.0)
     adam_beta1: float = _f(0.9, lo=0.0, hi=1.0)
     adam_beta2: float = _f(0.999, lo=0.0, hi=1.0)
@@ -230,6 +235,8 @@ class EvalConfig:
     seed: int = _f(1234)
     sde_type: str = _f("ode", choices=("ode", "flow_sde", "dance_sde", "cps"))
     prompts_file: str = _f("", path=True, doc="UTF-8 text file, one evaluation prompt per line (default: the ten digit prompts)")
+    batch_size: int = _f(0, lo=0, doc="evaluation samples sampled, decoded and scored together; 0 = all at once "
+                                      "(with > 0 only the first 64 images are kept for the sample grid)")
 
 
 @dataclass
@@ -681,7 +688,8 @@ def _validate_dllm(cfg: RunConfig) -> None:
 # Keys each family reads (a section name covers all its keys); any other key set to a non-default value is refused.
 _SHARED = ("seed", "model.name", "model.device", "model.cache_dir", "pretrain.steps", "pretrain.batch_size",
            "pretrain.lr", "pretrain.seed", "advantage", "loss.beta", "loss.aggregation", "engine.micro_batch_size",
-           "train.num_iterations", "train.prompts_per_batch", "train.group_size", "train.lr", "train.weight_decay",
+           "train.num_iterations", "train.prompts_per_batch", "train.group_size", "train.lr", "train.lr_schedule",
+           "train.warmup_iterations", "train.weight_decay",
            "train.adam_beta1", "train.adam_beta2", "train.max_grad_norm", "train.num_inner_epochs", "train.save_every",
            "train.keep_checkpoints", "train.ema_decay", "train.max_bad_updates", "eval.every", "eval.seed", "log",
            "dist")

@@ -14,6 +14,7 @@ model-specific, and every family is driven the same way. ``Trainer.rollout()`` r
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import threading
@@ -69,6 +70,10 @@ class Trainer:
         t = cfg.train
         self.optimizer = torch.optim.AdamW(self.params, lr=t.lr, weight_decay=t.weight_decay,
                                            betas=(t.adam_beta1, t.adam_beta2))
+        # stepped once per optimizer update; spans num_iterations × num_inner_epochs updates
+        total, warmup = t.num_iterations * t.num_inner_epochs, t.warmup_iterations * t.num_inner_epochs
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda u: lr_factor(u, t.lr_schedule, warmup, total))
         sync = Sync(params=self.params)
         if self.dp_module is not None:  # gradient sync only on an engine's last backward; Σ over ranks
             sync.no_sync = lambda: distributed.no_sync(self.dp_module)
@@ -98,7 +103,7 @@ class Trainer:
         train (every reward non-finite, or every group filtered out); ``train.max_bad_updates`` skipped updates
         in a row stop the run, and so do non-finite weights after an update (TrainingError)."""
         total = EngineStats()
-        info = {"grad_norm": 0.0, "skipped_updates": 0}
+        info = {"grad_norm": 0.0, "skipped_updates": 0, "learning_rate": self.optimizer.param_groups[0]["lr"]}
         trains = self._trains(rollout)
         for epoch in range(self.cfg.train.num_inner_epochs):
             stats = first_stats if (epoch == 0 and first_stats is not None) else self.backward(rollout, epoch)
@@ -119,6 +124,7 @@ class Trainer:
             if self.cfg.train.max_grad_norm > 0:
                 torch.nn.utils.clip_grad_norm_(self.params, self.cfg.train.max_grad_norm)
             self.optimizer.step()
+            self.scheduler.step()
             if not self._weights_finite():
                 raise TrainingError(f"stopping: the weights are non-finite after the update of iteration "
                                     f"{self.iteration + 1} (train.lr={self.cfg.train.lr}); the last checkpoint holds "
@@ -161,7 +167,8 @@ class Trainer:
         r = ro.batch_rewards[torch.isfinite(ro.batch_rewards)]  # every rank's rewards when data parallel
         return {"iteration": self.iteration, "reward": float(r.mean()) if len(r) else float("nan"),
                 "reward_std": float(r.std()) if len(r) > 1 else 0.0,
-                **{f"rewards/{n}/mean": float(v[torch.isfinite(v)].mean()) for n, v in ro.reward_components.items()},
+                **{f"rewards/{n}/{s}": x for n, v in ro.reward_components.items() for s, x in _mean_std(v).items()},
+                **({"loss": info["first_epoch/loss"]} if "first_epoch/loss" in info else {}),
                 "frac_reward_zero_std": ro.advantage_stats["frac_reward_zero_std"],
                 "adv_clip_frac": ro.advantage_stats["adv_clip_frac"],
                 "kl": stats.metrics.get("kl", 0.0), "clip_ratio": stats.metrics.get("clip_ratio", 0.0),
@@ -213,7 +220,7 @@ class Trainer:
             rng["per_rank"] = distributed.all_gather_object(rng)
         return distributed.to_full({  # FSDP2 shards → full tensors (a collective; identity otherwise)
             "trainable": dict(self.policy.state_dict()),
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": {**self.optimizer.state_dict(), "lr_scheduler": self.scheduler.state_dict()},
             "ema": self.ema.state_dict() if self.ema is not None else None,
             "rng": rng,
             "extra": {"bad_updates": self.bad_updates},
@@ -224,7 +231,13 @@ class Trainer:
             raise TrainingError("resuming a dist.mode=fsdp2 run is not supported (checkpoints hold full tensors); "
                                 "resume it with dist.mode=ddp or in one process")
         self.policy.load_state_dict(ck["trainable"])
-        self.optimizer.load_state_dict(ck["optimizer"])
+        opt = dict(ck["optimizer"])
+        sched = opt.pop("lr_scheduler", None)
+        self.optimizer.load_state_dict(opt)
+        if sched is not None:
+            self.scheduler.load_state_dict(sched)
+        else:  # checkpoints before schedules: every update so far ran at a constant lr
+            self.scheduler.last_epoch = int(ck["iteration"]) * self.cfg.train.num_inner_epochs
         if self.ema is not None:
             if ck.get("ema") is None:
                 raise TrainingError("checkpoint has no EMA state but train.ema_decay > 0")
@@ -261,15 +274,23 @@ class Trainer:
         self.load_state(load_checkpoint(ckpt))
         if not self._weights_finite():
             raise TrainingError(f"checkpoint {ckpt} holds non-finite weights; delete it to resume from an earlier one")
-        lr = self.cfg.train.lr  # a resume may change the learning rate: the checkpoint's optimizer state holds the old
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        # a resume may change the learning rate (the checkpoint holds the old one): it becomes the schedule's base lr
+        self._set_base_lr(self.cfg.train.lr)
         self._saved_at = self.iteration
         rows = [r for r in read_metrics(out / "metrics.jsonl", log=self.log) if r.get("iteration", 0) <= self.iteration]
         if self.world.rank == 0:
             atomic_write(out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
         self.log(f"resumed from {ckpt} (iteration {self.iteration})")
         return True
+
+    def _set_base_lr(self, lr: float) -> None:
+        """Make ``lr`` the schedule's base learning rate, at the schedule's current update."""
+        sch = self.scheduler
+        sch.base_lrs = [lr] * len(self.optimizer.param_groups)
+        for group, fn in zip(self.optimizer.param_groups, sch.lr_lambdas):
+            group["initial_lr"] = lr
+            group["lr"] = lr * fn(sch.last_epoch)
+        sch._last_lr = [group["lr"] for group in self.optimizer.param_groups]
 
     def _weights_finite(self) -> bool:
         norms = [p.detach().float().norm() for p in self.params]
@@ -401,6 +422,23 @@ def check_world(cfg: RunConfig, world) -> None:
                           f"multiple of the world size {W}")
 
 
+def lr_factor(update: int, schedule: str, warmup: int, total: int) -> float:
+    """Multiplier of ``train.lr`` at optimizer update ``update`` (0-based) of ``total``: a linear warmup over the
+    first ``warmup`` updates ((u+1)/warmup), then constant, cosine or linear decay to 0 at ``total``."""
+    if update < warmup:
+        return (update + 1) / warmup
+    if schedule == "constant":
+        return 1.0
+    p = min(max((update - warmup) / max(total - warmup, 1), 0.0), 1.0)
+    return 0.5 * (1.0 + math.cos(math.pi * p)) if schedule == "cosine" else 1.0 - p
+
+
+def _mean_std(v: torch.Tensor) -> dict[str, float]:
+    """Mean and standard deviation of the finite entries of a reward component."""
+    f = v[torch.isfinite(v)]
+    return {"mean": float(f.mean()), "std": float(f.std()) if len(f) > 1 else 0.0}
+
+
 def _fmt(row: dict) -> str:
     return ", ".join(f"{k}={v:.4f}" for k, v in row.items() if k.startswith("eval/"))
 
@@ -419,4 +457,4 @@ def _silent(*args, **kwargs) -> None:
     """The log function of ranks > 0."""
 
 
-__all__ = ["FAMILIES", "Trainer", "TrainingError", "check_world"]
+__all__ = ["FAMILIES", "Trainer", "TrainingError", "check_world", "lr_factor"]
