@@ -130,7 +130,8 @@ def step_loss(ctx: EngineContext, rollout: Rollout, idx: torch.Tensor, k: int, v
               v_ref: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Weighted GRPO loss Σ_i w_ik·L_ik over trajectories ``idx`` at step k, as a function of v (n, *S).
 
-    Returns (scalar loss, per-sample terms {"ratio", "clipped", "kl", "log_prob"} each (n,) detached).
+    Returns (scalar loss, per-sample terms {"ratio", "clipped", "kl", "log_prob", "loss"} each (n,) detached;
+    "loss" is w_ik·L_ik, whose sum over the update's pairs is the loss that update back-propagates).
     Differentiable w.r.t. ``v`` only through the closed-form step density, so engines can take
     ∂L/∂v cheaply (JAGG) or back-propagate into the network (recompute).
     """
@@ -147,15 +148,20 @@ def step_loss(ctx: EngineContext, rollout: Rollout, idx: torch.Tensor, k: int, v
         kl = flow_sde.gaussian_kl(out.mean, ref_mean.detach(), out.std, flowgrpo_compat=ctx.kl_flowgrpo_compat,
                                   sigma=sig, sigma_next=sig_next)
         loss = loss + ctx.beta * kl
-    total = aggregate(loss, rollout.loss_weights[idx, k])
-    terms = {"ratio": ratio.detach(), "clipped": clipped, "kl": kl.detach(), "log_prob": out.log_prob.detach()}
+    w = rollout.loss_weights[idx, k]
+    total = aggregate(loss, w)
+    terms = {"ratio": ratio.detach(), "clipped": clipped, "kl": kl.detach(), "log_prob": out.log_prob.detach(),
+             "loss": (loss.detach() * w).detach()}
     return total, terms
 
 
 class StatsAccumulator:
-    """Collects per-sample terms into the usual GRPO metrics (clip_ratio, kl, ratio_mean, ratio_max_dev)."""
+    """Collects per-sample terms into the usual GRPO metrics (clip_ratio, kl, ratio_mean, ratio_max_dev), and
+    ``loss`` (Σ w·L of the pairs added) when every term carried one."""
 
     def __init__(self):
+        self.loss = 0.0
+        self.has_loss = True  # false once a term without a loss was added (e.g. a closed-form gradient)
         self.n = 0
         self.clipped = 0.0
         self.kl = 0.0
@@ -165,6 +171,10 @@ class StatsAccumulator:
     def add(self, terms: dict[str, torch.Tensor]) -> None:
         r = terms["ratio"]
         self.n += r.numel()
+        if "loss" in terms:
+            self.loss += float(terms["loss"].sum())
+        else:
+            self.has_loss = False
         self.clipped += float(terms["clipped"].float().sum())
         self.kl += float(terms["kl"].sum())
         self.ratio += float(r.sum())
@@ -172,8 +182,11 @@ class StatsAccumulator:
 
     def metrics(self) -> dict[str, float]:
         n = max(self.n, 1)
-        return {"clip_ratio": self.clipped / n, "kl": self.kl / n, "ratio_mean": self.ratio / n,
-                "ratio_max_dev": self.ratio_dev, "trained_pairs": float(self.n)}
+        out = {"clip_ratio": self.clipped / n, "kl": self.kl / n, "ratio_mean": self.ratio / n,
+               "ratio_max_dev": self.ratio_dev, "trained_pairs": float(self.n)}
+        if self.has_loss and self.n:
+            out["loss"] = self.loss
+        return out
 
 
 class MemoryMeter:

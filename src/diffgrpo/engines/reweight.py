@@ -116,6 +116,8 @@ class ReweightEngine:
         buf = GradBuffers(planned.shape[0], psg.numel, ctx.beta > 0, planned)
         plan.engine_state = buf
         last_k = int(planned.any(0).nonzero().max()) if bool(planned.any()) else -1
+        # rows of the last planned step still to come (the sampler may hand a step over in chunks of rows)
+        last_left = [int(planned[:, last_k].sum()) if last_k >= 0 else 0]
         if psg.supported():
             buf.exit.enter_context(psg.recording())
         buf.exit.enter_context(ctx.no_sync())
@@ -155,7 +157,9 @@ class ReweightEngine:
                     buf.backward_calls += n
                 buf.sample_backwards += n * ctx.forward_mult
             if k == last_k:
-                buf.exit.close()
+                last_left[0] -= n
+                if last_left[0] <= 0:
+                    buf.exit.close()
             buf.seconds += time.perf_counter() - t0
 
         return RolloutHooks(grad_mask=planned, on_grad_step=on_grad_step)
@@ -192,6 +196,9 @@ class ReweightEngine:
             acc.n += n_pairs
             acc.ratio += float(n_pairs)  # r ≡ 1 on the first update
             acc.kl += float((buf.kl_pairs * rollout.selected).sum())
+            # the loss needs no forward either: with r ≡ 1 the clipped surrogate of pair (i, k) is −A_i (+ β·KL_ik)
+            per_pair = -rollout.advantages.float()[:, None] + ctx.beta * buf.kl_pairs
+            acc.loss += float((rollout.loss_weights * sel * per_pair).sum())
             stats.metrics["grad_buffer_bytes"] = float(buf.nbytes)
             buf.release()
         stats.seconds["rollout_extra"] = buf.seconds
