@@ -171,7 +171,8 @@ class FlowFamily:
         out = sample_trajectories(self.policy, cond, plan.x0, self.sigmas, kernel=self.kernel,
                                   generator=self.gen_noise, sde_mask=plan.sde_mask,
                                   grad_mask=None if hooks is None else hooks.grad_mask,
-                                  on_grad_step=None if hooks is None else hooks.on_grad_step)
+                                  on_grad_step=None if hooks is None else hooks.on_grad_step,
+                                  batch_size=self.cfg.sampler.batch_size)
         t_sample = time.perf_counter() - t0
         t1 = time.perf_counter()
         images = self.policy.decode(out["xs"][:, -1])
@@ -206,22 +207,47 @@ class FlowFamily:
     @torch.no_grad()
     def evaluate(self) -> tuple[dict[str, float], torch.Tensor]:
         """Held-out evaluation: fixed prompts and seeds, ``eval.sde_type`` sampling (ODE by default). Not counted
-        as training cost."""
+        as training cost. ``eval.batch_size`` > 0 samples, decodes and scores that many at a time, keeping only
+        the rewards and the first :data:`EVAL_GRID_IMAGES` images, so memory does not grow with the prompts (each
+        chunk continues the SDE noise stream: with eval.sde_type=ode the samples are those of one batch)."""
         prompts, seeds = self.eval_prompts()
+        n = self.cfg.eval.batch_size
+        if n <= 0 or n >= len(prompts):
+            images, rewards, comps = self._eval_chunk(prompts, seeds, self._eval_generator())
+        else:
+            g, kept, parts = self._eval_generator(), [], []
+            for lo in range(0, len(prompts), n):
+                im, r, c = self._eval_chunk(prompts[lo:lo + n], seeds[lo:lo + n], g)
+                if sum(len(i) for i in kept) < EVAL_GRID_IMAGES:
+                    kept.append(im[:EVAL_GRID_IMAGES - sum(len(i) for i in kept)])
+                parts.append((r, c))
+                del im
+            images = torch.cat(kept)
+            rewards = torch.cat([r for r, _ in parts])
+            comps = {name: torch.cat([c[name] for _, c in parts]) for name in parts[0][1]}
+        row = {"eval/reward": float(rewards[torch.isfinite(rewards)].mean())}
+        for name, v in comps.items():
+            row[f"eval/rewards/{name}/mean"] = float(v[torch.isfinite(v)].mean())
+        return row, images
+
+    def _eval_generator(self) -> torch.Generator:
+        return torch.Generator(device=self.device).manual_seed(self.cfg.eval.seed)
+
+    def _eval_chunk(self, prompts: list[str], seeds: list[int], g: torch.Generator):
+        """Sample, decode and score evaluation samples → (images, rewards (n,), components {name: (n,)})."""
         x0 = torch.stack([torch.randn(*self.policy.latent_shape, generator=torch.Generator().manual_seed(s))
                           for s in seeds]).to(self.device)
         kernel = dict(self.kernel, sde_type=self.cfg.eval.sde_type)
-        g = torch.Generator(device=self.device).manual_seed(self.cfg.eval.seed)
         saved = dict(self.policy.counters)
         out = sample_trajectories(self.policy, self.policy.encode(prompts), x0, self.sigmas, kernel=kernel, generator=g)
         self.policy.counters.update(saved)
         images = self.policy.decode(out["xs"][:, -1])
+        del out
         rewards, comps = compute_rewards(self.cfg.reward.weights, images, prompts,
                                          [{"digit": prompt_digit(p)} for p in prompts])
-        row = {"eval/reward": float(rewards[torch.isfinite(rewards)].mean())}
-        for n, v in comps.items():
-            row[f"eval/rewards/{n}/mean"] = float(v[torch.isfinite(v)].mean())
-        return row, images
+        return images, rewards, comps
 
+
+EVAL_GRID_IMAGES = 64  # images kept for the sample grid when evaluation runs in chunks (eval.batch_size > 0)
 
 __all__ = ["FlowFamily", "read_prompts"]
