@@ -261,7 +261,7 @@ def test_a_stalled_rank_fails_the_collective_after_dist_timeout(tmp_path):
     ctx = mp.start_processes(_stall_worker, args=(port, str(tmp_path)), nprocs=2, join=False, start_method="spawn")
     ctx.join(timeout=60)
     r0 = json.loads((tmp_path / "rank0.json").read_text())
-    assert r0["error"] and r0["seconds"] < 10  # not the 30-minute default
+    assert r0["error"] and r0["seconds"] < 60  # dist.timeout=3, not the 30-minute default (slack for a busy machine)
 
 
 def test_a_full_disk_ends_the_run_in_one_line_and_it_resumes(tmp_path, capsys):
