@@ -34,6 +34,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..cache import save_dir_atomic
+from ..distributed import launched_local_rank, resolve_device
 from ..errors import ConfigError
 from .lora import ATTN_TARGETS, JOINT_TARGETS, adapter_disabled, add_lora, load_lora_state_dict, lora_state_dict
 from .reference import frozen_reference
@@ -446,16 +447,17 @@ def build_diffusers_policy(cfg, *, progress: bool = True, log=print) -> Diffuser
     if getattr(pipe, "transformer_2", None) is not None:
         log("warning: this pipeline has a second (low-noise) transformer; only `transformer` is trained and used")
     pipe.set_progress_bar_config(disable=True)
+    device = resolve_device(m.device, launched_local_rank())  # the Trainer passes it resolved already
     for name in ("text_encoder", "text_encoder_2", "text_encoder_3", "vae"):
         mod = getattr(pipe, name, None)
         if mod is not None:
-            mod.requires_grad_(False).eval().to(m.device)
+            mod.requires_grad_(False).eval().to(device)
     shape = latent_shape_for(pipe, family, m.resolution, m.num_frames)
     log(f"loaded {type(pipe).__name__} from {m.pretrained} (family {family}, latents {shape}, "
         f"{'LoRA rank ' + str(m.lora_rank) if m.lora_rank else 'full fine-tune'})")
     return DiffusersFlowPolicy(
         pipe.transformer, latent_shape=shape, family=family, pipeline=pipe, guidance_scale=m.guidance_scale,
-        negative_prompt=m.negative_prompt, max_sequence_length=m.max_sequence_length, device=m.device,
+        negative_prompt=m.negative_prompt, max_sequence_length=m.max_sequence_length, device=device,
         mixed_precision=m.mixed_precision, lora_rank=m.lora_rank, lora_alpha=m.lora_alpha,
         lora_target_modules=m.lora_target_modules, gradient_checkpointing=m.gradient_checkpointing,
         keep_reference=cfg.loss.beta > 0)
