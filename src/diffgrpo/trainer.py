@@ -253,7 +253,8 @@ class Trainer:
             return self.run_dir()
         return save_checkpoint(self.run_dir(), self.iteration, trainable=st["trainable"], optimizer=st["optimizer"],
                                rng=st["rng"], config=self.cfg.to_dict(), ema=st["ema"], extra=st["extra"],
-                               keep_last=self.cfg.train.keep_checkpoints)
+                               keep_last=self.cfg.train.keep_checkpoints,
+                               write_files=lambda d: self.policy.save_checkpoint_files(d, st["trainable"]))
 
     def _resume(self, out: Path) -> bool:
         """Load the newest complete checkpoint of ``out`` and drop metric rows written after it. Without one, the

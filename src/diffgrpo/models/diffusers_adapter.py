@@ -379,9 +379,11 @@ class DiffusersFlowPolicy:
         target = Path(run_dir) / ("lora" if self.lora_rank > 0 else "transformer")
         return save_dir_atomic(target, self.save_adapter)
 
-    def save_adapter(self, directory: str | Path) -> Path | None:
+    def save_adapter(self, directory: str | Path, weights: dict[str, torch.Tensor] | None = None) -> Path | None:
         """LoRA: save in diffusers format (``<Pipeline>.save_lora_weights``), loadable with the pipeline's
-        ``load_lora_weights``. Full fine-tune: ``transformer.save_pretrained``. Returns the directory."""
+        ``load_lora_weights``. Full fine-tune: ``transformer.save_pretrained``. Returns the directory.
+        ``weights``: the adapter's full tensors under peft's names (``state_dict()``, gathered from FSDP2 shards)
+        instead of the live module's."""
         import diffusers
         from peft.utils import get_peft_model_state_dict
 
@@ -389,12 +391,20 @@ class DiffusersFlowPolicy:
         d.mkdir(parents=True, exist_ok=True)
         if self.lora_rank > 0:
             pipe_cls = type(self.pipeline) if self.pipeline is not None else getattr(diffusers, self.family.pipeline_class)
+            layers = get_peft_model_state_dict(self.transformer) if weights is None else weights
             pipe_cls.save_lora_weights(
-                str(d), transformer_lora_layers=get_peft_model_state_dict(self.transformer),
+                str(d), transformer_lora_layers={k: v.detach().contiguous().cpu() for k, v in layers.items()},
                 transformer_lora_adapter_metadata=self.transformer.peft_config["default"].to_dict())
         else:
             self.transformer.save_pretrained(str(d))
         return d
+
+    def save_checkpoint_files(self, directory: str | Path, trainable: dict[str, torch.Tensor]) -> None:
+        """LoRA: the checkpoint also carries the adapter in diffusers format (``<directory>/lora/``), from
+        ``trainable`` (this policy's ``state_dict()`` as full tensors). A full fine-tune adds nothing (its weights
+        are ``trainable.safetensors`` already)."""
+        if self.lora_rank > 0:
+            self.save_adapter(Path(directory) / "lora", weights=trainable)
 
 
 # ------------------------------------------------------------------------------------------- factory

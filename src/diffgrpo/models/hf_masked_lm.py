@@ -80,6 +80,9 @@ class MaskedLMPolicy:
 
         return save_dir_atomic(Path(run_dir) / "model", write)  # a temporary directory renamed into place
 
+    def save_checkpoint_files(self, directory, trainable) -> None:
+        """Nothing beside the trainable weights (the whole model: ``trainable.safetensors``)."""
+
     def reference(self):
         """Inside the block ``logits`` uses the frozen initial weights."""
         return frozen_reference(self)
