@@ -6,7 +6,9 @@ Layout under ``<run_dir>/checkpoints/``:
     ema.safetensors       EMA of the trainable weights (when enabled)
     optimizer.pt          optimizer state (tensors and plain containers only: loads with weights_only=True)
     rng.pt                RNG states of every generator in use (same)
-    state.json            iteration counter, resolved config, every file's size and SHA-256 (checked on load)
+    lora/                 LoRA runs: the adapter in diffusers format (written by the policy; load_lora_weights)
+    state.json            iteration counter, resolved config, every file's size and SHA-256 under its path
+                          relative to the checkpoint directory, subdirectories included (checked on load)
   latest.json             manifest naming the newest complete checkpoint, replaced atomically
 
 Nothing is ever unpickled beyond tensors and plain containers (``torch.load(weights_only=True)``).
@@ -22,6 +24,7 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -44,8 +47,11 @@ def sha256(path: Path) -> str:
 
 def save_checkpoint(run_dir: Path, iteration: int, *, trainable: dict[str, torch.Tensor], optimizer: dict,
                     rng: dict[str, torch.Tensor], config: dict, ema: dict[str, torch.Tensor] | None = None,
-                    extra: dict | None = None, keep_last: int = 2) -> Path:
-    """Write checkpoint ``iteration`` atomically, update the manifest, prune to the newest ``keep_last``."""
+                    extra: dict | None = None, keep_last: int = 2,
+                    write_files: Callable[[Path], None] | None = None) -> Path:
+    """Write checkpoint ``iteration`` atomically, update the manifest, prune to the newest ``keep_last``.
+    ``write_files(directory)`` adds files of its own (e.g. the policy's ``lora/``) to the checkpoint before it is
+    checksummed and renamed into place."""
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"iter_{iteration:06d}"
@@ -56,10 +62,13 @@ def save_checkpoint(run_dir: Path, iteration: int, *, trainable: dict[str, torch
             save_file({k: v.detach().contiguous().cpu() for k, v in ema.items()}, str(tmp / "ema.safetensors"))
         torch.save(optimizer, tmp / "optimizer.pt")
         torch.save(rng, tmp / "rng.pt")
-        for p in tmp.iterdir():  # flush file contents before the rename makes the checkpoint visible
+        if write_files is not None:
+            write_files(tmp)
+        paths = sorted(p for p in tmp.rglob("*") if p.is_file() and not p.is_symlink())
+        for p in paths:  # flush file contents before the rename makes the checkpoint visible
             with open(p, "rb") as f:
                 os.fsync(f.fileno())
-        files = {p.name: {"size": p.stat().st_size, "sha256": sha256(p)} for p in tmp.iterdir()}
+        files = {p.relative_to(tmp).as_posix(): {"size": p.stat().st_size, "sha256": sha256(p)} for p in paths}
         state = {"iteration": iteration, "config": config, "files": files, "extra": extra or {}}
         atomic_write(tmp / "state.json", json.dumps(state, indent=1))
     except Exception as e:  # a full disk or a file-size limit: the earlier checkpoints stay as they were
@@ -93,8 +102,11 @@ def is_complete(ckpt: Path) -> bool:
     try:
         state = json.loads((ckpt / "state.json").read_text())
         for name, rec in state["files"].items():
+            parts = Path(name).parts  # a path relative to the checkpoint (flat names in earlier versions)
+            if not parts or Path(name).is_absolute() or any(q in ("..", ".") for q in parts):
+                return False
             f = ckpt / name
-            if f.is_symlink() or not f.is_file():
+            if any((ckpt.joinpath(*parts[:i])).is_symlink() for i in range(1, len(parts) + 1)) or not f.is_file():
                 return False
             size, digest = (rec, None) if isinstance(rec, int) else (rec["size"], rec["sha256"])
             if f.stat().st_size != size or (digest is not None and sha256(f) != digest):

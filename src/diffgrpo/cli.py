@@ -98,6 +98,15 @@ def _distrust(data: dict, overrides: list[str], *, path: Path, command: str, str
     return data
 
 
+def _fresh_device(data: dict, overrides: list[str]) -> dict:
+    """The saved config records the device the run used (e.g. rank 0's cuda:0); a resume or a sample picks the
+    device of this machine and rank again (model.device=auto) unless the command line sets model.device."""
+    given = {o.split("=", 1)[0].strip() for o in overrides}
+    if isinstance(data.get("model"), dict) and "model.device" not in given:
+        data["model"]["device"] = "auto"
+    return data
+
+
 def cmd_train(args) -> int:
     from .trainer import Trainer
 
@@ -108,6 +117,7 @@ def cmd_train(args) -> int:
                               "pass changes as key=value overrides")
         data = _distrust(_saved_data(run, "--resume"), args.overrides, path=run / "config.yaml", command="--resume",
                          strict=True)
+        data = _fresh_device(data, args.overrides)
         saved = from_dict(RunConfig, data)
         cfg = RunConfig.from_overrides([*args.overrides, f"log.output_dir={run}"], base=saved)
         old = _flat(saved.to_dict())
@@ -186,6 +196,7 @@ def cmd_sample(args) -> int:
             raise ConfigError(f"--weights: run directory {str(src)!r} has no config.yaml + weights.safetensors")
         data = _distrust(_saved_data(src, "--weights"), overrides, path=src / "config.yaml", command="--weights",
                          strict=False)
+        data = _fresh_device(data, overrides)
         if isinstance(data.get("log"), dict):  # sampling writes no run directory (the saved one may be elsewhere)
             data["log"]["output_dir"] = ""
         cfg = RunConfig.from_overrides(overrides + ["log.progress=false"], base=from_dict(RunConfig, data))

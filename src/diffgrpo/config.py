@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import yaml
 
+from .distributed import launched_world_size
 from .dllm.tasks import VOCAB, get_task
 from .engines import ENGINES
 from .errors import ConfigError, suggest
@@ -54,7 +55,8 @@ class ModelConfig:
                    doc="policy adapter: tiny (flow), diffusers (SD3/FLUX/Wan/Qwen-Image pipeline at model.pretrained), "
                        "tiny_mlm / hf_masked_lm (masked diffusion LM, see dllm.*)")
     guidance_scale: float = _f(1.0, lo=0.0, doc="classifier-free guidance scale; 1 = no CFG (one forward)")
-    device: str = _f("cpu", doc="torch device for the policy: cpu, cuda, cuda:N or mps (must exist on this machine)")
+    device: str = _f("auto", doc="torch device for the policy: auto (cuda:<LOCAL_RANK> / cuda, else mps, else cpu), "
+                                 "cpu, cuda, cuda:N or mps (must exist on this machine)")
     cache_dir: str = _f("", path=True, doc="where pretrained built-in models live (default $DIFFGRPO_CACHE or ~/.cache/diffgrpo)")
     # built-in tiny model architecture (a real diffusers SD3Transformer2DModel at tiny size)
     image_size: int = _f(16, choices=(8, 16, 32), doc="tiny model: image side in pixels")
@@ -252,8 +254,9 @@ class LogConfig:
 @dataclass
 class DistConfig:
     """Data parallelism under ``torchrun`` (WORLD_SIZE > 1); ignored in a single process."""
-    mode: str = _f("none", choices=("none", "ddp", "fsdp2"),
-                   doc="ddp: replicated weights; fsdp2: fully_shard per transformer block + root (full fine-tune or LoRA)")
+    mode: str = _f("auto", choices=("auto", "none", "ddp", "fsdp2"),
+                   doc="auto: ddp under torchrun (WORLD_SIZE > 1), none in one process; ddp: replicated weights; "
+                       "fsdp2: fully_shard per transformer block + root (full fine-tune or LoRA)")
     group_layout: str = _f("local", choices=("local", "spread"),
                            doc="local: each rank samples whole groups; spread: every group's samples split over ranks")
     backend: str = _f("", doc="process-group backend; empty = nccl with CUDA, gloo otherwise")
@@ -555,6 +558,7 @@ def validate(cfg: RunConfig) -> None:
         if not any(line.strip() for line in _read_text(p, key).splitlines()):
             raise ConfigError(f"{key}: file {path!r} holds no prompts")
     _validate_device(cfg.model.device)
+    _validate_dist(cfg.dist.mode)
     _validate_logging(cfg.log)
     if family == "flow":
         _validate_flow(cfg)
@@ -562,9 +566,21 @@ def validate(cfg: RunConfig) -> None:
         _validate_dllm(cfg)
 
 
+def _validate_dist(mode: str) -> None:
+    """dist.mode=none under a launcher that started several processes would run each as an independent rank-0 run
+    (same outputs, N-fold work): refused before the process group or any model exists."""
+    world = launched_world_size()
+    if mode == "none" and world > 1:
+        raise ConfigError(f"dist.mode: value 'none' with WORLD_SIZE={world} (torchrun) would run {world} independent "
+                          "copies of the same run; set dist.mode=ddp or dist.mode=fsdp2 (or leave it auto), or launch "
+                          "without torchrun")
+
+
 def _validate_device(value: str) -> None:
-    """model.device must name a device this machine has: cpu, cuda / cuda:N (N < the GPU count) or mps."""
-    allowed = "choose 'cpu', 'cuda', 'cuda:N' or 'mps'"
+    """model.device must name a device this machine has: auto, cpu, cuda / cuda:N (N < the GPU count) or mps."""
+    allowed = "choose 'cpu', 'cuda', 'cuda:N' or 'mps', or 'auto' (the accelerator when there is one)"
+    if value == "auto":  # resolved by the Trainer (distributed.resolve_device) to a device this machine has
+        return
     try:
         dev = torch.device(value)
     except (RuntimeError, ValueError, TypeError):

@@ -4,6 +4,9 @@ Everything here is a no-op at world size 1 (no process group). Under ``torchrun`
 RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT) :func:`init_from_env` creates the default process group.
 
   info()                  → WorldInfo(rank, world_size, local_rank)
+  launched_world_size()   WORLD_SIZE set by the launcher (1 without one), before any process group exists
+  resolve_mode(mode, W)   dist.mode "auto" → "ddp" under a launcher with W > 1 processes, "none" in one process
+  resolve_device(v, lr)   model.device "auto" → cuda:<local rank> / cuda / mps / cpu (explicit values unchanged)
   all_gather(t)           → (world·n, …) concatenation of every rank's (n, …) tensor (same n on every rank)
   all_reduce_mean_(t)     in-place mean over ranks; every call is counted in ``COUNTERS["allreduce"]``
   add_mean_grad_(ps, g)   .grad += rank-mean of a flat gradient made outside autograd: ONE all-reduce (DDP) or
@@ -31,6 +34,8 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+
+from .errors import ConfigError
 
 COUNTERS = {"allreduce": 0, "reduce_scatter": 0}  # gradient collectives issued through this module (per process)
 
@@ -65,6 +70,52 @@ def init_from_env(backend: str | None = None, timeout: float | None = None) -> W
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     return info()
+
+
+def launched_world_size() -> int:
+    """The number of processes a launcher (torchrun) started: WORLD_SIZE, or 1 without one (or if unreadable)."""
+    try:
+        return max(int(os.environ.get("WORLD_SIZE", "1")), 1)
+    except ValueError:
+        return 1
+
+
+def resolve_mode(mode: str, world_size: int) -> str:
+    """The data-parallel mode a run uses: ``auto`` is ``ddp`` when ``world_size`` > 1 processes were launched and
+    ``none`` in one process; explicit modes are kept (config.validate refuses ``none`` with world_size > 1)."""
+    if mode == "auto":
+        return "ddp" if world_size > 1 else "none"
+    return mode
+
+
+def resolve_device(value: str, local_rank: int | None = None) -> str:
+    """The torch device ``model.device`` names. ``auto``: the accelerator when there is one: ``cuda:<local_rank>``
+    under a launcher (``local_rank`` given) or ``cuda`` in one process when CUDA is available, else ``mps`` when
+    available, else ``cpu``. Any other value is returned unchanged (config.validate checks it)."""
+    if value != "auto":
+        return value
+    if torch.cuda.is_available():
+        if local_rank is None:
+            return "cuda"
+        n = torch.cuda.device_count()
+        if local_rank >= n:
+            raise ConfigError(f"model.device=auto: LOCAL_RANK={local_rank} but this machine has {n} CUDA device(s); "
+                             f"launch at most {n} processes per node or set model.device")
+        return f"cuda:{local_rank}"
+    mps = getattr(torch.backends, "mps", None)
+    if mps is not None and mps.is_available():
+        return "mps"
+    return "cpu"
+
+
+def launched_local_rank() -> int | None:
+    """LOCAL_RANK under a launcher with WORLD_SIZE > 1, None in one process."""
+    if launched_world_size() <= 1:
+        return None
+    try:
+        return int(os.environ.get("LOCAL_RANK", "0"))
+    except ValueError:
+        return 0
 
 
 def all_gather(t: torch.Tensor) -> torch.Tensor:
@@ -274,7 +325,8 @@ def rank_rows(group_ids: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     return torch.cat(rows)
 
 
-__all__ = ["COUNTERS", "WorldInfo", "info", "init_from_env", "all_gather", "gather_groups", "rank_rows",
+__all__ = ["COUNTERS", "WorldInfo", "info", "init_from_env", "launched_world_size", "launched_local_rank",
+           "resolve_mode", "resolve_device", "all_gather", "gather_groups", "rank_rows",
            "all_gather_object", "all_reduce_mean_",
            "add_mean_grad_", "all_reduce_sum", "no_sync", "reshard", "sharded", "wrap", "wrap_ddp", "wrap_fsdp2",
            "transformer_blocks", "to_full", "seed_for", "is_initialized"]

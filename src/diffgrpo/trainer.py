@@ -49,11 +49,18 @@ class Trainer:
         self.log = log
         if cfg.model.cache_dir:
             os.environ["DIFFGRPO_CACHE"] = cfg.model.cache_dir
-        # data parallel (torchrun): process group before the model (sets the CUDA device); rank > 0 is silent
+        # data parallel (torchrun): process group before the model (sets the CUDA device); rank > 0 is silent.
+        # dist.mode=auto is ddp when a launcher started several processes (validate refused none there)
+        self.dist_mode = distributed.resolve_mode(cfg.dist.mode, max(distributed.launched_world_size(),
+                                                                     distributed.info().world_size))
         self.world = (distributed.init_from_env(cfg.dist.backend or None, cfg.dist.timeout)
-                      if cfg.dist.mode != "none" else distributed.WorldInfo(0, 1, 0))
+                      if self.dist_mode != "none" else distributed.WorldInfo(0, 1, 0))
         if self.world.rank > 0:
             self.log = log = _silent
+        # model.device=auto → this rank's accelerator (or cpu), resolved once: the policy factories and the saved
+        # config see the device the run uses
+        cfg.model.device = distributed.resolve_device(
+            cfg.model.device, self.world.local_rank if self.world.world_size > 1 else None)
         family_cls = FAMILIES[MODEL_FAMILIES[cfg.model.name]]
         check_world(cfg, self.world)
         family_cls.check_world(cfg, self.world)
@@ -64,7 +71,7 @@ class Trainer:
         self.family: Family = family_cls(cfg, self.policy, self.world, log=lambda *a: self.log(*a))
         self.dp_module = None  # the DDP / FSDP2 wrapper the policy's forwards go through (None in one process)
         if self.world.world_size > 1:  # FSDP2 shards in place: build the optimizer after
-            self.dp_module = distributed.wrap(self.family.network(), cfg.dist.mode)
+            self.dp_module = distributed.wrap(self.family.network(), self.dist_mode)
             self.policy.forward_module = self.dp_module
         self.params = list(self.policy.trainable_parameters())
         t = cfg.train
@@ -259,7 +266,8 @@ class Trainer:
             return self.run_dir()
         return save_checkpoint(self.run_dir(), self.iteration, trainable=st["trainable"], optimizer=st["optimizer"],
                                rng=st["rng"], config=self.cfg.to_dict(), ema=st["ema"], extra=st["extra"],
-                               keep_last=self.cfg.train.keep_checkpoints)
+                               keep_last=self.cfg.train.keep_checkpoints,
+                               write_files=lambda d: self.policy.save_checkpoint_files(d, st["trainable"]))
 
     def _resume(self, out: Path) -> bool:
         """Load the newest complete checkpoint of ``out`` and drop metric rows written after it. Without one, the

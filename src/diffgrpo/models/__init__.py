@@ -2,7 +2,8 @@
 
 Every policy provides ``trainable_parameters()``, ``named_trainable_parameters()``, ``state_dict()`` /
 ``load_state_dict()`` (the trainable weights), ``reference()`` (context manager: the KL reference weights),
-``export(run_dir)`` (the end-of-run export in the ecosystem's format), ``forward_module`` (what its forwards go
+``export(run_dir)`` (the end-of-run export in the ecosystem's format), ``save_checkpoint_files(directory,
+trainable)`` (files a checkpoint carries beside the trainable weights, e.g. ``lora/``), ``forward_module`` (what its forwards go
 through: the trained module or its data-parallel wrapper), ``uses_cfg``, ``device`` and ``counters``
 ({"forwards_grad", "forwards_nograd"} sample-forward counts).
 

@@ -34,6 +34,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..cache import save_dir_atomic
+from ..distributed import launched_local_rank, resolve_device
 from ..errors import ConfigError
 from .lora import ATTN_TARGETS, JOINT_TARGETS, adapter_disabled, add_lora, load_lora_state_dict, lora_state_dict
 from .reference import frozen_reference
@@ -378,9 +379,11 @@ class DiffusersFlowPolicy:
         target = Path(run_dir) / ("lora" if self.lora_rank > 0 else "transformer")
         return save_dir_atomic(target, self.save_adapter)
 
-    def save_adapter(self, directory: str | Path) -> Path | None:
+    def save_adapter(self, directory: str | Path, weights: dict[str, torch.Tensor] | None = None) -> Path | None:
         """LoRA: save in diffusers format (``<Pipeline>.save_lora_weights``), loadable with the pipeline's
-        ``load_lora_weights``. Full fine-tune: ``transformer.save_pretrained``. Returns the directory."""
+        ``load_lora_weights``. Full fine-tune: ``transformer.save_pretrained``. Returns the directory.
+        ``weights``: the adapter's full tensors under peft's names (``state_dict()``, gathered from FSDP2 shards)
+        instead of the live module's."""
         import diffusers
         from peft.utils import get_peft_model_state_dict
 
@@ -388,12 +391,20 @@ class DiffusersFlowPolicy:
         d.mkdir(parents=True, exist_ok=True)
         if self.lora_rank > 0:
             pipe_cls = type(self.pipeline) if self.pipeline is not None else getattr(diffusers, self.family.pipeline_class)
+            layers = get_peft_model_state_dict(self.transformer) if weights is None else weights
             pipe_cls.save_lora_weights(
-                str(d), transformer_lora_layers=get_peft_model_state_dict(self.transformer),
+                str(d), transformer_lora_layers={k: v.detach().contiguous().cpu() for k, v in layers.items()},
                 transformer_lora_adapter_metadata=self.transformer.peft_config["default"].to_dict())
         else:
             self.transformer.save_pretrained(str(d))
         return d
+
+    def save_checkpoint_files(self, directory: str | Path, trainable: dict[str, torch.Tensor]) -> None:
+        """LoRA: the checkpoint also carries the adapter in diffusers format (``<directory>/lora/``), from
+        ``trainable`` (this policy's ``state_dict()`` as full tensors). A full fine-tune adds nothing (its weights
+        are ``trainable.safetensors`` already)."""
+        if self.lora_rank > 0:
+            self.save_adapter(Path(directory) / "lora", weights=trainable)
 
 
 # ------------------------------------------------------------------------------------------- factory
@@ -446,16 +457,17 @@ def build_diffusers_policy(cfg, *, progress: bool = True, log=print) -> Diffuser
     if getattr(pipe, "transformer_2", None) is not None:
         log("warning: this pipeline has a second (low-noise) transformer; only `transformer` is trained and used")
     pipe.set_progress_bar_config(disable=True)
+    device = resolve_device(m.device, launched_local_rank())  # the Trainer passes it resolved already
     for name in ("text_encoder", "text_encoder_2", "text_encoder_3", "vae"):
         mod = getattr(pipe, name, None)
         if mod is not None:
-            mod.requires_grad_(False).eval().to(m.device)
+            mod.requires_grad_(False).eval().to(device)
     shape = latent_shape_for(pipe, family, m.resolution, m.num_frames)
     log(f"loaded {type(pipe).__name__} from {m.pretrained} (family {family}, latents {shape}, "
         f"{'LoRA rank ' + str(m.lora_rank) if m.lora_rank else 'full fine-tune'})")
     return DiffusersFlowPolicy(
         pipe.transformer, latent_shape=shape, family=family, pipeline=pipe, guidance_scale=m.guidance_scale,
-        negative_prompt=m.negative_prompt, max_sequence_length=m.max_sequence_length, device=m.device,
+        negative_prompt=m.negative_prompt, max_sequence_length=m.max_sequence_length, device=device,
         mixed_precision=m.mixed_precision, lora_rank=m.lora_rank, lora_alpha=m.lora_alpha,
         lora_target_modules=m.lora_target_modules, gradient_checkpointing=m.gradient_checkpointing,
         keep_reference=cfg.loss.beta > 0)

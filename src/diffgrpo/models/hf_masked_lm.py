@@ -25,6 +25,7 @@ import torch
 import torch.nn as nn
 
 from ..cache import cache_lock, cache_root, save_dir_atomic
+from ..distributed import launched_local_rank, resolve_device
 from ..dllm.tasks import VOCAB, get_task, pad_right
 from ..errors import ConfigError
 from .pretraining import pretrain_step
@@ -78,6 +79,9 @@ class MaskedLMPolicy:
                 self.vocab.tok.save_pretrained(str(d))
 
         return save_dir_atomic(Path(run_dir) / "model", write)  # a temporary directory renamed into place
+
+    def save_checkpoint_files(self, directory, trainable) -> None:
+        """Nothing beside the trainable weights (the whole model: ``trainable.safetensors``)."""
 
     def reference(self):
         """Inside the block ``logits`` uses the frozen initial weights."""
@@ -275,7 +279,8 @@ def build_tiny_mlm_policy(cfg, *, progress=True, log=print, pretrained=True) -> 
         net = load_or_pretrain_mlm(task, cfg.pretrain, cache_dir=cfg.model.cache_dir, progress=progress, log=log)
     else:
         net = tiny_bert(len(VOCAB), max_positions=task.prompt_length + task.gen_length)
-    return MaskedLMPolicy(net, vocab=VOCAB, device=cfg.model.device, keep_reference=cfg.loss.beta > 0)
+    device = resolve_device(cfg.model.device, launched_local_rank())  # the Trainer passes it resolved already
+    return MaskedLMPolicy(net, vocab=VOCAB, device=device, keep_reference=cfg.loss.beta > 0)
 
 
 def build_hf_masked_lm_policy(cfg, *, progress=True, log=print) -> MaskedLMPolicy:
@@ -284,8 +289,9 @@ def build_hf_masked_lm_policy(cfg, *, progress=True, log=print) -> MaskedLMPolic
     if not d.model_path:
         raise ConfigError("dllm.model_path: required for model.name=hf_masked_lm (a local model directory or hub id)")
     shift = {"auto": None, "true": True, "false": False}[str(d.logits_shift).lower()]
+    device = resolve_device(cfg.model.device, launched_local_rank())  # the Trainer passes it resolved already
     return load_hf_masked_lm(d.model_path, trust_remote_code=d.trust_remote_code, logits_shift=shift,
-                             device=cfg.model.device, keep_reference=cfg.loss.beta > 0,
+                             device=device, keep_reference=cfg.loss.beta > 0,
                              mask_token_id=d.mask_token_id if d.mask_token_id >= 0 else None)
 
 

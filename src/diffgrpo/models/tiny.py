@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from ..cache import cache_lock, cache_root, save_dir_atomic
 from ..data import NUMBER_WORDS, digits_split
+from ..distributed import launched_local_rank, resolve_device
 from .diffusers_adapter import DiffusersFlowPolicy
 from .pretraining import pretrain_step
 
@@ -177,10 +178,11 @@ def build_tiny_policy(cfg, *, progress=True, log=print, pretrained=True) -> Diff
     m = cfg.model
     net = load_or_pretrain(m, cfg.pretrain, progress=progress, log=log) if pretrained else \
         TinyFlowNet(**arch_kwargs(m))
-    text = net.text.to(m.device).eval().requires_grad_(False)  # frozen, as text encoders are in SD3 post-training
+    device = resolve_device(m.device, launched_local_rank())  # the Trainer passes it resolved already
+    text = net.text.to(device).eval().requires_grad_(False)  # frozen, as text encoders are in SD3 post-training
     return DiffusersFlowPolicy(
         net.transformer, latent_shape=(1, net.image_size, net.image_size), family="sd3", encoder=text.encode,
-        decoder=decode_pixels, guidance_scale=m.guidance_scale, negative_prompt="", device=m.device,
+        decoder=decode_pixels, guidance_scale=m.guidance_scale, negative_prompt="", device=device,
         lora_rank=m.lora_rank, lora_alpha=m.lora_alpha, lora_target_modules=m.lora_target_modules,
         keep_reference=cfg.loss.beta > 0)
 
