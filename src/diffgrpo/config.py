@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import yaml
 
+from .data_sources import load_prompts
 from .distributed import launched_world_size
 from .dllm.tasks import VOCAB, get_task
 from .engines import ENGINES
@@ -176,7 +177,14 @@ class TrainConfig:
     ema_decay: float = _f(0.0, lo=0.0, hi=0.9999, doc="EMA of trainable weights for evaluation; 0 = off")
     max_bad_updates: int = _f(3, lo=1, doc="stop after this many consecutive non-finite updates")
     digits: list = _f([0, 1, 2, 3, 4, 5, 6, 7, 8, 9], doc="training prompt digits")
-    prompts_file: str = _f("", path=True, doc="UTF-8 text file, one training prompt per line (replaces the digit prompts)")
+    prompts_file: str = _f("", path=True, doc="training prompts (replace the digit prompts), drawn by a seeded epoch "
+                                              "sampler: a UTF-8 text file (one prompt per line), a .jsonl file (a "
+                                              "prompt field + metadata fields) or a .csv file (a prompt column + "
+                                              "metadata columns), or hf:<path or hub id>[:<split>] (datasets."
+                                              "load_dataset; hf:json:<file> for a local JSON file); the metadata "
+                                              "reaches the rewards")
+    prompt_column: str = _f("prompt", doc="the field / column holding the prompt in train.prompts_file and "
+                                          "eval.prompts_file (.jsonl, .csv, hf:)")
 
 
 @dataclass
@@ -236,7 +244,8 @@ class EvalConfig:
     seeds_per_prompt: int = _f(4, lo=1)
     seed: int = _f(1234)
     sde_type: str = _f("ode", choices=("ode", "flow_sde", "dance_sde", "cps"))
-    prompts_file: str = _f("", path=True, doc="UTF-8 text file, one evaluation prompt per line (default: the ten digit prompts)")
+    prompts_file: str = _f("", path=True, doc="evaluation prompts (default: the ten digit prompts), in any format of "
+                                              "train.prompts_file; the metadata reaches the rewards")
     batch_size: int = _f(0, lo=0, doc="evaluation samples sampled, decoded and scored together; 0 = all at once "
                                       "(with > 0 only the first 64 images are kept for the sample grid)")
 
@@ -547,16 +556,13 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"train.prompts_per_batch: value {t.prompts_per_batch} is out of range with "
                           f"train.group_size={t.group_size} ({t.prompts_per_batch * t.group_size} samples per "
                           f"iteration); prompts_per_batch × group_size must be <= {MAX_SAMPLES_PER_ITERATION}")
+    if not t.prompt_column.strip():
+        raise ConfigError("train.prompt_column: value '' is empty; name the prompt field (default 'prompt')")
     for key in ("train.prompts_file", "eval.prompts_file"):
         sec, name = key.split(".")
-        path = getattr(getattr(cfg, sec), name)
-        if not path:
-            continue
-        p = Path(path).expanduser()
-        if not _is_file(p):
-            raise ConfigError(f"{key}: file {path!r} does not exist")
-        if not any(line.strip() for line in _read_text(p, key).splitlines()):
-            raise ConfigError(f"{key}: file {path!r} holds no prompts")
+        spec = getattr(getattr(cfg, sec), name)
+        if spec:  # exists, is UTF-8, parses, has the prompt column and at least one prompt
+            load_prompts(spec, key=key, column=t.prompt_column)
     _validate_device(cfg.model.device)
     _validate_dist(cfg.dist.mode)
     _validate_logging(cfg.log)
@@ -716,7 +722,7 @@ FAMILY_KEYS = {
                        "model.negative_prompt", "model.max_sequence_length", "model.lora_rank", "model.lora_alpha",
                        "model.lora_target_modules", "model.gradient_checkpointing", "pretrain.cond_dropout",
                        "sampler", "reward", "loss.clip_range", "loss.kl_flowgrpo_compat", "steps", "engine",
-                       "train.digits", "train.prompts_file", "eval"),
+                       "train.digits", "train.prompts_file", "train.prompt_column", "eval"),
     "dllm": _SHARED + ("pretrain.answer_noise", "dllm", "daca"),
 }
 # engine keys that only some engines read

@@ -12,19 +12,21 @@ One iteration of this family, top to bottom:
     backward  ``Engine.backward`` fills ``.grad``
     evaluate  fixed prompts and seeds, ``eval.sde_type`` sampling (ODE by default), the configured rewards
 
-Random streams (one generator each, so that e.g. the eval schedule never changes training samples): prompts,
-steps (selection and engine plans), initial/SDE noise (per rank), and group noise (shared x_0 in the spread
-layout). In the spread layout every rank plans the same whole batch and keeps its share of every group.
+Random streams (one generator each, so that e.g. the eval schedule never changes training samples): prompts
+(digit prompts; a prompt file's records come from a seeded epoch sampler, ``data_sources.EpochSampler``, whose
+position is part of the RNG state), steps (selection and engine plans), initial/SDE noise (per rank), and group
+noise (shared x_0 in the spread layout). A prompt record's metadata travels with its samples to the rewards
+(``Rollout.metadata``); each rank scores its own samples, so nothing is gathered for them. In the spread layout every rank plans the same whole batch and keeps its share of every group.
 """
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import torch
 
 from .. import distributed
 from ..data import digit_prompt, prompt_digit
+from ..data_sources import EpochSampler, load_prompts, prompt_metadata
 from ..engines import build_engine, select_steps
 from ..engines.base import EngineContext
 from ..errors import ConfigError
@@ -34,11 +36,6 @@ from ..rewards import compute_rewards
 from ..samplers import flow_sde
 from ..samplers.rollout import sample_trajectories
 from ..types import BatchPlan, EngineStats, FlowTrajectory, Rollout
-
-
-def read_prompts(path: str) -> list[str]:
-    """Non-empty, stripped lines of a prompt file."""
-    return [line.strip() for line in Path(path).expanduser().read_text().splitlines() if line.strip()]
 
 
 class FlowFamily:
@@ -65,6 +62,10 @@ class FlowFamily:
         self.gen_noise = torch.Generator(device=self.device).manual_seed(distributed.seed_for(cfg.seed + 1, rank))
         self.gen_steps = torch.Generator().manual_seed(plan_seed(cfg.seed + 2))
         self.gen_group_noise = torch.Generator(device=self.device).manual_seed(cfg.seed + 3)  # spread + shared x0
+        t = cfg.train
+        # prompt files: records {"prompt", **metadata} in a seeded epoch order, the same on every rank
+        self.records = load_prompts(t.prompts_file, column=t.prompt_column) if t.prompts_file else []
+        self.sampler = EpochSampler(len(self.records), cfg.seed) if self.records else None
 
     # ------------------------------------------------------------------ the family protocol
     @staticmethod
@@ -102,8 +103,11 @@ class FlowFamily:
         return self.engine.backward(self.ctx, rollout, epoch)
 
     def rng_state(self) -> dict:
-        return {"prompts": self.gen_prompts.get_state(), "noise": self.gen_noise.get_state(),
-                "steps": self.gen_steps.get_state(), "group_noise": self.gen_group_noise.get_state()}
+        state = {"prompts": self.gen_prompts.get_state(), "noise": self.gen_noise.get_state(),
+                 "steps": self.gen_steps.get_state(), "group_noise": self.gen_group_noise.get_state()}
+        if self.sampler is not None:
+            state["prompt_sampler"] = self.sampler.state()
+        return state
 
     def set_rng_state(self, state: dict) -> None:
         self.gen_prompts.set_state(state["prompts"])
@@ -111,22 +115,33 @@ class FlowFamily:
         self.gen_steps.set_state(state["steps"])
         if "group_noise" in state:  # absent from the oldest checkpoints
             self.gen_group_noise.set_state(state["group_noise"])
+        if self.sampler is not None and "prompt_sampler" in state:
+            self.sampler.set_state(state["prompt_sampler"])
 
     # ------------------------------------------------------------------ planning
-    def sample_prompts(self) -> tuple[list[str], torch.Tensor]:
+    def sample_prompts(self) -> tuple[list[str], torch.Tensor, list[dict]]:
         """``prompts_per_batch`` prompts (P/W per rank in the local layout), each repeated ``group_size`` times.
-        → (prompts (B,), group_ids (B,))."""
-        t = self.cfg.train
-        n = t.prompts_per_batch if self.spread else t.prompts_per_batch // self.world.world_size
-        if t.prompts_file:  # text prompts, drawn uniformly from the file
-            lines = read_prompts(t.prompts_file)
-            pick = torch.randint(len(lines), (n,), generator=self.gen_prompts)
-            prompts = [lines[int(i)] for i in pick for _ in range(t.group_size)]
+        → (prompts (B,), group_ids (B,), metadata (B,)).
+
+        Digit prompts are drawn uniformly with replacement. A prompt file's records are drawn by the epoch sampler
+        (every record once per epoch, in a permutation seeded by ``seed`` and the epoch): every rank draws the same
+        whole batch of P records; in the local layout rank r keeps records [r·P/W, (r+1)·P/W), in the spread layout
+        every rank keeps them all (and ``plan`` keeps its share of every group). Groups stay whole either way."""
+        t, w = self.cfg.train, self.world
+        n = t.prompts_per_batch if self.spread else t.prompts_per_batch // w.world_size
+        if self.sampler is not None:
+            pick = self.sampler.take(t.prompts_per_batch)
+            if not self.spread:
+                pick = pick[w.rank * n:(w.rank + 1) * n]
+            recs = [self.records[i] for i in pick for _ in range(t.group_size)]
+            prompts = [r["prompt"] for r in recs]
+            metadata = [prompt_metadata(r, prompt_digit(r["prompt"])) for r in recs]
         else:
             digits = torch.tensor(t.digits)
             pick = digits[torch.randint(len(digits), (n,), generator=self.gen_prompts)]
             prompts = [digit_prompt(int(d)) for d in pick for _ in range(t.group_size)]
-        return prompts, torch.arange(n).repeat_interleave(t.group_size)
+            metadata = [{"digit": prompt_digit(p)} for p in prompts]
+        return prompts, torch.arange(n).repeat_interleave(t.group_size), metadata
 
     def initial_noise(self, group_ids: torch.Tensor) -> torch.Tensor:
         """x_0 (B, *S); one draw per group when ``sampler.share_noise_in_group``."""
@@ -139,13 +154,15 @@ class FlowFamily:
         return torch.randn(len(group_ids), *shape, generator=self.gen_noise, device=self.device)
 
     def plan(self, prompts: list[str] | None = None, group_ids: torch.Tensor | None = None) -> BatchPlan:
-        """Decide everything about the next batch before sampling: prompts, groups, initial noise, trained
-        steps; then the engine amends the plan (``Engine.plan``)."""
+        """Decide everything about the next batch before sampling: prompts (with their metadata), groups, initial
+        noise, trained steps; then the engine amends the plan (``Engine.plan``)."""
         cfg = self.cfg
         if prompts is None:
-            prompts, group_ids = self.sample_prompts()
-        elif group_ids is None:
-            group_ids = torch.arange(len(prompts)) // cfg.train.group_size
+            prompts, group_ids, metadata = self.sample_prompts()
+        else:
+            metadata = [{"digit": prompt_digit(p)} for p in prompts]
+            if group_ids is None:
+                group_ids = torch.arange(len(prompts)) // cfg.train.group_size
         B, T = len(prompts), cfg.sampler.num_steps
         s = cfg.steps
         selected = select_steps(s.mode, T, B, fraction=s.fraction, window_start=s.window_start,
@@ -153,9 +170,10 @@ class FlowFamily:
         if self.spread:  # the same whole batch on every rank; keep this rank's share of every group
             rows = distributed.rank_rows(group_ids, self.world.rank, self.world.world_size)
             prompts, group_ids = [prompts[i] for i in rows.tolist()], group_ids[rows]
+            metadata = [metadata[i] for i in rows.tolist()]
             selected = selected[rows.to(self.device)]
         plan = BatchPlan(prompts=list(prompts), group_ids=group_ids, selected=selected,
-                         x0=self.initial_noise(group_ids), metadata=[{"digit": prompt_digit(p)} for p in prompts])
+                         x0=self.initial_noise(group_ids), metadata=metadata)
         self.engine.plan(plan, self.gen_steps)
         return plan
 
@@ -197,12 +215,14 @@ class FlowFamily:
             sample_weights=lambda trained: self.engine.sample_weights(self.ctx, ro.traj, trained)))
 
     # ------------------------------------------------------------------ evaluation
-    def eval_prompts(self) -> tuple[list[str], list[int]]:
+    def eval_prompts(self) -> tuple[list[str], list[int], list[dict]]:
+        """Every evaluation prompt ``eval.seeds_per_prompt`` times → (prompts, seeds, metadata)."""
         e = self.cfg.eval
-        base = read_prompts(e.prompts_file) if e.prompts_file else [digit_prompt(d) for d in range(10)]
-        prompts = [p for p in base for _ in range(e.seeds_per_prompt)]
-        seeds = [e.seed + j for _ in base for j in range(e.seeds_per_prompt)]
-        return prompts, seeds
+        records = (load_prompts(e.prompts_file, key="eval.prompts_file", column=self.cfg.train.prompt_column)
+                   if e.prompts_file else [{"prompt": digit_prompt(d)} for d in range(10)])
+        recs = [r for r in records for _ in range(e.seeds_per_prompt)]
+        seeds = [e.seed + j for _ in records for j in range(e.seeds_per_prompt)]
+        return [r["prompt"] for r in recs], seeds, [prompt_metadata(r, prompt_digit(r["prompt"])) for r in recs]
 
     @torch.no_grad()
     def evaluate(self) -> tuple[dict[str, float], torch.Tensor]:
@@ -210,14 +230,14 @@ class FlowFamily:
         as training cost. ``eval.batch_size`` > 0 samples, decodes and scores that many at a time, keeping only
         the rewards and the first :data:`EVAL_GRID_IMAGES` images, so memory does not grow with the prompts (each
         chunk continues the SDE noise stream: with eval.sde_type=ode the samples are those of one batch)."""
-        prompts, seeds = self.eval_prompts()
+        prompts, seeds, metadata = self.eval_prompts()
         n = self.cfg.eval.batch_size
         if n <= 0 or n >= len(prompts):
-            images, rewards, comps = self._eval_chunk(prompts, seeds, self._eval_generator())
+            images, rewards, comps = self._eval_chunk(prompts, seeds, metadata, self._eval_generator())
         else:
             g, kept, parts = self._eval_generator(), [], []
             for lo in range(0, len(prompts), n):
-                im, r, c = self._eval_chunk(prompts[lo:lo + n], seeds[lo:lo + n], g)
+                im, r, c = self._eval_chunk(prompts[lo:lo + n], seeds[lo:lo + n], metadata[lo:lo + n], g)
                 if sum(len(i) for i in kept) < EVAL_GRID_IMAGES:
                     kept.append(im[:EVAL_GRID_IMAGES - sum(len(i) for i in kept)])
                 parts.append((r, c))
@@ -233,7 +253,7 @@ class FlowFamily:
     def _eval_generator(self) -> torch.Generator:
         return torch.Generator(device=self.device).manual_seed(self.cfg.eval.seed)
 
-    def _eval_chunk(self, prompts: list[str], seeds: list[int], g: torch.Generator):
+    def _eval_chunk(self, prompts: list[str], seeds: list[int], metadata: list[dict], g: torch.Generator):
         """Sample, decode and score evaluation samples → (images, rewards (n,), components {name: (n,)})."""
         x0 = torch.stack([torch.randn(*self.policy.latent_shape, generator=torch.Generator().manual_seed(s))
                           for s in seeds]).to(self.device)
@@ -243,11 +263,10 @@ class FlowFamily:
         self.policy.counters.update(saved)
         images = self.policy.decode(out["xs"][:, -1])
         del out
-        rewards, comps = compute_rewards(self.cfg.reward.weights, images, prompts,
-                                         [{"digit": prompt_digit(p)} for p in prompts])
+        rewards, comps = compute_rewards(self.cfg.reward.weights, images, prompts, metadata)
         return images, rewards, comps
 
 
 EVAL_GRID_IMAGES = 64  # images kept for the sample grid when evaluation runs in chunks (eval.batch_size > 0)
 
-__all__ = ["FlowFamily", "read_prompts"]
+__all__ = ["FlowFamily"]

@@ -1,0 +1,189 @@
+"""Prompt data with metadata, and the epoch sampler that draws it.
+
+A prompt source (``train.prompts_file``, ``eval.prompts_file``) is one of:
+
+- a text file: one prompt per line (blank lines skipped), no metadata;
+- a ``.jsonl`` file: one JSON object per line with a prompt field (``train.prompt_column``, default ``prompt``);
+  every other field is that prompt's metadata;
+- a ``.csv`` file: a header row naming a prompt column plus metadata columns (values stay strings);
+- ``hf:<path or hub id>[:<split>]``: a ``datasets.load_dataset`` spec (needs the ``datasets`` package; split
+  ``train`` by default). ``hf:json:<file>`` / ``hf:csv:<file>`` / ``hf:parquet:<file>`` load local files with that
+  builder (``load_dataset("json", data_files=<file>)``).
+
+Each becomes a list of records ``{"prompt": str, **metadata}``. Files must be UTF-8 (a byte-order mark is dropped).
+Every problem is a one-line :class:`~diffgrpo.errors.ConfigError` naming the config key.
+
+Metadata reaches the rewards per sample (``Rollout.metadata``). Under data parallelism each rank scores its own
+samples, so a sample's metadata travels with it and nothing is gathered for the rewards.
+"""
+from __future__ import annotations
+
+import csv
+import importlib.util
+import io
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+
+from .errors import ConfigError
+
+HF_PREFIX = "hf:"
+_HF_BUILDERS = ("json", "csv", "parquet", "text")
+_SPLIT_RE = re.compile(r"^[A-Za-z_][\w-]*$")
+
+
+def _read_utf8(p: Path, spec: str, key: str) -> str:
+    try:
+        data = p.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"{key}: file {spec!r} cannot be read ({e.strerror or e})") from None
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{key}: file {spec!r} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset "
+                          f"{e.start}); save it as UTF-8") from None
+
+
+def _record(row: dict, column: str, where: str, spec: str, key: str) -> dict:
+    if column not in row:
+        raise ConfigError(f"{key}: file {spec!r} {where} has no field {column!r} (fields: "
+                          f"{', '.join(map(str, row)) or 'none'}); name the prompt field with train.prompt_column")
+    prompt = row[column]
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise ConfigError(f"{key}: file {spec!r} {where}: the prompt {prompt!r} is not a non-empty string")
+    meta = {k: v for k, v in row.items() if k != column}
+    meta.pop("prompt", None)  # a record's prompt is its prompt column
+    return {"prompt": prompt.strip(), **meta}
+
+
+def _parse_jsonl(text: str, column: str, spec: str, key: str) -> list[dict]:
+    out = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{key}: file {spec!r} line {n} is not JSON ({e.msg})") from None
+        if not isinstance(row, dict):
+            raise ConfigError(f"{key}: file {spec!r} line {n} is a JSON {type(row).__name__}, not an object")
+        out.append(_record(row, column, f"line {n}", spec, key))
+    return out
+
+
+def _parse_csv(text: str, column: str, spec: str, key: str) -> list[dict]:
+    reader = csv.DictReader(io.StringIO(text, newline=""))
+    try:
+        fields = reader.fieldnames or []
+        if column not in fields:
+            raise ConfigError(f"{key}: file {spec!r} has no column {column!r} (columns: "
+                              f"{', '.join(fields) or 'none'}); name the prompt column with train.prompt_column")
+        out = []
+        for row in reader:
+            if None in row:
+                raise ConfigError(f"{key}: file {spec!r} line {reader.line_num} has more values than the header "
+                                  f"has columns")
+            if not any((v or "").strip() for v in row.values()):
+                continue
+            out.append(_record(row, column, f"line {reader.line_num}", spec, key))
+        return out
+    except csv.Error as e:
+        raise ConfigError(f"{key}: file {spec!r} is not valid CSV (line {reader.line_num}: {e})") from None
+
+
+def split_hf_spec(spec: str) -> tuple[str, str | None, str]:
+    """``hf:<path>[:<split>]`` → (path or builder, data_files or None, split)."""
+    parts = spec[len(HF_PREFIX):].split(":")
+    split = "train"
+    if len(parts) > 1 and _SPLIT_RE.match(parts[-1]) and not (len(parts) == 2 and parts[0] in _HF_BUILDERS):
+        split = parts.pop()
+    if parts[0] in _HF_BUILDERS and len(parts) > 1:
+        return parts[0], ":".join(parts[1:]), split
+    return ":".join(parts), None, split
+
+
+def _load_hf(spec: str, column: str, key: str) -> list[dict]:
+    if importlib.util.find_spec("datasets") is None:
+        raise ConfigError(f"{key}: {spec!r} needs the datasets package (pip install datasets)")
+    import datasets  # optional dependency: imported only for an hf: spec
+
+    path, data_files, split = split_hf_spec(spec)
+    if data_files is not None and not Path(data_files).expanduser().is_file():
+        raise ConfigError(f"{key}: file {data_files!r} does not exist")
+    try:
+        ds = datasets.load_dataset(path, data_files=str(Path(data_files).expanduser()) if data_files else None,
+                                   split=split)
+    except Exception as e:  # noqa: BLE001 - any loading problem is a config problem of this key
+        first = (str(e).splitlines() or [""])[0]
+        raise ConfigError(f"{key}: {spec!r} cannot be loaded ({type(e).__name__}: {first})") from None
+    return [_record(dict(row), column, f"row {i}", spec, key) for i, row in enumerate(ds)]
+
+
+def load_prompts(spec: str, *, key: str = "train.prompts_file", column: str = "prompt") -> list[dict]:
+    """The prompt records ``[{"prompt": str, **metadata}]`` of ``spec`` (see the module doc); ``key`` names the
+    config key in errors. Raises ConfigError for a missing, unreadable, malformed or empty source."""
+    if spec.startswith(HF_PREFIX):
+        records = _load_hf(spec, column, key)
+    else:
+        p = Path(spec).expanduser()
+        try:
+            is_file = p.is_file()
+        except (OSError, ValueError):  # a name too long, an embedded NUL byte
+            is_file = False
+        if not is_file:
+            raise ConfigError(f"{key}: file {spec!r} does not exist")
+        text = _read_utf8(p, spec, key)
+        suffix = p.suffix.lower()
+        if suffix == ".jsonl":
+            records = _parse_jsonl(text, column, spec, key)
+        elif suffix == ".csv":
+            records = _parse_csv(text, column, spec, key)
+        else:
+            records = [{"prompt": line.strip()} for line in text.splitlines() if line.strip()]
+    if not records:
+        raise ConfigError(f"{key}: file {spec!r} holds no prompts")
+    return records
+
+
+def prompt_metadata(record: dict, digit) -> dict:
+    """What the rewards receive for one sample of ``record``: its fields but the prompt, with ``digit`` (the digit
+    the prompt names, or None) unless the record sets its own."""
+    return {"digit": digit, **{k: v for k, v in record.items() if k != "prompt"}}
+
+
+class EpochSampler:
+    """Seeded epoch-based prompt order (FlowGRPO's K-repeat sampler without the repeats, which the caller adds):
+    epoch ``e`` is a permutation of ``range(n)`` seeded by ``(seed, e)``, consumed in order; a draw that runs past
+    the end continues into the next epoch, so every prompt comes once per epoch. Its position (epoch, index) is
+    its whole state. Every rank holds the same sampler and draws the same whole batch."""
+
+    def __init__(self, n: int, seed: int):
+        self.n, self.seed = n, seed
+        self.epoch, self.index = 0, 0
+        self._order = self._permutation(0)
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng([self.seed % 2 ** 32, epoch]).permutation(self.n)
+
+    def take(self, k: int) -> list[int]:
+        out = []
+        while len(out) < k:
+            m = min(k - len(out), self.n - self.index)
+            out += self._order[self.index:self.index + m].tolist()
+            self.index += m
+            if self.index == self.n:
+                self.epoch, self.index = self.epoch + 1, 0
+                self._order = self._permutation(self.epoch)
+        return out
+
+    def state(self) -> dict:
+        return {"epoch": self.epoch, "index": self.index}
+
+    def set_state(self, state: dict) -> None:
+        self.epoch, self.index = int(state["epoch"]), int(state["index"])
+        self._order = self._permutation(self.epoch)
+
+
+__all__ = ["EpochSampler", "load_prompts", "prompt_metadata", "split_hf_spec"]

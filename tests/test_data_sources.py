@@ -1,0 +1,210 @@
+"""Prompt data with metadata: text / JSONL / CSV / datasets sources, their one-line errors, metadata reaching the
+rewards in training and evaluation, and the seeded epoch sampler (whole groups, every prompt once per epoch,
+layouts, resume)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from collections import Counter
+
+import pytest
+import torch
+
+from diffgrpo import RunConfig
+from diffgrpo.data_sources import EpochSampler, load_prompts, split_hf_spec
+from diffgrpo.distributed import WorldInfo
+from diffgrpo.errors import ConfigError
+from diffgrpo.flow.family import FlowFamily
+from diffgrpo.rewards import REWARDS
+
+HAS_DATASETS = importlib.util.find_spec("datasets") is not None
+
+
+def _jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def _error(fn, *a, **kw) -> str:
+    with pytest.raises(ConfigError) as e:
+        fn(*a, **kw)
+    msg = str(e.value)
+    assert "\n" not in msg, msg
+    return msg
+
+
+# ------------------------------------------------------------------------------------------ formats
+def test_text_file(tmp_path):
+    p = tmp_path / "p.txt"
+    p.write_text("a cat\n\n  a dog  \n", encoding="utf-8")
+    assert load_prompts(str(p)) == [{"prompt": "a cat"}, {"prompt": "a dog"}]
+
+
+def test_jsonl_keeps_metadata(tmp_path):
+    p = _jsonl(tmp_path / "p.jsonl", [{"prompt": "a red cube", "color": "red", "count": 1, "tags": ["a"]},
+                                      {"prompt": "two cats", "count": 2}])
+    (tmp_path / "p.jsonl").write_text(p.read_text() + "\n", encoding="utf-8")  # a trailing blank line is fine
+    assert load_prompts(str(p)) == [{"prompt": "a red cube", "color": "red", "count": 1, "tags": ["a"]},
+                                    {"prompt": "two cats", "count": 2}]
+
+
+def test_csv_keeps_metadata_and_named_column(tmp_path):
+    p = tmp_path / "p.csv"
+    p.write_text('caption,style\n"a cat, sitting",photo\na dog,sketch\n', encoding="utf-8")
+    assert load_prompts(str(p), column="caption") == [{"prompt": "a cat, sitting", "style": "photo"},
+                                                      {"prompt": "a dog", "style": "sketch"}]
+
+
+def test_bad_files_are_one_line_errors_naming_the_key(tmp_path):
+    missing = str(tmp_path / "none.jsonl")
+    assert _error(load_prompts, missing, key="eval.prompts_file") == \
+        f"eval.prompts_file: file {missing!r} does not exist"
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{"prompt": oops}\n', encoding="utf-8")
+    assert _error(load_prompts, str(bad)).startswith(f"train.prompts_file: file {str(bad)!r} line 2 is not JSON")
+    bad.write_text('["a list"]\n', encoding="utf-8")
+    assert "line 1 is a JSON list, not an object" in _error(load_prompts, str(bad))
+    bad.write_text('{"text": "a cat"}\n', encoding="utf-8")
+    assert "line 1 has no field 'prompt' (fields: text); name the prompt field with train.prompt_column" in \
+        _error(load_prompts, str(bad))
+    bad.write_text('{"prompt": 3}\n', encoding="utf-8")
+    assert "the prompt 3 is not a non-empty string" in _error(load_prompts, str(bad))
+    csvf = tmp_path / "bad.csv"
+    csvf.write_text("text,style\na,b\n", encoding="utf-8")
+    assert "has no column 'prompt' (columns: text, style)" in _error(load_prompts, str(csvf))
+    csvf.write_text("prompt,style\na,b,c\n", encoding="utf-8")
+    assert "line 2 has more values than the header has columns" in _error(load_prompts, str(csvf))
+    csvf.write_text("prompt,style\n", encoding="utf-8")
+    assert _error(load_prompts, str(csvf)) == f"train.prompts_file: file {str(csvf)!r} holds no prompts"
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes('{"prompt": "caf\xe9"}\n'.encode("latin-1"))
+    assert "is not UTF-8 text (byte 0xe9" in _error(load_prompts, str(latin))
+
+
+def test_config_validates_prompt_files_before_any_model(tmp_path):
+    bad = tmp_path / "p.csv"
+    bad.write_text("caption\na cat\n", encoding="utf-8")
+    for key in ("train.prompts_file", "eval.prompts_file"):
+        msg = _error(RunConfig.from_overrides, [f"{key}={bad}"])
+        assert msg.startswith(f"{key}: file {str(bad)!r} has no column 'prompt'"), msg
+        RunConfig.from_overrides([f"{key}={bad}", "train.prompt_column=caption"])
+    msg = _error(RunConfig.from_overrides, ["model.name=tiny_mlm", "train.prompt_column=caption"])
+    assert msg.startswith("train.prompt_column: does not apply to model.name=tiny_mlm"), msg
+
+
+def test_hf_spec_syntax():
+    assert split_hf_spec("hf:org/name") == ("org/name", None, "train")
+    assert split_hf_spec("hf:org/name:test") == ("org/name", None, "test")
+    assert split_hf_spec("hf:json:/d/p.json") == ("json", "/d/p.json", "train")
+    assert split_hf_spec("hf:json:/d/p.json:validation") == ("json", "/d/p.json", "validation")
+    assert split_hf_spec("hf:json:p") == ("json", "p", "train")
+
+
+@pytest.mark.skipif(HAS_DATASETS, reason="the datasets package is installed")
+def test_hf_spec_without_datasets_names_the_package():
+    assert _error(load_prompts, "hf:org/name", key="eval.prompts_file") == \
+        "eval.prompts_file: 'hf:org/name' needs the datasets package (pip install datasets)"
+
+
+@pytest.mark.skipif(not HAS_DATASETS, reason="needs the datasets package")
+def test_hf_json_spec(tmp_path):
+    p = _jsonl(tmp_path / "d.json", [{"caption": "a cat", "k": 1}, {"caption": "a dog", "k": 2}])
+    assert load_prompts(f"hf:json:{p}", column="caption") == [{"prompt": "a cat", "k": 1}, {"prompt": "a dog", "k": 2}]
+
+
+# ------------------------------------------------------------------------------------------ metadata → rewards
+@pytest.fixture
+def recording_reward(monkeypatch):
+    seen = []
+
+    def record(images, prompts, metadata):
+        seen.append((list(prompts), [dict(m) for m in metadata]))
+        return torch.zeros(len(prompts)) + torch.arange(len(prompts)) % 2
+
+    monkeypatch.setitem(REWARDS, "record_metadata", record)
+    return seen
+
+
+def test_jsonl_metadata_reaches_the_rewards(tmp_path, make_trainer, recording_reward):
+    rows = [{"prompt": f"a shape {i}", "shape": s, "id": i} for i, s in enumerate(["cube", "ball", "cone"])]
+    p = _jsonl(tmp_path / "p.jsonl", rows)
+    tr = make_trainer(f"train.prompts_file={p}", f"eval.prompts_file={p}", "eval.seeds_per_prompt=1",
+                      "reward.weights={record_metadata: 1.0}")
+    ro = tr.family.rollout()
+    prompts, meta = recording_reward[-1]
+    assert prompts == ro.prompts and meta == ro.metadata and len(meta) == 6
+    by_prompt = {r["prompt"]: r for r in rows}
+    for q, m in zip(prompts, meta):
+        assert m == {"digit": int(q[-1]), "shape": by_prompt[q]["shape"], "id": by_prompt[q]["id"]}
+    tr.family.evaluate()
+    prompts, meta = recording_reward[-1]
+    assert prompts == [r["prompt"] for r in rows]
+    assert meta == [{"digit": r["id"], "shape": r["shape"], "id": r["id"]} for r in rows]
+
+
+def test_digit_prompts_keep_their_metadata(make_trainer, recording_reward):
+    tr = make_trainer("reward.weights={record_metadata: 1.0}")
+    tr.family.rollout()
+    prompts, meta = recording_reward[-1]
+    assert meta == [{"digit": int(q[-1])} for q in prompts]
+
+
+# ------------------------------------------------------------------------------------------ the epoch sampler
+def test_epoch_sampler_every_prompt_once_per_epoch_and_seeded():
+    s = EpochSampler(7, seed=3)
+    drawn = s.take(4) + s.take(4) + s.take(6)  # crosses the epoch boundary mid-batch
+    assert sorted(drawn[:7]) == list(range(7)) and sorted(drawn[7:]) == list(range(7))
+    assert drawn[:7] != drawn[7:]  # a fresh permutation each epoch
+    assert s.state() == {"epoch": 2, "index": 0}
+    again = EpochSampler(7, seed=3)
+    assert again.take(14) == drawn
+    assert EpochSampler(7, seed=4).take(14) != drawn
+    r = EpochSampler(7, seed=3)
+    r.set_state({"epoch": 1, "index": 1})
+    assert r.take(6) == drawn[8:]
+
+
+def _family(tr, rank: int, world: int, layout: str) -> FlowFamily:
+    tr.cfg.dist.group_layout = layout
+    return FlowFamily(tr.cfg, tr.policy, WorldInfo(rank, world, rank))
+
+
+def test_batches_keep_groups_whole_and_cover_the_file_across_ranks(tmp_path, make_trainer):
+    p = tmp_path / "p.txt"
+    p.write_text("".join(f"prompt {i}\n" for i in range(8)), encoding="utf-8")
+    tr = make_trainer(f"train.prompts_file={p}", "train.prompts_per_batch=4", "train.group_size=2")
+    # local layout: rank r takes its P/W slice of each batch; two batches are one epoch over both ranks
+    fams = [_family(tr, r, 2, "local") for r in range(2)]
+    seen = []
+    for _ in range(2):
+        for f in fams:
+            prompts, gids, meta = f.sample_prompts()
+            assert len(prompts) == 4 and gids.tolist() == [0, 0, 1, 1]
+            assert prompts[0] == prompts[1] and prompts[2] == prompts[3]  # groups whole
+            seen += prompts[::2]
+    assert sorted(seen) == sorted(f"prompt {i}" for i in range(8))
+    # spread layout: every rank plans the same whole batch and keeps its share of every group
+    fams = [_family(tr, r, 2, "spread") for r in range(2)]
+    plans = [f.plan() for f in fams]
+    assert plans[0].prompts == plans[1].prompts and len(plans[0].prompts) == 4
+    assert Counter(plans[0].prompts + plans[1].prompts) == Counter({q: 2 for q in set(plans[0].prompts)})
+    assert [m["digit"] for m in plans[0].metadata] == [int(q[-1]) for q in plans[0].prompts]
+
+
+def test_resumed_run_draws_the_same_next_prompts(tmp_path, make_trainer, recording_reward):
+    p = _jsonl(tmp_path / "p.jsonl", [{"prompt": f"item {i}", "i": i} for i in range(5)])
+    common = [f"train.prompts_file={p}", "reward.weights={record_metadata: 1.0}", "eval.every=0",
+              "eval.seeds_per_prompt=1", "train.save_every=2"]
+
+    def train_prompts(*overrides, resume=False):
+        recording_reward.clear()
+        make_trainer(*common, *overrides).train(resume=resume)
+        return [q for q, _ in recording_reward if len(q) == 6]  # training batches (evaluation: 10 digit prompts)
+
+    full = train_prompts("train.num_iterations=4", f"log.output_dir={tmp_path / 'full'}")
+    first = train_prompts("train.num_iterations=2", f"log.output_dir={tmp_path / 'cut'}")
+    rest = train_prompts("train.num_iterations=4", f"log.output_dir={tmp_path / 'cut'}", resume=True)
+    assert len(full) == 4 and first == full[:2] and rest == full[2:]
+    # 4 batches of 2 prompts over 5 records: the first 5 draws are one epoch
+    draws = [q for batch in full for q in batch[::3]]
+    assert sorted(draws[:5]) == [f"item {i}" for i in range(5)]
