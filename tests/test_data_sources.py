@@ -13,9 +13,11 @@ import torch
 from diffgrpo import RunConfig
 from diffgrpo.data_sources import EpochSampler, load_prompts, split_hf_spec
 from diffgrpo.distributed import WorldInfo
+from diffgrpo.dllm.tasks import TASKS, get_task
 from diffgrpo.errors import ConfigError
 from diffgrpo.flow.family import FlowFamily
 from diffgrpo.rewards import REWARDS
+from tests.test_dllm import make_dllm_trainer
 
 HAS_DATASETS = importlib.util.find_spec("datasets") is not None
 
@@ -208,3 +210,42 @@ def test_resumed_run_draws_the_same_next_prompts(tmp_path, make_trainer, recordi
     # 4 batches of 2 prompts over 5 records: the first 5 draws are one epoch
     draws = [q for batch in full for q in batch[::3]]
     assert sorted(draws[:5]) == [f"item {i}" for i in range(5)]
+
+
+# ------------------------------------------------------------------------------------------ dLLM data files
+def test_dllm_tasks_build_verified_examples_from_prompt_and_answer():
+    for name in TASKS:
+        task = get_task(name)
+        for ex in task.instances("train")[:5]:
+            made = task.example(ex.prompt, ex.answer)
+            assert made.meta == ex.meta and task.reward(ex.answer, made)["correct"] == 1.0
+
+
+def test_dllm_data_file_replaces_the_train_split(tmp_path):
+    rows = [{"prompt": "1+1=", "answer": "<answer>2</answer>", "source": "x"}, {"prompt": "3-5=", "answer": "<answer>-2</answer>"}]
+    p = _jsonl(tmp_path / "d.jsonl", rows)
+    tr = make_dllm_trainer(f"dllm.data_file={p}")
+    ex, gids = tr.family.examples()
+    assert {e.prompt for e in ex} <= {"1+1=", "3-5="} and len(ex) == 8 and gids.tolist() == [0] * 4 + [1] * 4
+    assert [ex[0].meta] == [{"target": int(ex[0].answer[8:-9])}]
+    ro = tr.family.rollout()
+    assert set(ro.prompts) <= {"1+1=", "3-5="} and torch.isfinite(ro.rewards).all()
+
+
+def test_dllm_data_file_errors_name_the_key(tmp_path):
+    bad = _jsonl(tmp_path / "d.jsonl", [{"prompt": "1+1=", "answer": "<answer>3</answer>"}])
+    msg = _error(RunConfig.from_overrides, ["model.name=tiny_mlm", f"dllm.data_file={bad}"])
+    assert msg.startswith(f"dllm.data_file: file {str(bad)!r} record 1: the answer '<answer>3</answer>' does not "
+                          "pass the dllm.task=arithmetic verifier"), msg
+    _jsonl(bad, [{"prompt": "1+1="}])
+    assert "record 1 has no non-empty string field 'answer'" in \
+        _error(RunConfig.from_overrides, ["model.name=tiny_mlm", f"dllm.data_file={bad}"])
+    _jsonl(bad, [{"prompt": "one plus one", "answer": "<answer>2</answer>"}])
+    assert "record 1 is not a dllm.task=arithmetic instance (prompt 'one plus one' is not an integer expression" in \
+        _error(RunConfig.from_overrides, ["model.name=tiny_mlm", f"dllm.data_file={bad}"])
+    _jsonl(bad, [{"prompt": "100000+1=", "answer": "<answer>100001</answer>"}])
+    assert "has 9 tokens; the built-in tiny_mlm for dllm.task=arithmetic reads at most 6" in \
+        _error(RunConfig.from_overrides, ["model.name=tiny_mlm", f"dllm.data_file={bad}"])
+    txt = tmp_path / "d.txt"
+    txt.write_text("1+1=\n", encoding="utf-8")
+    assert "is not a .jsonl file" in _error(RunConfig.from_overrides, ["model.name=tiny_mlm", f"dllm.data_file={txt}"])

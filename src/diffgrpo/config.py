@@ -26,7 +26,7 @@ import yaml
 
 from .data_sources import load_prompts
 from .distributed import launched_world_size
-from .dllm.tasks import VOCAB, get_task
+from .dllm.tasks import VOCAB, examples_from_file, get_task
 from .engines import ENGINES
 from .errors import ConfigError, suggest
 from .rewards import REWARDS, resolve_reward
@@ -206,6 +206,9 @@ class DLLMConfig:
                                            "0 = gen_length (one token per step)")
     remasking: str = _f("low_confidence", choices=("low_confidence", "random"))
     temperature: float = _f(1.0, lo=0.0, doc="rollout sampling temperature")
+    data_file: str = _f("", path=True, doc="JSONL file of {prompt, answer} records replacing the task's generated "
+                                           "train split (each answer must pass the task's verifier; the test split "
+                                           "stays the task's own); drawn uniformly like the built-in split")
     eval_temperature: float = _f(0.0, lo=0.0, doc="held-out evaluation temperature (0 = greedy)")
     eval_size: int = _f(128, lo=0, doc="held-out test prompts per evaluation; 0 = the whole test split")
     eval_samples: int = _f(1, lo=1, doc="completions per held-out prompt (use > 1 with eval_temperature > 0)")
@@ -676,6 +679,18 @@ def _validate_dllm(cfg: RunConfig) -> None:
     if cfg.model.name == "hf_masked_lm" and not d.model_path:
         raise ConfigError("dllm.model_path: required for model.name=hf_masked_lm (a local model directory or hub id)")
     task = get_task(d.task)
+    if d.data_file:
+        examples = examples_from_file(d.data_file, task)
+        if cfg.model.name == "tiny_mlm":  # the built-in character vocabulary and its prompt positions
+            for i, ex in enumerate(examples, 1):
+                try:
+                    n = len(VOCAB.encode(ex.prompt))
+                except ValueError as e:
+                    raise ConfigError(f"dllm.data_file: record {i}: the prompt {ex.prompt!r} cannot be written in "
+                                      f"the built-in vocabulary ({e})") from None
+                if n > task.prompt_length:
+                    raise ConfigError(f"dllm.data_file: record {i}: the prompt {ex.prompt!r} has {n} tokens; the "
+                                      f"built-in tiny_mlm for dllm.task={d.task} reads at most {task.prompt_length}")
     if cfg.model.name == "tiny_mlm" and d.gen_length:
         if d.gen_length > task.gen_length:
             raise ConfigError(f"dllm.gen_length: value {d.gen_length} is out of range; the built-in tiny_mlm for "

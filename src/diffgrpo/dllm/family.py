@@ -32,7 +32,7 @@ from ..types import EngineStats, Rollout, TokenTrajectory
 from . import credit
 from .grpo import METHODS, TokenGRPO
 from .likelihood import completion_mask
-from .tasks import Example, get_task
+from .tasks import Example, examples_from_file, get_task
 
 SAMPLER_RECORDS = ("commit_step", "confidence", "entropy", "margin", "block_rank", "order", "step_log_prob")
 
@@ -48,6 +48,8 @@ class DLLMFamily:
         self.device = policy.device
         self.vocab = policy.vocab
         self.task = get_task(self.d.task)
+        # dllm.data_file replaces the task's generated train split (drawn the same way: uniformly, seeded)
+        self.train_pool = examples_from_file(self.d.data_file, self.task) if self.d.data_file else None
         self.gen_length = self.d.gen_length or self.task.gen_length
         self.block_length = self.d.block_length or self.gen_length
         self.steps = self.d.diffusion_steps or self.gen_length
@@ -109,13 +111,19 @@ class DLLMFamily:
         t, W = self.cfg.train, self.world.world_size
         if prompts is None:
             n = t.prompts_per_batch if W == 1 or self.spread else t.prompts_per_batch // W  # local: P/W per rank
-            ex = [e for e in self.task.sample("train", n, self.gen_prompts) for _ in range(t.group_size)]
+            if self.train_pool is not None:
+                pick = torch.randint(len(self.train_pool), (n,), generator=self.gen_prompts)
+                drawn = [self.train_pool[int(i)] for i in pick]
+            else:
+                drawn = self.task.sample("train", n, self.gen_prompts)
+            ex = [e for e in drawn for _ in range(t.group_size)]
             gids = torch.arange(n).repeat_interleave(t.group_size)
             if W > 1 and self.spread:  # the same prompts on every rank (shared stream); keep this rank's share
                 rows = distributed.rank_rows(gids, self.world.rank, W)
                 ex, gids = [ex[i] for i in rows.tolist()], gids[rows]
             return ex, gids
         lookup = {e.prompt: e for s in ("train", "test") for e in self.task.instances(s)}
+        lookup.update({e.prompt: e for e in self.train_pool or []})
         ex = [p if isinstance(p, Example) else lookup[p] for p in prompts]
         return ex, torch.arange(len(ex)) // t.group_size
 

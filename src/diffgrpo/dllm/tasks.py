@@ -33,6 +33,9 @@ from typing import Any, ClassVar
 
 import torch
 
+from ..data_sources import load_prompts
+from ..errors import ConfigError
+
 # ---------------------------------------------------------------------------------------------- vocabulary
 SPECIALS = ["<pad>", "<mask>", "<eos>", "<answer>", "</answer>"]
 CHARS = list("0123456789abcdefghijklmnopqrstuvwxyz+-*/=()[]{}<>:,.\"' _|?")
@@ -145,6 +148,11 @@ class Task:
         idx = torch.randint(len(pool), (n,), generator=generator)
         return [pool[int(i)] for i in idx]
 
+    def example(self, prompt: str, answer: str) -> Example:
+        """An instance from a prompt and its reference answer (a data file's record): the verifier's fields are
+        read from them. Raises ValueError when they are not an instance of this task."""
+        raise NotImplementedError
+
     refused: ClassVar[dict[str, float]] = {}  # the components of a completion that cannot be read (all zero)
 
     @property
@@ -200,6 +208,13 @@ class Arithmetic(Task):
                     out.append(Example(p, f"<answer>{val}</answer>", {"target": val}))
             self._cache[split] = out
         return self._cache[split]
+
+    def example(self, prompt, answer):
+        """The target is the prompt's value (``a+b=``), so that the reference answer is checked against it."""
+        parsed = safe_eval(prompt[:-1]) if prompt.endswith("=") else None
+        if parsed is None or parsed[0] != int(parsed[0]):
+            raise ValueError(f"prompt {prompt!r} is not an integer expression followed by =")
+        return Example(prompt, answer, {"target": int(parsed[0])})
 
     refused: ClassVar[dict[str, float]] = {"reward": 0.0, "format": 0.0, "correct": 0.0}
 
@@ -295,6 +310,11 @@ class Sudoku(Task):
                     out.append(Example(p, sol, {"solution": sol}))
             self._cache[split] = out
         return self._cache[split]
+
+    def example(self, prompt, answer):
+        if re.fullmatch("[1-4.]{16}", prompt) is None:
+            raise ValueError(f"prompt {prompt!r} is not a 4x4 puzzle (16 characters of 1-4 and .)")
+        return Example(prompt, answer, {"solution": answer})
 
     refused: ClassVar[dict[str, float]] = {"reward": 0.0, "cell_accuracy": 0.0, "correct": 0.0}
 
@@ -421,6 +441,13 @@ class Countdown(Task):
             self._cache[split] = out
         return self._cache[split]
 
+    def example(self, prompt, answer):
+        m = re.fullmatch(r"([0-9]+(?:,[0-9]+)*):([0-9]+)", prompt)
+        if m is None:
+            raise ValueError(f"prompt {prompt!r} is not n1,n2,...:target")
+        return Example(prompt, answer, {"numbers": sorted(int(v) for v in m.group(1).split(",")),
+                                        "target": int(m.group(2))})
+
     refused: ClassVar[dict[str, float]] = {"reward": 0.0, "format": 0.0, "correct": 0.0}
 
     def score(self, completion, ex):
@@ -504,6 +531,11 @@ class JsonSchema(Task):
             self._cache[split] = out
         return self._cache[split]
 
+    def example(self, prompt, answer):
+        if re.fullmatch(r"[a-z]+:(int|str|bool)(,[a-z]+:(int|str|bool))*", prompt) is None:
+            raise ValueError(f"prompt {prompt!r} is not key:type,... with types int, str, bool")
+        return Example(prompt, answer, {"schema": schema_from_spec(prompt)})
+
     refused: ClassVar[dict[str, float]] = {"reward": 0.0, "errors": -1.0, "correct": 0.0}
 
     def score(self, completion, ex):
@@ -531,11 +563,33 @@ TASKS: dict[str, type[Task]] = {"arithmetic": Arithmetic, "sudoku": Sudoku, "cou
                                 "json_schema": JsonSchema}
 
 
+def examples_from_file(path: str, task: Task, *, key: str = "dllm.data_file") -> list[Example]:
+    """The instances of a JSONL file of ``{"prompt": str, "answer": str}`` records (other fields ignored) for
+    ``task``; each reference answer must pass the task's verifier. One-line ConfigErrors naming ``key``."""
+    if not path.lower().endswith(".jsonl"):
+        raise ConfigError(f"{key}: file {path!r} is not a .jsonl file (one JSON object per line with prompt and "
+                          "answer fields)")
+    out = []
+    for i, rec in enumerate(load_prompts(path, key=key), 1):
+        answer = rec.get("answer")
+        if not isinstance(answer, str) or not answer.strip():
+            raise ConfigError(f"{key}: file {path!r} record {i} has no non-empty string field 'answer'")
+        try:
+            ex = task.example(rec["prompt"], answer.strip())
+        except ValueError as e:
+            raise ConfigError(f"{key}: file {path!r} record {i} is not a dllm.task={task.name} instance ({e})") from None
+        if task.reward(ex.answer, ex).get("correct") != 1.0:
+            raise ConfigError(f"{key}: file {path!r} record {i}: the answer {ex.answer!r} does not pass the "
+                              f"dllm.task={task.name} verifier for the prompt {ex.prompt!r}")
+        out.append(ex)
+    return out
+
+
 def get_task(name: str) -> Task:
     if name not in TASKS:
         raise ValueError(f"unknown dLLM task {name!r}; choose one of {sorted(TASKS)}")
     return TASKS[name]()
 
 
-__all__ = ["VOCAB", "CharVocab", "Example", "Task", "TASKS", "get_task", "extract_answer", "safe_eval",
+__all__ = ["VOCAB", "CharVocab", "Example", "Task", "TASKS", "get_task", "examples_from_file", "extract_answer", "safe_eval",
            "schema_from_spec", "all_sudoku_grids", "count_solutions"]
