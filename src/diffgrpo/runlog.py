@@ -1,53 +1,146 @@
-"""Run outputs: metrics.jsonl (+ optional TensorBoard), sample grids and the reward-curve plot."""
+"""Run outputs: metrics.jsonl mirrored to the trackers (TensorBoard, W&B), sample grids and the reward-curve plot.
+
+The trackers (TensorBoard through ``torch.utils.tensorboard``, W&B through ``wandb``) sit behind the small
+``Tracker`` protocol: scalars at a step, an image grid with a caption, finish. (``accelerate.tracking``'s classes
+are not used: they log through accelerate's process state, which this trainer does not create.) ``MetricsWriter`` appends every row to
+``metrics.jsonl`` and sends its finite scalars to each tracker; it is a context manager whose ``close`` (after the
+run's last write, the end evaluation) finishes every tracker once, however the run ends.
+"""
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
+import secrets
 from pathlib import Path
+from typing import Protocol
 
+import numpy as np
 import torch
 
 from .fileio import append_line, atomic_write, read_jsonl
 
 
-class MetricsWriter:
-    """Appends one JSON object per line to ``metrics.jsonl``; mirrors scalars to TensorBoard when asked."""
+class Tracker(Protocol):
+    """An experiment tracker: scalars at a step, an image with a caption, and one ``finish`` at the end."""
 
-    def __init__(self, run_dir: Path, tensorboard: bool = False, wandb: bool = False, config: dict | None = None):
+    def log(self, values: dict[str, float], step: int) -> None: ...
+
+    def log_image(self, key: str, image: np.ndarray, step: int, caption: str) -> None:
+        """``image``: (H, W, 3) uint8."""
+
+    def finish(self) -> None: ...
+
+
+class TensorBoardTracker:
+    """Event files in ``<run_dir>/tensorboard`` (``torch.utils.tensorboard``); an image's caption is logged as
+    text under ``<key>/caption``."""
+
+    def __init__(self, run_dir: Path):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self._w = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+
+    def log(self, values: dict[str, float], step: int) -> None:
+        for k, v in values.items():
+            self._w.add_scalar(k, v, step)
+        self._w.flush()
+
+    def log_image(self, key: str, image: np.ndarray, step: int, caption: str) -> None:
+        self._w.add_image(key, image, step, dataformats="HWC")
+        self._w.add_text(f"{key}/caption", caption, step)
+        self._w.flush()
+
+    def finish(self) -> None:
+        self._w.close()
+
+
+class WandBTracker:
+    """A W&B run in project ``diffgrpo`` named after the run directory; its id is kept in ``<run_dir>/wandb_id``
+    so that a resumed run continues the same W&B run."""
+
+    def __init__(self, run_dir: Path, config: dict | None = None):
+        import wandb
+
+        id_file = Path(run_dir) / "wandb_id"
+        run_id = id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(6)
+        atomic_write(id_file, run_id)
+        self._run = wandb.init(project="diffgrpo", dir=str(run_dir), config=config or {}, name=Path(run_dir).name,
+                               id=run_id, resume="allow")
+
+    def log(self, values: dict[str, float], step: int) -> None:
+        self._run.log(values, step=step)
+
+    def log_image(self, key: str, image: np.ndarray, step: int, caption: str) -> None:
+        import wandb
+
+        self._run.log({key: wandb.Image(image, caption=caption)}, step=step)
+
+    def finish(self) -> None:
+        self._run.finish()
+
+
+class MetricsWriter:
+    """Appends one JSON object per line to ``metrics.jsonl`` and mirrors each row's finite scalars (at its
+    ``iteration``) and the evaluation grids to the trackers. ``close`` is idempotent; use it as ``with writer:``."""
+
+    def __init__(self, run_dir: Path, tensorboard: bool = False, wandb: bool = False, config: dict | None = None,
+                 trackers: list[Tracker] | None = None):
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.tb = None
-        self.wandb = None
-        if wandb:
-            try:
-                import wandb as _wandb
-            except ImportError as e:
-                raise RuntimeError("log.wandb=true needs the wandb package (pip install wandb)") from e
-            self.wandb = _wandb.init(project="diffgrpo", dir=str(run_dir), config=config or {},
-                                     name=Path(run_dir).name, resume="allow")
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError as e:  # pragma: no cover - depends on the environment
-                raise RuntimeError("log.tensorboard=true needs the tensorboard package "
-                                   "(pip install 'diffgrpo[tensorboard]')") from e
-            self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+        self.trackers: list[Tracker] = list(trackers or [])
+        try:
+            for wanted, package in ((wandb, "wandb"), (tensorboard, "tensorboard")):
+                if wanted and importlib.util.find_spec(package) is None:
+                    raise RuntimeError(f"log.{package}=true needs the {package} package "
+                                       "(pip install 'diffgrpo[trackers]')")
+            if wandb:
+                self.trackers.append(WandBTracker(Path(run_dir), config))
+            if tensorboard:
+                self.trackers.append(TensorBoardTracker(Path(run_dir)))
+        except BaseException:
+            self.close()
+            raise
+        self.closed = False
 
     def write(self, row: dict) -> None:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
         append_line(self.path, json.dumps(clean))
-        if self.tb is not None and "iteration" in row:
-            for k, v in row.items():
-                if isinstance(v, (int, float)) and k != "iteration" and math.isfinite(float(v)):
-                    self.tb.add_scalar(k, v, row["iteration"])
-        if self.wandb is not None and "iteration" in row:
-            self.wandb.log({k: v for k, v in clean.items() if k != "iteration"}, step=row["iteration"])
+        if "iteration" not in row or not self.trackers:
+            return
+        scalars = {k: v for k, v in row.items()
+                   if k != "iteration" and isinstance(v, (int, float)) and not isinstance(v, bool)
+                   and math.isfinite(float(v))}
+        for t in self.trackers:
+            t.log(scalars, step=int(row["iteration"]))
 
-    def close(self):
-        if self.tb is not None:
-            self.tb.close()
-        if self.wandb is not None:
-            self.wandb.finish()
+    def log_images(self, images: torch.Tensor, step: int, nrow: int, caption: str, key: str = "eval/samples") -> None:
+        """An evaluation's images (N, C, H, W) in [0, 1] as one grid, at ``step``, to every tracker."""
+        if not self.trackers:
+            return
+        grid = grid_array(images, nrow, scale=1)
+        if grid.ndim == 2:
+            grid = np.repeat(grid[:, :, None], 3, axis=2)
+        for t in self.trackers:
+            t.log_image(key, grid, step=int(step), caption=caption)
+
+    def close(self) -> None:
+        """Finish every tracker once (the first error is raised after all were tried)."""
+        trackers, self.trackers, self.closed = self.trackers, [], True
+        error = None
+        for t in trackers:
+            try:
+                t.finish()
+            except Exception as e:  # noqa: BLE001 - finish the others, then report
+                error = error or e
+        if error is not None:
+            raise error
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def read_metrics(path: Path, log=print) -> list[dict]:
@@ -55,10 +148,9 @@ def read_metrics(path: Path, log=print) -> list[dict]:
     return read_jsonl(path, log=log)
 
 
-def save_grid(images: torch.Tensor, path: Path, nrow: int, scale: int = 4) -> None:
-    """images (N, C, H, W) in [0, 1] → one PNG, ``nrow`` images per row, upscaled ``scale``× (nearest)."""
-    from PIL import Image
-
+def grid_array(images: torch.Tensor, nrow: int, scale: int = 4) -> np.ndarray:
+    """images (N, C, H, W) in [0, 1] → one uint8 grid, ``nrow`` images per row, upscaled ``scale``× (nearest):
+    (H', W') for one channel, (H', W', C) otherwise."""
     n, c, h, w = images.shape
     ncol = nrow
     nr = math.ceil(n / ncol)
@@ -66,11 +158,17 @@ def save_grid(images: torch.Tensor, path: Path, nrow: int, scale: int = 4) -> No
     grid = torch.ones(c, nr * (h + pad) + pad, ncol * (w + pad) + pad)
     for i in range(n):
         r, q = divmod(i, ncol)
-        grid[:, pad + r * (h + pad): pad + r * (h + pad) + h, pad + q * (w + pad): pad + q * (w + pad) + w] = images[i]
+        grid[:, pad + r * (h + pad): pad + r * (h + pad) + h, pad + q * (w + pad): pad + q * (w + pad) + w] = images[i].cpu()
     arr = (grid.clamp(0, 1) * 255).round().to(torch.uint8)
     arr = arr[0].numpy() if c == 1 else arr.permute(1, 2, 0).numpy()
-    img = Image.fromarray(arr)
-    img = img.resize((img.width * scale, img.height * scale), Image.NEAREST)
+    return arr.repeat(scale, axis=0).repeat(scale, axis=1) if scale > 1 else arr
+
+
+def save_grid(images: torch.Tensor, path: Path, nrow: int, scale: int = 4) -> None:
+    """images (N, C, H, W) in [0, 1] → one PNG, ``nrow`` images per row, upscaled ``scale``× (nearest)."""
+    from PIL import Image
+
+    img = Image.fromarray(np.ascontiguousarray(grid_array(images, nrow, scale)))
     fmt = {".jpg": "JPEG", ".jpeg": "JPEG"}.get(Path(path).suffix.lower(), "PNG")
     atomic_write(path, lambda tmp: img.save(tmp, format=fmt))
 

@@ -349,13 +349,45 @@ class Trainer:
         writer = (MetricsWriter(out, tensorboard=cfg.log.tensorboard, wandb=cfg.log.wandb, config=cfg.to_dict())
                   if lead else _NullWriter())
         self.log(f"run directory: {out}")
+        with writer:  # closed once, after the end evaluation, or on a signal or an error
+            outcome = self._loop(out, resumed, writer)
+        if "interrupted" in outcome:
+            return outcome
+        first, last_eval = outcome["start"], outcome["end"]
+        self.log(f"eval at end:   {_fmt(last_eval)}")
+        weights = distributed.to_full(self.policy.state_dict())  # a collective under FSDP2
+        ema_weights = self.ema.state_dict() if self.ema is not None else None
+        if not lead:
+            return {"start": first, "end": last_eval}
+        atomic_write(out / "weights.safetensors", lambda tmp: save_file(weights, str(tmp)))
+        if self.ema is not None:
+            atomic_write(out / "weights_ema.safetensors", lambda tmp: save_file(ema_weights, str(tmp)))
+        self.policy.export(out)  # the library's own format: LoRA for load_lora_weights, or a from_pretrained directory
+        if cfg.log.save_images:
+            rows = read_metrics(out / "metrics.jsonl", log=self.log)
+            keys = ("reward",) + tuple(k for k in last_eval if k.startswith("eval/rewards/"))
+            plot_curves(rows, out / "reward_curve.png", keys, title="reward (train) and held-out eval")
+        summary = {"start": first, "end": last_eval}
+        atomic_write(out / "summary.json", json.dumps(summary, indent=2))
+        return summary
+
+    def _loop(self, out: Path, resumed: bool, writer) -> dict:
+        """Start evaluation, the iterations (an evaluation every ``eval.every``), checkpoints and the end
+        evaluation. Returns ``{"start", "end"}`` rows, plus ``"interrupted"`` when a signal stopped the run."""
+        cfg = self.cfg
+        lead = self.world.rank == 0
 
         def do_eval(tag: str) -> dict:
             row, images = self.evaluate()
             row["iteration"] = self.iteration
             writer.write(row)
-            if lead and cfg.log.save_images and tag and images is not None:
-                save_grid(images, out / f"samples_{tag}.png", nrow=cfg.eval.seeds_per_prompt * 2)
+            if images is not None:
+                reward = row.get("eval/reward")
+                caption = (f"iteration {self.iteration}{f' ({tag})' if tag in ('start', 'end') else ''}: "
+                           f"mean held-out reward {'n/a' if reward is None else f'{reward:.4f}'}")
+                writer.log_images(images, self.iteration, nrow=cfg.eval.seeds_per_prompt * 2, caption=caption)
+                if lead and cfg.log.save_images:
+                    save_grid(images, out / f"samples_{tag}.png", nrow=cfg.eval.seeds_per_prompt * 2)
             return row
 
         rows = read_metrics(out / "metrics.jsonl", log=self.log) if resumed else []
@@ -378,43 +410,23 @@ class Trainer:
                 bar.update(1)
                 bar.set_postfix(reward=f"{row['reward']:.3f}", it_s=f"{row['time/iteration']:.1f}s")
                 if cfg.eval.every and self.iteration % cfg.eval.every == 0 and self.iteration < cfg.train.num_iterations:
-                    last_eval = do_eval("")
+                    last_eval = do_eval(str(self.iteration))
                 if (cfg.train.save_every and self.iteration % cfg.train.save_every == 0) or self._stop_signal:
                     self.save_checkpoint()
                 if self._stop_signal is not None:
                     self.log(f"stopped by signal {self._stop_signal} after iteration {self.iteration}; "
                              f"continue with: diffgrpo train --resume {out}")
-                    writer.close()
                     return {"start": first, "end": last_eval, "interrupted": int(self._stop_signal)}
             bar.close()
             if cfg.train.save_every and self._saved_at != self.iteration:  # "train N more" resumes from here
                 self.save_checkpoint()
             if self.iteration > start_iteration or not (evals and evals[-1].get("iteration") == self.iteration):
                 last_eval = do_eval("end")  # (a resumed finished run already holds its end evaluation)
-            writer.close()
-        except BaseException:
-            writer.close()
-            raise
         finally:
             bar.close()
             for sig, h in handlers.items():
                 signal.signal(sig, h)
-        self.log(f"eval at end:   {_fmt(last_eval)}")
-        weights = distributed.to_full(self.policy.state_dict())  # a collective under FSDP2
-        ema_weights = self.ema.state_dict() if self.ema is not None else None
-        if not lead:
-            return {"start": first, "end": last_eval}
-        atomic_write(out / "weights.safetensors", lambda tmp: save_file(weights, str(tmp)))
-        if self.ema is not None:
-            atomic_write(out / "weights_ema.safetensors", lambda tmp: save_file(ema_weights, str(tmp)))
-        self.policy.export(out)  # the library's own format: LoRA for load_lora_weights, or a from_pretrained directory
-        if cfg.log.save_images:
-            rows = read_metrics(out / "metrics.jsonl", log=self.log)
-            keys = ("reward",) + tuple(k for k in last_eval if k.startswith("eval/rewards/"))
-            plot_curves(rows, out / "reward_curve.png", keys, title="reward (train) and held-out eval")
-        summary = {"start": first, "end": last_eval}
-        atomic_write(out / "summary.json", json.dumps(summary, indent=2))
-        return summary
+        return {"start": first, "end": last_eval}
 
 
 def check_world(cfg: RunConfig, world) -> None:
@@ -457,7 +469,16 @@ class _NullWriter:
     def write(self, row: dict) -> None:
         pass
 
+    def log_images(self, images: torch.Tensor, step: int, nrow: int, caption: str) -> None:
+        pass
+
     def close(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
         pass
 
 

@@ -1,0 +1,160 @@
+"""Trackers: every metrics row and evaluation grid reaches TensorBoard and W&B, and the writer is closed once,
+after the end evaluation, however the run ends."""
+import json
+import math
+import signal
+import struct
+
+import pytest
+import torch
+
+from diffgrpo import trainer as trainer_mod
+from diffgrpo.runlog import MetricsWriter
+
+RUN = ("train.num_iterations=2", "eval.every=1", "eval.seeds_per_prompt=1")
+
+
+class Recorder:
+    """A ``runlog.Tracker`` that records its calls."""
+
+    def __init__(self):
+        self.calls = []
+
+    def log(self, values, step):
+        self.calls.append(("log", step, dict(values)))
+
+    def log_image(self, key, image, step, caption):
+        self.calls.append(("image", step, key, image.shape, caption))
+
+    def finish(self):
+        self.calls.append(("finish",))
+
+
+def _rows(run):
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _recording(monkeypatch):
+    rec = Recorder()
+
+    class Writer(MetricsWriter):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, trackers=[rec], **kwargs)
+
+    monkeypatch.setattr(trainer_mod, "MetricsWriter", Writer)
+    return rec
+
+
+def test_writer_sends_finite_scalars_and_finishes_once(tmp_path):
+    rec = Recorder()
+    w = MetricsWriter(tmp_path, trackers=[rec])
+    with w:
+        w.write({"iteration": 3, "reward": 0.5, "kl": math.nan, "n": 2, "flag": True, "name": "x"})
+        w.write({"no_iteration": 1.0})  # only in metrics.jsonl
+        w.log_images(torch.rand(4, 1, 8, 8), 3, nrow=2, caption="c")
+    w.close()
+    assert rec.calls[0] == ("log", 3, {"reward": 0.5, "n": 2})
+    assert rec.calls[1][:3] == ("image", 3, "eval/samples") and rec.calls[1][3][2] == 3 and rec.calls[1][4] == "c"
+    assert rec.calls[2:] == [("finish",)]
+    assert _rows(tmp_path)[0]["kl"] is None
+
+
+def test_every_evaluation_is_logged_and_the_trackers_finish_after_the_last(make_trainer, tmp_path, monkeypatch):
+    rec = _recording(monkeypatch)
+    run = tmp_path / "run"
+    make_trainer(*RUN, f"log.output_dir={run}", "log.save_images=true").train()
+    evals = [r for r in _rows(run) if "eval/reward" in r]
+    images = [c for c in rec.calls if c[0] == "image"]
+    assert [c[1] for c in images] == [0, 1, 2]
+    assert images[-1][4] == f"iteration 2 (end): mean held-out reward {evals[-1]['eval/reward']:.4f}"
+    assert images[1][4].startswith("iteration 1: mean held-out reward ")
+    assert rec.calls[-1] == ("finish",) and rec.calls.count(("finish",)) == 1
+    assert rec.calls[-3] == ("log", 2, {k: v for k, v in evals[-1].items() if k != "iteration"})
+    for f in ("samples_start.png", "samples_1.png", "samples_end.png"):
+        assert (run / f).is_file(), f
+
+
+def test_the_trackers_finish_once_on_an_error_and_on_a_signal(make_trainer, tmp_path, monkeypatch):
+    rec = _recording(monkeypatch)
+    tr = make_trainer(*RUN, f"log.output_dir={tmp_path / 'a'}")
+    monkeypatch.setattr(tr, "step", lambda: (_ for _ in ()).throw(RuntimeError("boom")))
+    with pytest.raises(RuntimeError, match="boom"):
+        tr.train()
+    assert rec.calls[-1] == ("finish",) and rec.calls.count(("finish",)) == 1
+
+    rec.calls.clear()
+    tr = make_trainer(*RUN, f"log.output_dir={tmp_path / 'b'}")
+    step = tr.step
+
+    def stopped():
+        row = step()
+        tr._stop_signal = signal.SIGTERM
+        return row
+
+    monkeypatch.setattr(tr, "step", stopped)
+    assert tr.train()["interrupted"] == signal.SIGTERM
+    assert rec.calls[-1] == ("finish",) and rec.calls.count(("finish",)) == 1
+
+
+def _wandb_records(path):
+    """The records of an offline run's ``.wandb`` transaction log: a LevelDB-style log (a 7-byte file header, 32 KiB
+    blocks of chunks with a 7-byte header: crc32, length, FULL/FIRST/MIDDLE/LAST) of ``Record`` protobufs."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B"
+    pos, block, buf = 7, 32768, b""
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7]) if left >= 7 else (0, 0, 0)
+        if kind == 0:  # a block's zero padding
+            pos += left
+            continue
+        buf += data[pos + 7: pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # FULL, LAST
+            record = pb.Record()
+            record.ParseFromString(buf)
+            yield record
+            buf = b""
+
+
+def test_wandb_offline_run_holds_the_end_evaluation(make_trainer, tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    for k, v in {"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true",
+                 "WANDB_DISABLE_GIT": "true", "WANDB_CONSOLE": "off"}.items():
+        monkeypatch.setenv(k, v)
+    run = tmp_path / "run"
+    make_trainer(*RUN, f"log.output_dir={run}", "log.wandb=true").train()
+    end = [r for r in _rows(run) if "eval/reward" in r][-1]
+    offline = sorted(run.glob("wandb/offline-run-*"))
+    assert len(offline) == 1, offline
+    logs = list(offline[0].glob("*.wandb"))
+    assert len(logs) == 1, logs
+    records = list(_wandb_records(logs[0]))
+    kinds = [r.WhichOneof("record_type") for r in records]
+    assert kinds.count("exit") == 1 and "history" not in kinds[kinds.index("exit"):]  # finished once, at the end
+    history = [{(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in r.history.item}
+               | {"_step": r.history.step.num} for r in records if r.WhichOneof("record_type") == "history"]
+    evals = [h for h in history if "eval/reward" in h]
+    assert [h["_step"] for h in evals] == [0, 1, 2]
+    assert evals[-1]["eval/reward"] == end["eval/reward"]
+    assert evals[-1]["eval/samples/caption"] == f"iteration 2 (end): mean held-out reward {end['eval/reward']:.4f}"
+    assert len(list((offline[0] / "files" / "media" / "images").rglob("*.png"))) == 3  # start, 1, end
+
+
+def test_tensorboard_run_is_one_event_file_with_the_end_evaluation(make_trainer, tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = tmp_path / "run"
+    make_trainer(*RUN, f"log.output_dir={run}", "log.tensorboard=true").train()
+    end = [r for r in _rows(run) if "eval/reward" in r][-1]
+    files = list(run.rglob("events.out.tfevents.*"))
+    assert len(files) == 1, files
+    ea = EventAccumulator(str(files[0]), size_guidance={"images": 0, "scalars": 0, "tensors": 0}).Reload()
+    scalars = ea.Scalars("eval/reward")
+    assert [s.step for s in scalars] == [0, 1, 2]
+    assert scalars[-1].value == pytest.approx(end["eval/reward"], rel=1e-6)
+    assert [i.step for i in ea.Images("eval/samples")] == [0, 1, 2]
+    assert [s.step for s in ea.Scalars("reward")] == [1, 2]
