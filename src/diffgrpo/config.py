@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import yaml
 
-from .data_sources import load_prompts
+from .data_sources import load_prompts, read_utf8
 from .distributed import launched_world_size
 from .dllm.tasks import VOCAB, examples_from_file, get_task
 from .engines import ENGINES
@@ -314,7 +314,7 @@ class RunConfig:
         p = Path(path)
         if not _is_file(p):
             raise ConfigError(f"--config: file {str(p)!r} does not exist")
-        text = _read_text(p, "--config")
+        text = read_utf8(p, "--config")
         try:
             data = yaml.safe_load(text) or {}
         except Exception as e:  # noqa: BLE001 - YAMLError, or a constructor's ValueError (e.g. a bad date)
@@ -376,19 +376,6 @@ def _is_file(p: Path) -> bool:
         return p.is_file()
     except (OSError, ValueError):  # a name too long, an embedded NUL byte
         return False
-
-
-def _read_text(p: Path, key: str) -> str:
-    """The UTF-8 text of ``p`` (a byte-order mark is dropped); unreadable or non-UTF-8 files name ``key``."""
-    try:
-        data = p.read_bytes()
-    except OSError as e:
-        raise ConfigError(f"{key}: file {str(p)!r} cannot be read ({e.strerror or e})") from None
-    try:
-        return data.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{key}: file {str(p)!r} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset "
-                          f"{e.start}); save it as UTF-8") from None
 
 
 _SCALARS = (str, int, float, bool, type(None), datetime.date)

@@ -34,7 +34,10 @@ _HF_BUILDERS = ("json", "csv", "parquet", "text")
 _SPLIT_RE = re.compile(r"^[A-Za-z_][\w-]*$")
 
 
-def _read_utf8(p: Path, spec: str, key: str) -> str:
+def read_utf8(p: Path, key: str, spec: str | None = None) -> str:
+    """The UTF-8 text of ``p`` (a byte-order mark is dropped); an unreadable or non-UTF-8 file is a one-line
+    ConfigError naming ``key`` and the file as the user gave it (``spec``, default the path)."""
+    spec = str(p) if spec is None else spec
     try:
         data = p.read_bytes()
     except OSError as e:
@@ -134,7 +137,7 @@ def load_prompts(spec: str, *, key: str = "train.prompts_file", column: str = "p
             is_file = False
         if not is_file:
             raise ConfigError(f"{key}: file {spec!r} does not exist")
-        text = _read_utf8(p, spec, key)
+        text = read_utf8(p, key, spec)
         suffix = p.suffix.lower()
         if suffix == ".jsonl":
             records = _parse_jsonl(text, column, spec, key)
@@ -186,4 +189,4 @@ class EpochSampler:
         self._order = self._permutation(self.epoch)
 
 
-__all__ = ["EpochSampler", "load_prompts", "prompt_metadata", "split_hf_spec"]
+__all__ = ["EpochSampler", "load_prompts", "prompt_metadata", "read_utf8", "split_hf_spec"]
