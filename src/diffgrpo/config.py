@@ -194,8 +194,8 @@ class DLLMConfig:
     scale_rewards = advantage.std_mode (when method_defaults is false)."""
     task: str = _f("arithmetic", choices=("arithmetic", "sudoku", "countdown", "json_schema"),
                    doc="task with a verifiable reward (diffgrpo.dllm.tasks)")
-    method: str = _f("diffu_grpo", choices=("diffu_grpo", "coupled_grpo", "random_mask"),
-                     doc="base method: likelihood estimator + advantage baseline")
+    method: str = _f("diffu_grpo", choices=("diffu_grpo", "coupled_grpo", "random_mask", "spg", "wd1"),
+                     doc="base method: likelihood estimator + advantage baseline (+ objective: spg, wd1)")
     method_defaults: bool = _f(True, doc="use the method's advantage baseline/std (else the advantage section)")
     clip_range: float = _f(0.2, lo=0.0, doc="PPO clip ε on per-token ratios (d1 and TRL use 0.2)")
     gen_length: int = _f(0, lo=0, doc="completion tokens; 0 = the task's default (tiny_mlm: at least the longest "
@@ -220,6 +220,21 @@ class DLLMConfig:
                                            "(LLaDA checkpoints without one: 126336)")
     logits_shift: str = _f("auto", choices=("auto", "true", "false"),
                            doc="hf_masked_lm: true = position j scores token j+1 (Dream); auto by model type")
+    coupled_form: str = _f("paper", choices=("paper", "released"),
+                           doc="coupled_grpo: paper = the complementary pair, weight 1 (2 forwards); released = "
+                               "DiffuCoder's trainer: full-mask forward averaged with the pair weighted 1/t, "
+                               "1/(1-t) (3 forwards)")
+    spg_negative: str = _f("mix", choices=("mix", "eubo", "elbo"),
+                           doc="spg: bound for A <= 0: eubo (upper bound), mix (spg_mix_weight*eubo + rest*elbo), "
+                               "elbo")
+    spg_beta: float = _f(1.5, gt=0.0, doc="spg: beta of the upper bound (SPG: 1.0 sudoku, 1.5 gsm8k/math, 2.0 "
+                                          "countdown)")
+    spg_mix_weight: float = _f(0.5, lo=0.0, hi=1.0, doc="spg: weight of the upper bound in spg_negative=mix")
+    spg_num_t: int = _f(2, lo=1, doc="spg: masked forwards per completion (SPG: 2)")
+    spg_t_min: float = _f(0.0, lo=0.0, hi=1.0, doc="spg: least fraction of the chosen block's tokens masked")
+    spg_t_max: float = _f(1.0, lo=0.0, hi=1.0, doc="spg: largest fraction of the chosen block's tokens masked")
+    spg_block_length: int = _f(0, lo=0, doc="spg: masking block length, a divisor of gen_length; 0 = "
+                                            "dllm.block_length (the sampler's blocks)")
 
 
 @dataclass
@@ -560,6 +575,7 @@ def validate(cfg: RunConfig) -> None:
         _validate_flow(cfg)
     else:
         _validate_dllm(cfg)
+        _validate_dllm_methods(cfg)
 
 
 def _validate_dist(mode: str) -> None:
@@ -707,6 +723,27 @@ def _validate_dllm(cfg: RunConfig) -> None:
         schedule(gen, block, steps)  # the sampler's own rules, in case they grow
     except ValueError as e:
         raise ConfigError(f"dllm.diffusion_steps: value {steps} is not usable ({e})") from None
+
+
+def _validate_dllm_methods(cfg: RunConfig) -> None:
+    """The base methods' own rules: SPG has no KL term and no SML plug-in; its masking block divides the
+    completion and t_min <= t_max."""
+    d = cfg.dllm
+    if d.method != "spg":
+        return
+    if cfg.loss.beta != 0:
+        raise ConfigError(f"loss.beta: value {cfg.loss.beta} is not allowed with dllm.method=spg (SPG has no KL "
+                          "term); must be 0")
+    if cfg.daca.likelihood != "base":
+        raise ConfigError(f"daca.likelihood: value {cfg.daca.likelihood!r} is not allowed with dllm.method=spg (its "
+                          "upper bound needs SPG's own masks); must be 'base'")
+    if d.spg_t_min > d.spg_t_max:
+        raise ConfigError(f"dllm.spg_t_min: value {d.spg_t_min} is out of range; must be <= dllm.spg_t_max "
+                          f"({d.spg_t_max})")
+    gen = d.gen_length or get_task(d.task).gen_length
+    if d.spg_block_length and gen % d.spg_block_length:
+        raise ConfigError(f"dllm.spg_block_length: value {d.spg_block_length} does not divide the generation length "
+                          f"{gen}; choose one of {_divisors(gen)} or 0 (= dllm.block_length)")
 
 
 # Keys each family reads (a section name covers all its keys); any other key set to a non-default value is refused.

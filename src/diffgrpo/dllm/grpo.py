@@ -6,8 +6,16 @@ loss. A base method is a likelihood estimator (:mod:`diffgrpo.dllm.likelihood`) 
 one shared GRPO loss:
 
   diffu_grpo    (d1)          mean-field estimate, A = r − mean(group) (no std)
-  coupled_grpo  (DiffuCoder)  complementary mask pair, leave-one-out baseline (no std)
+  coupled_grpo  (DiffuCoder)  complementary mask pair, leave-one-out baseline (no std); ``dllm.coupled_form``:
+                              paper (the pair, weight 1: 2 forwards) or released (DiffuCoder's trainer: a full-mask
+                              forward averaged with the 1/t, 1/(1−t)-weighted pair: 3 forwards)
   random_mask   (UniGRPO)     m random mask ratios with ELBO weights, A = (r − mean) / std
+
+and two ratio-free base methods with their own objectives (one module each):
+
+  spg           (SPG)         :mod:`diffgrpo.dllm.spg`: ELBO for A > 0, upper bound (EUBO / mix) for A ≤ 0,
+                              block-wise masks, A = r − mean (no std)
+  wd1           (wd1)         :mod:`diffgrpo.dllm.wd1`: group-softmax weighted mean-field likelihood, A = r − mean
 
 Per completion token j of sample i (tokens up to and including the first <eos>), with ℓ the estimated
 per-token log-prob under masks drawn once per rollout (stored in the rollout's ``TokenTrajectory.masks``):
@@ -40,13 +48,24 @@ import torch
 from ..engines.base import EngineContext, chunks, engine_run
 from ..losses import aggregate, ppo_clip_loss
 from ..types import EngineStats, Rollout, TokenTrajectory
-from . import likelihood
+from . import likelihood, spg, wd1
 
 METHODS = {
-    "diffu_grpo": dict(estimator="mean_field", baseline="mean", std_mode="none"),
-    "coupled_grpo": dict(estimator="coupled", baseline="leave_one_out", std_mode="none"),
-    "random_mask": dict(estimator="random_mask", baseline="mean", std_mode="group"),
+    "diffu_grpo": dict(estimator="mean_field", baseline="mean", std_mode="none", objective="grpo"),
+    "coupled_grpo": dict(estimator="coupled", baseline="leave_one_out", std_mode="none", objective="grpo"),
+    "random_mask": dict(estimator="random_mask", baseline="mean", std_mode="group", objective="grpo"),
+    "spg": dict(estimator="spg_blocks", baseline="mean", std_mode="none", objective="spg"),
+    "wd1": dict(estimator="mean_field", baseline="mean", std_mode="none", objective="wd1"),
 }
+
+
+def forwards_per_estimate(d, daca) -> int:
+    """Sequence-forwards per completion of one likelihood estimate (M, × K with SML): the grad-forwards a method
+    spends per completion per update. d: the dllm config section, daca: the daca section."""
+    m = d.method
+    base = {"diffu_grpo": 1, "wd1": 1, "random_mask": d.num_mask_samples, "spg": d.spg_num_t,
+            "coupled_grpo": 3 if d.coupled_form == "released" else 2}[m]
+    return base * (daca.sml_strata if daca.likelihood == "sml" else 1)
 
 
 def k3_kl(log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tensor:
@@ -89,14 +108,23 @@ class TokenGRPO:
         self.eos_id = self.policy.vocab.eos_id
 
     # ------------------------------------------------------------------ masks and estimates
-    def draw_masks(self, B: int, P: int, L: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Masks (B, M, P+L) and weights (B, M, L) of the configured estimator, from this method's generator."""
-        name, dev, g = self.method["estimator"], self.policy.device, self.gen_masks
+    def draw_masks(self, B: int, P: int, L: int, completions: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Masks (B, M, P+L) and weights (B, M, L) of the configured estimator, from this method's generator.
+        completions (B, L) ids: needed by SPG's block masks (the valid tokens decide the blocks)."""
+        name, dev, g, d = self.method["estimator"], self.policy.device, self.gen_masks, self.d
         if name == "mean_field":
-            return likelihood.mean_field(B, P, L, p_mask_prompt=self.d.p_mask_prompt, generator=g, device=dev)
+            return likelihood.mean_field(B, P, L, p_mask_prompt=d.p_mask_prompt, generator=g, device=dev)
         if name == "coupled":
-            return likelihood.coupled(B, P, L, generator=g, device=dev)
-        return likelihood.random_mask(B, P, L, num_samples=self.d.num_mask_samples, generator=g, device=dev)
+            fn = likelihood.coupled_released if d.coupled_form == "released" else likelihood.coupled
+            return fn(B, P, L, generator=g, device=dev)
+        if name == "spg_blocks":
+            valid = likelihood.completion_mask(completions, self.eos_id)  # (B, L)
+            masks = spg.block_masks(valid, P, block_length=d.spg_block_length or d.block_length or L,
+                                    num_t=d.spg_num_t, t_min=d.spg_t_min, t_max=d.spg_t_max,
+                                    p_mask_prompt=d.p_mask_prompt, generator=g)
+            return masks, spg.elbo_weights(masks, valid)
+        return likelihood.random_mask(B, P, L, num_samples=d.num_mask_samples, generator=g, device=dev)
 
     def refine_masks(self, masks, weights, completions: torch.Tensor, order: torch.Tensor):
         """SML (``daca.likelihood=sml``): base masks (B, M, N) → K groups (B, K·M, N), strata (B, L) or None.
@@ -132,12 +160,15 @@ class TokenGRPO:
         → {"masks", "mask_weights", "strata", "groups", "log_probs", "ref_log_probs"}."""
         B, N = sequences.shape
         P = N - L
-        masks, mweights = self.draw_masks(B, P, L)
+        masks, mweights = self.draw_masks(B, P, L, sequences[:, P:])
         masks, mweights, strata = self.refine_masks(masks, mweights, sequences[:, P:], order)
         G = 1 if strata is None else self.daca.sml_strata
         rows = chunks(torch.arange(B, device=sequences.device), self.ctx.micro_batch_size)
         with torch.no_grad():
-            old = torch.cat([self.estimate(sequences[i], masks[i], mweights[i], G) for i in rows])
+            if self.method["objective"] == "grpo":
+                old = torch.cat([self.estimate(sequences[i], masks[i], mweights[i], G) for i in rows])
+            else:  # ratio-free objectives (spg, wd1) never read ℓ_old: no forwards spent on it
+                old = torch.zeros(B, L, device=sequences.device)
             ref = None
             if self.ctx.beta > 0:
                 with self.policy.reference():
@@ -146,6 +177,37 @@ class TokenGRPO:
                 "ref_log_probs": ref}
 
     # ------------------------------------------------------------------ gradient
+    def token_loss(self, ro: Rollout, idx: torch.Tensor, sl: slice):
+        """Per-token loss (n, L) of rows ``idx`` under the forwards ``sl`` (one SML group), with grad, and the
+        detached terms {"ratio", "clipped", "kl"} (ratio-free objectives report ratio 1, clipped False)."""
+        tj: TokenTrajectory = ro.traj
+        ids, masks, mw = tj.sequences[idx], tj.masks[idx][:, sl], tj.mask_weights[idx][:, sl]
+        ref = None if tj.ref_log_probs is None else tj.ref_log_probs[idx]
+        tw = None if tj.token_weights is None else tj.token_weights[idx]
+        adv, ctx, obj = ro.advantages[idx], self.ctx, self.method["objective"]
+        if obj == "grpo":
+            lp = self.log_probs(ids, masks, mw)  # (n, L) with grad
+            return grpo_token_loss(lp, tj.log_probs[idx], adv, ctx.clip_range, ref_log_prob=ref, beta=ctx.beta,
+                                   token_weights=tw)
+        if obj == "spg":
+            L = mw.shape[-1]
+            lpf = likelihood.forward_log_probs(self.policy, ids, masks, L, self.mask_id,
+                                               temperature=self.d.temperature)  # (n, M, L) with grad
+            valid = likelihood.completion_mask(ids[:, -L:], self.eos_id)  # (n, L)
+            bound = spg.sandwich(lpf, masks, valid, adv, negative=self.d.spg_negative, beta=self.d.spg_beta,
+                                 mix_weight=self.d.spg_mix_weight)  # (n, L)
+            loss, lp = spg.spg_token_loss(bound, adv, tw), bound
+        else:  # wd1
+            lp = self.log_probs(ids, masks, mw)  # (n, L) with grad
+            coef = wd1.wd1_coefficients(ro.advantages, ro.group_ids, ro.valid)[idx]  # (n,)
+            loss = wd1.wd1_token_loss(lp, coef, tw)
+        kl = torch.zeros_like(loss)
+        if ctx.beta > 0 and ref is not None:
+            kl = k3_kl(lp, ref.detach())
+            loss = loss + ctx.beta * kl
+        return loss, {"ratio": torch.ones_like(loss).detach(), "clipped": torch.zeros_like(loss, dtype=torch.bool),
+                      "kl": kl.detach()}
+
     def backward(self, ro: Rollout, epoch: int = 0) -> EngineStats:
         """Accumulate ∇ Σ w·L into ``.grad`` (the caller zeroed it). Masks come from the rollout.
 
@@ -154,9 +216,8 @@ class TokenGRPO:
         backward syncs gradients. Metrics count the trained tokens (``ro.trained``)."""
         ctx = self.ctx
         tj: TokenTrajectory = ro.traj
-        ids, masks, mw = tj.sequences, tj.masks, tj.mask_weights
-        ref, tw, G = tj.ref_log_probs, tj.token_weights, tj.groups
-        Mg = masks.shape[1] // G  # forwards per group
+        G = tj.groups
+        Mg = tj.masks.shape[1] // G  # forwards per group
         group = None if tj.strata is None else tj.strata.clamp_min(0)  # (B, L): the group scoring each token
         n_clip = n_tok = kl_sum = ratio_sum = ratio_dev = 0.0
         with engine_run(ctx, self.name) as stats:
@@ -165,10 +226,7 @@ class TokenGRPO:
             for j, (idx, k) in enumerate(work):
                 sl = slice(k * Mg, (k + 1) * Mg)  # group k: tokens of stratum k depend on these forwards only
                 with contextlib.nullcontext() if j == len(work) - 1 else ctx.no_sync():  # sync once, at the end
-                    lp = self.log_probs(ids[idx], masks[idx][:, sl], mw[idx][:, sl])  # (n, L) with grad
-                    loss, terms = grpo_token_loss(lp, tj.log_probs[idx], ro.advantages[idx], ctx.clip_range,
-                                                  ref_log_prob=None if ref is None else ref[idx], beta=ctx.beta,
-                                                  token_weights=None if tw is None else tw[idx])
+                    loss, terms = self.token_loss(ro, idx, sl)
                     lw, sel = ro.loss_weights[idx], ro.trained[idx]
                     if group is not None and G > 1:
                         in_k = group[idx] == k  # (n, L)
@@ -188,4 +246,4 @@ class TokenGRPO:
         return stats
 
 
-__all__ = ["METHODS", "TokenGRPO", "grpo_token_loss", "k3_kl"]
+__all__ = ["METHODS", "TokenGRPO", "forwards_per_estimate", "grpo_token_loss", "k3_kl"]

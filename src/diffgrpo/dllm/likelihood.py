@@ -15,11 +15,15 @@ Estimators (each a small pure function taking a ``torch.Generator``):
 
   mean_field   (d1 / diffu-GRPO)  M = 1: the whole completion masked, each prompt token masked with
                probability p_mask_prompt; w = 1. One forward.
-  coupled      (DiffuCoder)       M = 2: t ~ U(0.2, 0.8), completion tokens masked with probability t in the
+  coupled      (DiffuCoder paper) M = 2: t ~ U(0.2, 0.8), completion tokens masked with probability t in the
                first forward and the complement in the second, so each token is scored exactly once; w = 1.
+  coupled_released (DiffuCoder's released trainer) M = 3: the whole completion masked, plus the pair above;
+               w = ½ on the full mask, ½/t and ½/(1−t) on the pair (each token: the mean of a full-mask term and
+               its 1/t- or 1/(1−t)-weighted pair term).
   random_mask  (UniGRPO-style)    M = m: ratios t_m ~ U(t_min, 1), tokens masked with probability t_m;
                w_mj = 1[masked] / (t_m · M), the ELBO weighting (E[w_mj] = 1 per token and forward average).
   stratified   (SML; the extension point for a K-forward estimator): K strata, forward k masks stratum k.
+  SPG's block-wise masks live with its objective in :mod:`diffgrpo.dllm.spg`.
 
 Stratified Masking Likelihood (DACA-GRPO's SML) as a plug-in on ANY of the estimators above
 (:func:`stratify`): the valid completion tokens are split into K strata (:func:`assign_strata`: random
@@ -72,6 +76,25 @@ def coupled(B: int, P: int, L: int, *, t_min: float = 0.2, t_max: float = 0.8,
     comp = torch.stack([m1, ~m1], 1)  # (B, 2, L)
     masks = torch.cat([torch.zeros(B, 2, P, dtype=torch.bool, device=device), comp], -1)
     return masks, comp.float()
+
+
+def coupled_released(B: int, P: int, L: int, *, t_min: float = 0.2, t_max: float = 0.8,
+                     generator: torch.Generator | None = None, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """DiffuCoder's released estimator: → masks (B, 3, P+L), weights (B, 3, L).
+
+    Forward 0 masks the whole completion, forwards 1 and 2 are the complementary pair of :func:`coupled`
+    (t ~ U(t_min, t_max) per row, m ~ Bernoulli(t) per token). Per token
+
+        ℓ_j = ½ · [ log p(y_j | x^full) + m_j · log p(y_j | x^(1)) / t + (1 − m_j) · log p(y_j | x^(2)) / (1 − t) ]
+
+    (the average of the full-mask term and the 1/t, 1/(1−t)-weighted pair term, as DiffuCoder's trainer combines
+    them). Its trainer draws one t per micro-batch; here t is drawn per row (same law per sample)."""
+    t = t_min + (t_max - t_min) * torch.rand(B, 1, generator=generator, device=device)  # (B, 1)
+    m1 = torch.rand(B, L, generator=generator, device=device) < t  # (B, L)
+    comp = torch.stack([torch.ones_like(m1), m1, ~m1], 1)  # (B, 3, L)
+    masks = torch.cat([torch.zeros(B, 3, P, dtype=torch.bool, device=device), comp], -1)
+    w = torch.stack([torch.ones(B, L, device=device), m1.float() / t, (~m1).float() / (1 - t)], 1) / 2  # (B, 3, L)
+    return masks, w
 
 
 def random_mask(B: int, P: int, L: int, *, num_samples: int = 2, t_min: float = 0.05,
@@ -179,7 +202,8 @@ def any_order_log_likelihood(logits_fn, ids: torch.Tensor, L: int, mask_id: int)
     return lp.sum(1)
 
 
-ESTIMATORS = {"mean_field": mean_field, "coupled": coupled, "random_mask": random_mask}
+ESTIMATORS = {"mean_field": mean_field, "coupled": coupled, "coupled_released": coupled_released,
+              "random_mask": random_mask}
 
 
 def apply_masks(input_ids: torch.Tensor, masks: torch.Tensor, mask_id: int) -> torch.Tensor:
@@ -189,24 +213,33 @@ def apply_masks(input_ids: torch.Tensor, masks: torch.Tensor, mask_id: int) -> t
     return torch.where(masks, torch.full_like(x, mask_id), x).reshape(B * M, N)
 
 
-def token_log_probs(logits_fn, input_ids: torch.Tensor, masks: torch.Tensor, weights: torch.Tensor,
-                    mask_id: int, temperature: float = 1.0) -> torch.Tensor:
-    """Σ_m w_mj · log p(y_j | x^(m)) for the completion tokens. → (B, L) float32.
+def forward_log_probs(logits_fn, input_ids: torch.Tensor, masks: torch.Tensor, L: int, mask_id: int,
+                      temperature: float = 1.0) -> torch.Tensor:
+    """log p(y_j | x^(m)) of every completion token under every forward. → (B, M, L) float32.
 
-    input_ids (B, P+L) the full sequences; masks (B, M, P+L); weights (B, M, L). One forward of B·M rows.
+    input_ids (B, P+L) the full sequences; masks (B, M, P+L). One forward of B·M rows.
     p = softmax(logits / temperature) over the real tokens (<mask> excluded): the distribution the rollout
-    sampled from (temperature ≤ 0 → 1).
-    Differentiable through ``logits_fn`` (call under no_grad for old/reference values).
-    """
+    sampled from (temperature ≤ 0 → 1). Differentiable through ``logits_fn``."""
     B, M, N = masks.shape
-    L = weights.shape[-1]
     logits = masked.token_logits(logits_fn(apply_masks(input_ids, masks, mask_id))[:, N - L:].float(), mask_id)
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature
     y = input_ids[:, N - L:].unsqueeze(1).expand(B, M, L).reshape(B * M, L, 1)
-    lp = torch.log_softmax(logits, -1).gather(-1, y).squeeze(-1).view(B, M, L)  # (B, M, L)
+    return torch.log_softmax(logits, -1).gather(-1, y).squeeze(-1).view(B, M, L)  # (B, M, L)
+
+
+def token_log_probs(logits_fn, input_ids: torch.Tensor, masks: torch.Tensor, weights: torch.Tensor,
+                    mask_id: int, temperature: float = 1.0) -> torch.Tensor:
+    """Σ_m w_mj · log p(y_j | x^(m)) for the completion tokens. → (B, L) float32.
+
+    input_ids (B, P+L) the full sequences; masks (B, M, P+L); weights (B, M, L). One forward of B·M rows
+    (:func:`forward_log_probs`). Differentiable through ``logits_fn`` (call under no_grad for old/reference
+    values).
+    """
+    lp = forward_log_probs(logits_fn, input_ids, masks, weights.shape[-1], mask_id, temperature)  # (B, M, L)
     return (lp * weights).sum(1)
 
 
-__all__ = ["ESTIMATORS", "SML_MODES", "SML_PARTITIONS", "completion_mask", "mean_field", "coupled", "random_mask", "stratified",
-           "assign_strata", "stratify", "any_order_log_likelihood", "apply_masks", "token_log_probs"]
+__all__ = ["ESTIMATORS", "SML_MODES", "SML_PARTITIONS", "completion_mask", "mean_field", "coupled", "coupled_released",
+           "random_mask", "stratified", "assign_strata", "stratify", "any_order_log_likelihood", "apply_masks",
+           "forward_log_probs", "token_log_probs"]
