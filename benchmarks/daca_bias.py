@@ -7,8 +7,11 @@ the whole one-hot sequence through an MLP), completion length L, no prompt. Exac
     log p(x) = E_σ Σ_j log p(x_σj | x_σ<j),  σ uniform over the L! decoding orders (subset sum, 2^L forwards).
 
 Sequences: ``--n`` draws from the model's own any-order sampler (random remasking, T = 1, one token per step).
-Estimators: mean field (d1, K = 1), SML with K = 1..L strata (random balanced partition, one draw per sequence),
-``leave_one_out`` and ``chain``, and at K = 2, 3 the fixed interleaved partition (stratum = position mod K); coupled (DiffuCoder pair) and random_mask (m = 2) for reference; and the mean of R
+Estimators: mean field (d1 and wd1's estimator, K = 1), SML with K = 1..L strata (random balanced partition, one draw per sequence),
+``leave_one_out`` and ``chain``, and at K = 2, 3 the fixed interleaved partition (stratum = position mod K); coupled (DiffuCoder pair: the paper's form, and
+the released trainer's full-mask + 1/t-weighted pair), random_mask (m = 2), SPG's bounds on its block masks (one
+block, t ∈ [0, 1]; M = 2 forwards as SPG trains, and M = 64 for the population value): the ELBO, the upper bound
+(EUBO, β = 1.0 and 1.5) and the mix (ω = 0.5, β = 1.5) SPG applies to negative advantages; and the mean of R
 independent draws (partitions, or coupled pairs) per sequence for R in ``--draws`` (R times the forwards), which
 separates an estimator's bias from its draw-to-draw noise. Per estimator:
 
@@ -32,6 +35,7 @@ from pathlib import Path
 import torch
 
 from diffgrpo.dllm import likelihood as lk
+from diffgrpo.dllm import spg
 from diffgrpo.samplers import masked
 
 
@@ -96,7 +100,12 @@ def estimators(L: int, ks, modes, draws=()):
     pairs) per sequence, R in draws."""
     out = {"mean_field": lambda B, g: lk.mean_field(B, 0, L, generator=g),
            "coupled": lambda B, g: lk.coupled(B, 0, L, generator=g),
+           "coupled_released": lambda B, g: lk.coupled_released(B, 0, L, generator=g),
            "random_mask(m=2)": lambda B, g: lk.random_mask(B, 0, L, num_samples=2, generator=g)}
+    for M in (2, 64):
+        for name, kind in (("elbo", None), ("eubo β=1.0", ("eubo", 1.0)), ("eubo β=1.5", ("eubo", 1.5)),
+                           ("mix ω=0.5 β=1.5", ("mix", 1.5))):
+            out[f"spg {name} (M={M})"] = spg_estimator(L, M, kind)
     for mode in modes:
         for K in ks:
             def fn(B, g, K=K, mode=mode):
@@ -118,6 +127,31 @@ def estimators(L: int, ks, modes, draws=()):
     return out
 
 
+def spg_estimator(L: int, M: int, kind):
+    """SPG's block masks (one block, t ∈ [0, 1]) → (masks, ELBO weights[, combine]); ``kind`` None = the ELBO,
+    else (negative mode, β): combine(lp (B, M, L), masks, weights) → (B,) the sequence bound."""
+    def fn(B, g):
+        valid = torch.ones(B, L, dtype=torch.bool)
+        m = spg.block_masks(valid, 0, block_length=L, num_t=M, generator=g)
+        w = spg.elbo_weights(m, valid)
+        if kind is None:
+            return m, w
+        mode, beta = kind
+
+        def combine(lp, masks, weights):
+            upper = spg.eubo_terms(lp, masks, torch.ones(lp.shape[0], L, dtype=torch.bool), beta).sum(1)
+            return upper if mode == "eubo" else 0.5 * upper + 0.5 * (lp * weights).sum((1, 2))
+        return m, w, combine
+    return fn
+
+
+def sequence_estimate(model, seqs, masks, w, combine, mask_id):
+    """(B,) sequence estimate: Σ_j ℓ_j (weights), or ``combine`` of the per-forward log-probs."""
+    if combine is None:
+        return lk.token_log_probs(model, seqs, masks, w, mask_id).sum(1)
+    return combine(lk.forward_log_probs(model, seqs, masks, w.shape[-1], mask_id), masks, w)
+
+
 def averaged(est, R: int):
     """The mean of R independent draws of a randomised estimator: masks (B, R·F, N), weights (B, R·F, L) / R."""
     def fn(B, g):
@@ -134,19 +168,22 @@ def flat_grad(model, value):
 def evaluate(model, model2, seqs, est, *, L, mask_id, seed, n_grad):
     """Table row for one estimator (see the module docstring)."""
     B = seqs.shape[0]
-    masks, w = est(B, torch.Generator().manual_seed(seed))
+    drawn = est(B, torch.Generator().manual_seed(seed))
+    masks, w = drawn[:2]
+    combine = drawn[2] if len(drawn) > 2 else None
     with torch.no_grad():
         exact = lk.any_order_log_likelihood(model, seqs, L, mask_id)
         exact2 = lk.any_order_log_likelihood(model2, seqs, L, mask_id)
-        e = lk.token_log_probs(model, seqs, masks, w, mask_id).sum(1)
-        e2 = lk.token_log_probs(model2, seqs, masks, w, mask_id).sum(1)
+        e = sequence_estimate(model, seqs, masks, w, combine, mask_id)
+        e2 = sequence_estimate(model2, seqs, masks, w, combine, mask_id)
     d = e - exact
     r_ex, r_est = exact2 - exact, e2 - e
     corr = float(torch.corrcoef(torch.stack([r_ex, r_est]))[0, 1])
     cos = []
     for i in range(min(n_grad, B)):
         ge = flat_grad(model, lk.any_order_log_likelihood(model, seqs[i:i + 1], L, mask_id).sum())
-        gs = flat_grad(model, lk.token_log_probs(model, seqs[i:i + 1], masks[i:i + 1], w[i:i + 1], mask_id).sum())
+        gs = flat_grad(model, sequence_estimate(model, seqs[i:i + 1], masks[i:i + 1], w[i:i + 1], combine,
+                                                mask_id).sum())
         cos.append(float(torch.nn.functional.cosine_similarity(ge, gs, 0)))
     return {"forwards": masks.shape[1], "bias": float(d.mean()), "abs_bias": abs(float(d.mean())),
             "rmse": float(d.pow(2).mean().sqrt()), "corr_ratio": corr, "grad_cos": sum(cos) / len(cos)}
@@ -201,18 +238,22 @@ def main():
     p.add_argument("--models", type=int, default=3, help="random models (seeds) averaged")
     p.add_argument("--draws", type=int, nargs="*", default=[2, 4, 8],
                    help="also average R independent partitions per sequence (R·K forwards), R in --draws")
+    p.add_argument("--only", nargs="*", default=[], help="only the estimators whose name starts with one of these")
     p.add_argument("--out", default="benchmarks/results/daca")
     args = p.parse_args()
     torch.manual_seed(0)
     L, V = args.L, args.V
     ests = estimators(L, range(1, L + 1), ("leave_one_out", "chain"), args.draws)
+    if args.only:
+        ests = {k: v for k, v in ests.items() if any(k.startswith(o) for o in args.only)}
     results = {kind: run_kind(kind, args, ests) for kind in KINDS}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cmd = "OMP_NUM_THREADS=1 python benchmarks/daca_bias.py" + (
         "" if (args.V, args.L, args.n, args.n_grad, args.delta, args.models, args.draws) == (3, 6, 400, 50, 0.05, 3, [2, 4, 8])
         else f" --V {V} --L {L} --n {args.n} --n-grad {args.n_grad} --delta {args.delta} --models {args.models}"
-             f" --draws {' '.join(map(str, args.draws))}")
+             f" --draws {' '.join(map(str, args.draws))}") + (
+        f" --only {' '.join(repr(o) for o in args.only)} --out {args.out}" if args.only else "")
     lines = ["# Likelihood-estimator bias on enumerable masked diffusion models", "",
              f"V = {V} tokens, L = {L}, {args.n} sequences per model, {args.models} random models per kind. "
              f"Exact = E over uniform decoding orders of the chain-rule log-likelihood, by subset enumeration "
