@@ -18,13 +18,12 @@ interrupted study keeps what it measured (``--from-jsonl`` rebuilds the tables).
 Writes <out>/study.md (tables), <out>/study.json (aggregate), <out>/configs/<task>-<method>-<variant>.yaml (the
 resolved configuration of each cell, seed 0).
 
-    OMP_NUM_THREADS=1 python benchmarks/dllm_study.py --budget 1536 --prompts 4 --group 8 --jobs 2
+    OMP_NUM_THREADS=1 python benchmarks/dllm_study.py --budget 768 --prompts 4 --group 8 --jobs 2 --max-minutes 38
 """
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import time
@@ -133,10 +132,10 @@ def tables(cells, starts, head) -> list[str]:
     lines = ["# dLLM base methods ± DACA at equal grad-forwards", "", head, ""]
     for t in [t for t in TASKS if t in starts]:
         st = starts[t]
-        lines += [f"## {t} (start: greedy {st['greedy_start']:.4f}, sampled {st['sampled_start']:.4f}; "
-                  f"{st['n_test']} test prompts)", "",
-                  "| method | variant | M | iterations | grad / no-grad forwards | greedy end | Δ greedy | "
-                  "sampled end | Δ sampled | seeds | s/run |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [(f"## {t} (start: greedy {st['greedy_start']:.4f}, sampled {st['sampled_start']:.4f}; "
+                   f"{st['n_test']} test prompts)"), "",
+                  ("| method | variant | M | iterations | grad / no-grad forwards | greedy end | Δ greedy | "
+                   "sampled end | Δ sampled | seeds | s/run |"), "|---|---|---|---|---|---|---|---|---|---|---|"]
         for c in sorted((c for c in cells if c["task"] == t), key=lambda c: (list(METHODS).index(c["method"]),
                                                                               c["variant"] != "base")):
             lines.append(f"| {c['method']} | {c['variant']} | {c['forwards_per_estimate']} | {c['iterations']} | "
@@ -160,7 +159,7 @@ def command(a) -> str:
     return (f"OMP_NUM_THREADS=1 python benchmarks/dllm_study.py --tasks {' '.join(a.tasks)} --methods "
             f"{' '.join(a.methods)} --variants {' '.join(a.variants)} --seeds {' '.join(map(str, a.seeds))} "
             f"--budget {a.budget} --prompts {a.prompts} --group {a.group} --lr {a.lr} --eval-samples "
-            f"{a.eval_samples} --eval-size {a.eval_size} --jobs {a.jobs} --out {a.out}"
+            f"{a.eval_samples} --eval-size {a.eval_size} --jobs {a.jobs} --max-minutes {a.max_minutes} --out {a.out}"
             f"{' --run-root ' + a.run_root if a.run_root else ''} {' '.join(a.overrides)}").rstrip()
 
 
@@ -189,7 +188,7 @@ def main():
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     p.add_argument("--variants", nargs="+", default=["base", "+daca"], choices=["base", "+daca"])
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    p.add_argument("--budget", type=int, default=1536, help="grad-forwards per run")
+    p.add_argument("--budget", type=int, default=768, help="grad-forwards per run")
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--group", type=int, default=8)
     p.add_argument("--lr", type=float, default=1e-4)
@@ -198,18 +197,24 @@ def main():
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--out", default="benchmarks/results/dllm_study")
     p.add_argument("--run-root", default="", help="run directories (default <out>/runs)")
+    p.add_argument("--max-minutes", type=float, default=0, help="start no new run after this many minutes (0 = no "
+                   "limit); the tables then hold the runs that finished")
     p.add_argument("--from-jsonl", action="store_true", help="only rebuild the tables from <out>/runs.jsonl")
     p.add_argument("overrides", nargs="*", default=["dllm.p_mask_prompt=0"])
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     log = out / "runs.jsonl"
+    saved = out / "study_args.json"  # the arguments of the run that wrote runs.jsonl
     if args.from_jsonl:
+        if saved.exists():
+            args = argparse.Namespace(**{**vars(args), **json.loads(saved.read_text()), "from_jsonl": True})
         recs = [json.loads(x) for x in log.read_text().splitlines() if x.strip()]
         starts = {r["task"]: r for r in recs if "greedy_start" in r}
         rows = [r for r in recs if "greedy_end" in r]
         write(out, args, rows, starts)
         return
+    saved.write_text(json.dumps(vars(args), indent=2))
     root = Path(args.run_root or out / "runs")
     (out / "configs").mkdir(exist_ok=True)
     from diffgrpo import RunConfig
@@ -227,18 +232,28 @@ def main():
                 for s in args.seeds:
                     jobs.append({"task": t, "method": m, "variant": v, "seed": s, "iterations": its, "m": M,
                                  "run_dir": str(root / f"{cell}-s{s}"), "args": vars(args)})
-    # seed-major (a study cut short keeps whole seeds), longest first within a seed (keeps both workers busy)
-    jobs.sort(key=lambda j: (j["seed"], -j["iterations"]))
-    rows, starts = [], {}
+    # task-major in --tasks order (a study cut short by --max-minutes keeps whole tasks), then seed-major, the
+    # start evaluation first and the longest runs first within a seed
+    jobs.sort(key=lambda j: (args.tasks.index(j["task"]), not j.get("start_only"), j["seed"], -j["iterations"]))
+    rows, starts, t0, pending = [], {}, time.time(), list(jobs)
     with ProcessPoolExecutor(max_workers=args.jobs) as ex, log.open("a") as fh:
-        futs = [ex.submit(run_one, j) for j in jobs]
-        for f in as_completed(futs):
+        running = {ex.submit(run_one, pending.pop(0)) for _ in range(min(args.jobs, len(pending)))}
+        while running:
+            f = next(as_completed(running))
+            running.remove(f)
             r = f.result()
             fh.write(json.dumps(r) + "\n")
             fh.flush()
             print(json.dumps(r), flush=True)
             (starts.__setitem__(r["task"], r) if "greedy_start" in r else rows.append(r))
-    write(out, args, rows, starts)
+            if pending and (not args.max_minutes or time.time() - t0 < 60 * args.max_minutes):
+                running.add(ex.submit(run_one, pending.pop(0)))
+    note = ""
+    if pending:
+        left = sorted({f"{j['task']}" for j in pending})
+        note = (f"\n\nStopped by the {args.max_minutes}-minute limit: {len(pending)} runs not started (tasks "
+                f"{', '.join(left)}); cells below list the seeds they have.")
+    write(out, args, rows, starts, note)
 
 
 if __name__ == "__main__":

@@ -36,8 +36,9 @@ DACA-GRPO plug-ins (``daca.*``, on any base method):
     scored by exactly one group, so the loss splits over groups and ``backward`` runs one forward + backward per
     group (peak memory of one base forward). Cost K·M forwards (grad) per update and K·M no-grad for ℓ_old.
 
-Cost per update: B·M forwards with grad and B·M sample-backwards (M = forwards per estimate), plus B·M
-no-grad forwards per rollout for ℓ_old (and B·M for ℓ_ref when β > 0).
+Cost per update: B·M forwards with grad and B·M sample-backwards (M = forwards per estimate,
+:func:`forwards_per_estimate`), plus B·M no-grad forwards per rollout for ℓ_old (none for the ratio-free spg and
+wd1) and B·M for ℓ_ref when β > 0.
 """
 from __future__ import annotations
 

@@ -93,7 +93,7 @@ def eubo_terms(lp: torch.Tensor, masks: torch.Tensor, valid: torch.Tensor, beta:
     """Per-token terms of the EUBO (summing over tokens gives the sequence EUBO above).
 
     lp (B, M, L) per-forward log-probs, masks (B, M, P+L), valid (B, L) → (B, L) float32 (0 outside S)."""
-    B, M, L = lp.shape
+    _, M, L = lp.shape
     scored = masks[..., -L:] & valid.unsqueeze(1)  # (B, M, L)
     n = valid.sum(1, keepdim=True).float()  # (B, 1)
     t = scored.sum(-1).float().clamp_min(1) / n.clamp_min(1)  # (B, M) empirical mask ratio
