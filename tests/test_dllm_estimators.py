@@ -331,7 +331,8 @@ def test_method_config_checks():
                      (["dllm.method=spg", "dllm.spg_block_length=5"], "dllm.spg_block_length"),
                      (["dllm.coupled_form=both"], "dllm.coupled_form"),
                      (["dllm.spg_beta=0"], "dllm.spg_beta"),
-                     (["dllm.spg_negative=zero"], "dllm.spg_negative")]:
+                     (["dllm.spg_negative=zero"], "dllm.spg_negative"),
+                     (["dllm.method=wd1", "dist.group_layout=spread"], "dist.group_layout")]:
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")) as e:
             RunConfig.from_overrides(["model.name=tiny_mlm", *bad])
         assert "\n" not in str(e.value)

@@ -726,9 +726,12 @@ def _validate_dllm(cfg: RunConfig) -> None:
 
 
 def _validate_dllm_methods(cfg: RunConfig) -> None:
-    """The base methods' own rules: SPG has no KL term and no SML plug-in; its masking block divides the
-    completion and t_min <= t_max."""
+    """The base methods' own rules: wd1 keeps groups on one rank; SPG has no KL term and no SML plug-in, its
+    masking block divides the completion and t_min <= t_max."""
     d = cfg.dllm
+    if d.method == "wd1" and cfg.dist.group_layout == "spread" and cfg.dist.mode != "none":
+        raise ConfigError("dist.group_layout: value 'spread' is not allowed with dllm.method=wd1 (its group softmax "
+                          "needs each group's samples on one rank); must be 'local'")
     if d.method != "spg":
         return
     if cfg.loss.beta != 0:
