@@ -128,7 +128,8 @@ def aggregate(rows, starts):
     return out
 
 
-def tables(cells, starts, head) -> list[str]:
+def tables(cells, starts, head, complete=None) -> list[str]:
+    """Markdown tables; the mean over tasks uses only ``complete`` tasks (every cell with every seed; None = all)."""
     lines = ["# dLLM base methods ± DACA at equal grad-forwards", "", head, ""]
     for t in [t for t in TASKS if t in starts]:
         st = starts[t]
@@ -144,12 +145,13 @@ def tables(cells, starts, head) -> list[str]:
                          f"{c['sampled_end'][1]:.4f} | {c['d_sampled'][0]:+.4f} | {len(c['seeds'])} | "
                          f"{c['seconds']:.0f} |")
         lines.append("")
-    # overall: mean change over the tasks each cell ran on
-    keys = list(dict.fromkeys((c["method"], c["variant"]) for c in cells))
-    lines += ["## Mean change over tasks", "", "| method | variant | tasks | mean Δ greedy | mean Δ sampled |",
-              "|---|---|---|---|---|"]
+    # overall: mean change over the complete tasks
+    done = [t for t in TASKS if t in starts and (complete is None or t in complete)]
+    keys = list(dict.fromkeys((c["method"], c["variant"]) for c in cells if c["task"] in done))
+    lines += [f"## Mean change over the complete tasks ({', '.join(done)})", "",
+              "| method | variant | tasks | mean Δ greedy | mean Δ sampled |", "|---|---|---|---|---|"]
     for m, v in sorted(keys, key=lambda k: (list(METHODS).index(k[0]), k[1] != "base")):
-        sel = [c for c in cells if (c["method"], c["variant"]) == (m, v)]
+        sel = [c for c in cells if (c["method"], c["variant"]) == (m, v) and c["task"] in done]
         lines.append(f"| {m} | {v} | {len(sel)} | {statistics.mean(c['d_greedy'][0] for c in sel):+.4f} | "
                      f"{statistics.mean(c['d_sampled'][0] for c in sel):+.4f} |")
     return lines
@@ -165,20 +167,31 @@ def command(a) -> str:
 
 def write(out: Path, args, rows, starts, note=""):
     cells = aggregate(rows, starts)
+    have = {(r["task"], r["method"], r["variant"], r["seed"]) for r in rows}
+    missing = [(t, m, v, sd) for t in args.tasks for m in args.methods for v in args.variants for sd in args.seeds
+               if (t, m, v, sd) not in have]
+    if missing and not note:
+        note = (f"\n\n{len(missing)} of the planned runs did not run (tasks "
+                f"{', '.join(sorted({x[0] for x in missing}))}; --max-minutes {args.max_minutes}); the cells list the "
+                f"seeds they have, and the mean over tasks uses only the tasks with every seed of every cell.")
     head = (f"Budget {args.budget} grad-forwards per run (sequence-forwards with grad; iterations = budget / "
             f"(prompts × group × M), M = forwards per estimate), {args.prompts} prompts × {args.group} samples, lr "
             f"{args.lr}, β 0, overrides {' '.join(args.overrides) or '(none)'}; seeds "
-            f"{' '.join(map(str, args.seeds))}. Held-out = the first {args.eval_size or 'all'} prompts of each test split "
-            f"(fewer where the split is smaller): greedy, and sampled at T = 1 with {args.eval_samples} completion(s) "
-            f"per prompt; ± = std over seeds. Per-task sampler settings: {TASK_OVERRIDES}. +daca = DPS (entropy, λ 0.5) + SML "
-            f"(K 2, chain, decode order); spg's +daca is DPS only.\n\nCommand: `{command(args)}`" + note)
-    lines = tables(cells, starts, head)
+            f"{' '.join(map(str, args.seeds))}. Held-out = the first {args.eval_size or 'all'} prompts of each test "
+            f"split (fewer where the split is smaller): greedy, and sampled at T = 1 with {args.eval_samples} completion(s) "
+            f"per prompt; ± = std over seeds. Per-task sampler settings: {TASK_OVERRIDES}. +daca = DPS (entropy, "
+            f"λ 0.5) + SML (K 2, chain, decode order); spg's +daca is DPS only.\n\nCommand: `{command(args)}`" + note)
+    n_cells = len(args.methods) * len(args.variants)
+    complete = {t for t in starts if sum(1 for c in cells if c["task"] == t and len(c["seeds"]) == len(args.seeds))
+                == n_cells}
+    lines = tables(cells, starts, head, complete)
     findings = out / "findings.md"  # the hand-written reading of the tables, kept across rebuilds
     if findings.exists():
         lines += ["", findings.read_text().rstrip()]
     (out / "study.md").write_text("\n".join(lines) + "\n")
     (out / "study.json").write_text(json.dumps({"args": vars(args), "command": command(args), "starts": starts,
-                                                "cells": cells, "rows": rows}, indent=2))
+                                                "complete_tasks": sorted(complete), "cells": cells, "rows": rows},
+                                               indent=2))
     print("\n".join(lines))
 
 
@@ -252,7 +265,8 @@ def main():
     if pending:
         left = sorted({f"{j['task']}" for j in pending})
         note = (f"\n\nStopped by the {args.max_minutes}-minute limit: {len(pending)} runs not started (tasks "
-                f"{', '.join(left)}); cells below list the seeds they have.")
+                f"{', '.join(left)}); the cells list the seeds they have, and the mean over tasks uses only the "
+                f"tasks with every seed of every cell.")
     write(out, args, rows, starts, note)
 
 
