@@ -29,7 +29,7 @@ from .distributed import launched_world_size
 from .dllm.tasks import VOCAB, examples_from_file, get_task
 from .engines import ENGINES
 from .errors import ConfigError, suggest
-from .rewards import REWARDS, resolve_reward
+from .rewards import REWARDS, check_rewards, resolve_reward
 from .samplers.masked import schedule
 
 # Plausibility bound: samples drawn per iteration (train.prompts_per_batch × train.group_size, all ranks together).
@@ -112,6 +112,8 @@ class SamplerConfig:
 @dataclass
 class RewardConfig:
     weights: dict = _f({"digit_alignment": 1.0}, doc="reward name (or module:function) -> weight")
+    options: dict[str, dict] = _f({}, doc="per-reward options, e.g. {pickscore: {model: <hub id or path>, dtype: "
+                                          "bfloat16, batch_size: 16, device: cuda:1}} (see README, Rewards)")
 
 
 @dataclass
@@ -432,6 +434,14 @@ def _coerce(key: str, value, tp, meta):
                     value = os.path.expanduser(value)
                 except (ValueError, OSError):  # e.g. an embedded NUL byte: refused by the path checks
                     pass
+        elif origin is dict and typing.get_args(tp)[1:] == (dict,):  # {name: {option: value}}: reward.options
+            if not isinstance(value, dict):
+                raise TypeError
+            value = {str(k): v for k, v in value.items()}
+            for k, v in value.items():
+                if not isinstance(v, dict):
+                    raise ConfigError(f"{_show_key(f'{key}.{k}')}: value {v!r} must be a mapping of options, "
+                                      "e.g. {batch_size: 8}")
         elif origin is dict:
             if not isinstance(value, dict):
                 raise TypeError
@@ -558,6 +568,7 @@ def validate(cfg: RunConfig) -> None:
     _validate_logging(cfg.log)
     if family == "flow":
         _validate_flow(cfg)
+        check_rewards(cfg.reward.weights, cfg.reward.options, model_name=cfg.model.name)
     else:
         _validate_dllm(cfg)
 

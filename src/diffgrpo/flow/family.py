@@ -32,7 +32,7 @@ from ..engines.base import EngineContext
 from ..errors import ConfigError
 from ..family import Sync
 from ..loss_weights import apply, grpo_loss_weights
-from ..rewards import compute_rewards
+from ..rewards import compute_rewards, make_rewards
 from ..samplers import flow_sde
 from ..samplers.rollout import sample_trajectories
 from ..types import BatchPlan, EngineStats, FlowTrajectory, Rollout
@@ -66,6 +66,8 @@ class FlowFamily:
         # prompt files: records {"prompt", **metadata} in a seeded epoch order, the same on every rank
         self.records = load_prompts(t.prompts_file, column=t.prompt_column) if t.prompts_file else []
         self.sampler = EpochSampler(len(self.records), cfg.seed) if self.records else None
+        # reward callables on the policy's device with reward.options bound (models load on first use)
+        self.reward_fns = make_rewards(cfg.reward.weights, cfg.reward.options, self.device)
 
     # ------------------------------------------------------------------ the family protocol
     @staticmethod
@@ -194,7 +196,8 @@ class FlowFamily:
         t_sample = time.perf_counter() - t0
         t1 = time.perf_counter()
         images = self.policy.decode(out["xs"][:, -1])
-        rewards, comps = compute_rewards(self.cfg.reward.weights, images, plan.prompts, plan.metadata, log=self.log)
+        rewards, comps = compute_rewards(self.cfg.reward.weights, images, plan.prompts, plan.metadata, log=self.log,
+                                        rewards=self.reward_fns)
         t_reward = time.perf_counter() - t1
         traj = FlowTrajectory(cond=cond, sigmas=self.sigmas, xs=out["xs"], velocities=out["velocities"],
                               log_probs=out["log_probs"], noise=out["noise"], images=images,
@@ -263,7 +266,7 @@ class FlowFamily:
         self.policy.counters.update(saved)
         images = self.policy.decode(out["xs"][:, -1])
         del out
-        rewards, comps = compute_rewards(self.cfg.reward.weights, images, prompts, metadata)
+        rewards, comps = compute_rewards(self.cfg.reward.weights, images, prompts, metadata, rewards=self.reward_fns)
         return images, rewards, comps
 
 
