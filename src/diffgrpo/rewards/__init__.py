@@ -58,7 +58,7 @@ MODEL_REWARDS: dict[str, ModelReward] = {
     "pickscore": ModelReward(_factory("clip_models", "pickscore"), {**_CLIP_OPTS, "divide_by": float}),
     "clip_score": ModelReward(_factory("clip_models", "clip_score"), dict(_CLIP_OPTS)),
     "aesthetic": ModelReward(_factory("clip_models", "aesthetic"), {**_CLIP_OPTS, "head": str}),
-    "ocr": ModelReward(_factory("ocr", "ocr"), {"min_confidence": float},
+    "ocr": ModelReward(_factory("ocr", "ocr"), {"min_confidence": float, "det_limit_side_len": int},
                        requires={"rapidocr_onnxruntime": "rapidocr-onnxruntime"}),
     "geneval": ModelReward(_factory("geneval", "geneval"),
                            {"detector": str, "clip": str, "dtype": str, "batch_size": int, "device": str,

@@ -58,30 +58,33 @@ def target_text(prompt: str, metadata: dict | None) -> str | None:
     return (m.group(1) or m.group(2)) if m else None
 
 
-def load_engine():
-    """The RapidOCR engine (bundled ONNX models), once per process."""
+def load_engine(det_limit_side_len: int = 736):
+    """The RapidOCR engine (bundled ONNX models), once per process per setting. The detector rescales each image
+    so that its shorter side is at least ``det_limit_side_len`` pixels (RapidOCR's default 736; smaller is faster
+    for large, clear text)."""
     def load():
         from rapidocr_onnxruntime import RapidOCR
 
-        return RapidOCR()
+        return RapidOCR(det_limit_side_len=det_limit_side_len)
 
-    return cached(("ocr", "rapidocr_onnxruntime"), load)
+    return cached(("ocr", "rapidocr_onnxruntime", det_limit_side_len), load)
 
 
 def recognise(engine, image: np.ndarray, min_confidence: float = 0.0) -> str:
-    """RGB uint8 (H, W, 3) → every recognised box's text with confidence > ``min_confidence``, joined by spaces."""
+    """RGB uint8 (H, W, 3) → the text of every box RapidOCR keeps (its own recognition threshold is 0.5) with
+    confidence > ``min_confidence``, in reading order, joined by spaces."""
     result, _ = engine(np.ascontiguousarray(image[..., ::-1]))  # RapidOCR reads arrays as OpenCV BGR
     return " ".join(text for _, text, conf in (result or []) if float(conf) > min_confidence)
 
 
-def ocr(device=None, *, min_confidence: float = 0.0):
+def ocr(device=None, *, min_confidence: float = 0.0, det_limit_side_len: int = 736):
     """The ``ocr`` reward: (images, prompts, metadata) → (B,) in [0, 1] (NaN where a sample has no target)."""
     def score(images, prompts, metadata):
         targets = [target_text(p, m) for p, m in zip(prompts, metadata)]
         out = torch.full((len(prompts),), float("nan"))
         if all(t is None for t in targets):
             return out
-        engine = load_engine()
+        engine = load_engine(det_limit_side_len)
         for i, (arr, t) in enumerate(zip(to_uint8_hwc(images), targets)):
             if t is not None:
                 out[i] = ocr_score(recognise(engine, arr, min_confidence), t)
