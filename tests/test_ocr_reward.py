@@ -56,7 +56,7 @@ def test_real_ocr_reads_rendered_text():
                [{}, {}, {"text": "difusion models"}, {}])
     # measured: right = [1, 1, 1, 0] (every rendered string read exactly, nothing read on the blank image)
     assert right[:3].tolist() == [1.0, 1.0, 1.0] and right[3] == 0.0
-    # measured: wrong = [0, 8/9, 0.5, NaN]: "open24hours" is 9 edits from "closed" (> its 6 letters: clipped to 0);
+    # measured: wrong = [0, 8/9, 0.5, NaN]: "open24hours" is 10 edits from "closed" (> its 6 letters: clipped to 0);
     # "helloworld" is one deletion from the target "helloword"; "diffusion" is 7 edits from "difusionmodels" (14)
     assert wrong[0] == 0.0 and wrong[1] == pytest.approx(1 - 1 / 9) and wrong[2] == pytest.approx(0.5)
     assert math.isnan(wrong[3])  # no metadata text and no quoted text: excluded, not scored
