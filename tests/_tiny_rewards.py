@@ -12,15 +12,20 @@ SIDE = 32  # the tiny image towers' input side
 
 
 def clip_tokenizer(max_length: int = 16):
-    """A character-level CLIP tokenizer built offline (every lowercase letter, digit and some punctuation)."""
+    """A character-level CLIP tokenizer built offline (every lowercase letter, digit and some punctuation), its
+    start and end tokens last (OWL-ViT reads a query whose first id is 0 as padding)."""
     from transformers import CLIPTokenizer
 
     chars = list(string.ascii_lowercase + string.digits + ".,!?'-")
-    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
-    for suffix in ("", "</w>"):
-        for c in chars:
-            vocab[c + suffix] = len(vocab)
+    vocab = {c + suffix: i for i, (suffix, c) in enumerate((s, c) for s in ("", "</w>") for c in chars)}
+    vocab.update({"<|startoftext|>": len(vocab), "<|endoftext|>": len(vocab) + 1})
     return CLIPTokenizer(vocab=vocab, merges=[], model_max_length=max_length)
+
+
+def _text_config(tok) -> dict:
+    bos, eos = tok.convert_tokens_to_ids(["<|startoftext|>", "<|endoftext|>"])
+    return dict(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                max_position_embeddings=16, bos_token_id=bos, eos_token_id=eos, pad_token_id=eos)
 
 
 def save_tiny_clip(path: Path, seed: int = 0) -> Path:
@@ -29,8 +34,7 @@ def save_tiny_clip(path: Path, seed: int = 0) -> Path:
 
     tok = clip_tokenizer()
     torch.manual_seed(seed)
-    text = dict(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                num_attention_heads=2, max_position_embeddings=16, bos_token_id=0, eos_token_id=1, pad_token_id=1)
+    text = _text_config(tok)
     vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                   image_size=SIDE, patch_size=8)
     CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=16)).save_pretrained(str(path))
@@ -53,8 +57,7 @@ def save_tiny_owlvit(path: Path, seed: int = 0) -> Path:
 
     tok = clip_tokenizer()
     torch.manual_seed(seed)
-    text = dict(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                num_attention_heads=2, max_position_embeddings=16, bos_token_id=0, eos_token_id=1, pad_token_id=1)
+    text = _text_config(tok)
     vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                   image_size=SIDE, patch_size=8)
     OwlViTForObjectDetection(OwlViTConfig(text_config=text, vision_config=vision, projection_dim=16)
