@@ -25,6 +25,7 @@ from typing import Callable, Mapping
 import torch
 
 from ..errors import ConfigError, RewardError, suggest
+from . import clip_models, geneval, ocr
 from .image import digit_alignment, jpeg_compressibility, jpeg_incompressibility
 
 RewardFn = Callable[..., object]
@@ -36,18 +37,11 @@ REWARDS: dict[str, RewardFn] = {
 }
 
 
-def _factory(module: str, attr: str):
-    """A reward factory imported on first use (keeps transformers and the OCR engine out of ``import diffgrpo``)."""
-    def build(device=None, **options):
-        return getattr(importlib.import_module(f"{__name__}.{module}"), attr)(device, **options)
-    return build
-
-
 @dataclass(frozen=True)
 class ModelReward:
     """A registry reward backed by a model: ``build(device, **options) → fn(images, prompts, metadata) → (B,)``;
     ``options``: option name → type (what ``reward.options.<name>`` may set); ``requires``: importable module →
-    pip package (the ``rewards`` extra); ``metadata``: the per-sample keys it reads (README)."""
+    pip package (the ``rewards`` extra)."""
     build: Callable[..., RewardFn]
     options: dict = field(default_factory=dict)
     requires: dict = field(default_factory=dict)
@@ -55,16 +49,15 @@ class ModelReward:
 
 _CLIP_OPTS = {"model": str, "processor": str, "dtype": str, "batch_size": int, "device": str}
 MODEL_REWARDS: dict[str, ModelReward] = {
-    "pickscore": ModelReward(_factory("clip_models", "pickscore"), {**_CLIP_OPTS, "divide_by": float}),
-    "clip_score": ModelReward(_factory("clip_models", "clip_score"), dict(_CLIP_OPTS)),
-    "aesthetic": ModelReward(_factory("clip_models", "aesthetic"), {**_CLIP_OPTS, "head": str}),
-    "ocr": ModelReward(_factory("ocr", "ocr"), {"min_confidence": float, "det_limit_side_len": int},
+    "pickscore": ModelReward(clip_models.pickscore, {**_CLIP_OPTS, "divide_by": float}),
+    "clip_score": ModelReward(clip_models.clip_score, dict(_CLIP_OPTS)),
+    "aesthetic": ModelReward(clip_models.aesthetic, {**_CLIP_OPTS, "head": str}),
+    "ocr": ModelReward(ocr.ocr, {"min_confidence": float, "det_limit_side_len": int},
                        requires={"rapidocr_onnxruntime": "rapidocr-onnxruntime"}),
-    "geneval": ModelReward(_factory("geneval", "geneval"),
+    "geneval": ModelReward(geneval.geneval,
                            {"detector": str, "clip": str, "dtype": str, "batch_size": int, "device": str,
                             "threshold": float, "nms_iou": float, "strict": bool}),
 }
-IMAGE_REWARDS = ("digit_alignment", "jpeg_compressibility", "jpeg_incompressibility", *MODEL_REWARDS)
 
 
 def _default_model_reward(name: str) -> RewardFn:

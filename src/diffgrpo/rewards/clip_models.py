@@ -43,7 +43,7 @@ def load_clip(model: str, processor: str, device, dtype: str):
     return cached(("clip", model, processor, str(torch.device(device)), dtype), load)
 
 
-def _image_embeds(proc, net, images: torch.Tensor) -> torch.Tensor:
+def image_embeds(proc, net, images: torch.Tensor) -> torch.Tensor:
     """(n, C, H, W) in [0, 1] → unit-norm image embeddings (n, D) in float32."""
     p = next(net.parameters())
     pix = proc(images=to_uint8_hwc(images), return_tensors="pt")["pixel_values"].to(p.device, p.dtype)  # (n,3,h,w)
@@ -51,7 +51,7 @@ def _image_embeds(proc, net, images: torch.Tensor) -> torch.Tensor:
     return e / e.norm(dim=-1, keepdim=True)
 
 
-def _text_embeds(proc, net, prompts: list[str]) -> torch.Tensor:
+def text_embeds(proc, net, prompts: list[str]) -> torch.Tensor:
     """n prompts → unit-norm text embeddings (n, D) in float32 (truncated to the text tower's positions)."""
     p = next(net.parameters())
     tok = proc(text=list(prompts), padding=True, truncation=True,
@@ -71,7 +71,7 @@ def pickscore(device=None, *, model: str = PICKSCORE_MODEL, processor: str = PIC
         proc, net = load_clip(model, processor, device, dtype)
         out = []
         for s in batches(len(prompts), batch_size):
-            cos = (_image_embeds(proc, net, images[s]) * _text_embeds(proc, net, prompts[s])).sum(-1)  # (n,)
+            cos = (image_embeds(proc, net, images[s]) * text_embeds(proc, net, prompts[s])).sum(-1)  # (n,)
             out.append(net.logit_scale.exp().float() * cos / divide_by)
         return torch.cat(out).cpu()
 
@@ -86,7 +86,7 @@ def clip_score(device=None, *, model: str = CLIP_L14, processor: str = "", dtype
     @torch.no_grad()
     def score(images, prompts, metadata):
         proc, net = load_clip(model, processor or model, device, dtype)
-        out = [(_image_embeds(proc, net, images[s]) * _text_embeds(proc, net, prompts[s])).sum(-1)
+        out = [(image_embeds(proc, net, images[s]) * text_embeds(proc, net, prompts[s])).sum(-1)
                for s in batches(len(prompts), batch_size)]
         return torch.cat(out).cpu()
 
@@ -144,7 +144,7 @@ def aesthetic(device=None, *, model: str = CLIP_L14, processor: str = "", head: 
         mlp = load_aesthetic_head(head, device, dtype)
         out = []
         for s in batches(len(images), batch_size):
-            e = _image_embeds(proc, net, images[s])  # (n, D) unit norm, float32
+            e = image_embeds(proc, net, images[s])  # (n, D) unit norm, float32
             out.append(mlp(e.to(next(mlp.parameters()).dtype))[:, 0].float())  # (n,)
         return torch.cat(out).cpu()
 

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .clip_models import image_embeds, text_embeds, load_clip
 from .loading import DTYPES, batches, cached, default_device, per_frame, to_uint8_hwc
 
 COLORS = ("red", "orange", "yellow", "green", "blue", "purple", "pink", "brown", "black", "white")
@@ -168,8 +169,6 @@ def detect(proc, net, image: np.ndarray, classes: list[str], threshold: float, n
 @torch.no_grad()
 def classify_colors(clip, image: np.ndarray, classname: str, dets: list[Detection], batch_size: int) -> None:
     """Set ``color`` of each detection to CLIP's zero-shot choice among :data:`COLORS` on its box crop."""
-    from .clip_models import _image_embeds, _text_embeds
-
     if not dets:
         return
     proc, net = clip
@@ -181,9 +180,9 @@ def classify_colors(clip, image: np.ndarray, classname: str, dets: list[Detectio
         x1, y1 = max(min(x1, W), x0 + 1), max(min(y1, H), y0 + 1)
         crop = torch.from_numpy(image[y0:y1, x0:x1]).permute(2, 0, 1).float() / 255  # (3, h, w)
         crops.append(torch.nn.functional.interpolate(crop[None], size=(H, W), mode="bilinear")[0])
-    text = _text_embeds(proc, net, [f"a photo of a {c} {classname}" for c in COLORS])  # (10, D)
+    text = text_embeds(proc, net, [f"a photo of a {c} {classname}" for c in COLORS])  # (10, D)
     for s in batches(len(crops), batch_size):
-        img = _image_embeds(proc, net, torch.stack(crops[s]))  # (n, D)
+        img = image_embeds(proc, net, torch.stack(crops[s]))  # (n, D)
         for d, k in zip(dets[s], (img @ text.T).argmax(-1).tolist()):
             d.color = COLORS[k]
 
@@ -195,8 +194,6 @@ def geneval(device=None, *, detector: str = OWLV2, clip: str = "openai/clip-vit-
     device = device or default_device()
 
     def score(images, prompts, metadata):
-        from .clip_models import load_clip
-
         out = torch.full((len(prompts),), float("nan"))
         for i, (arr, meta) in enumerate(zip(to_uint8_hwc(images), metadata)):
             classes = _classes(meta or {})
