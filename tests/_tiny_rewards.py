@@ -51,9 +51,16 @@ def aesthetic_state(dim: int = 16, seed: int = 0) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in AestheticHead(dim).state_dict().items()}
 
 
-def save_tiny_owlvit(path: Path, seed: int = 0) -> Path:
-    """A random OWL-ViT detector (32 px, 8 px patches: 16 boxes) and its processor saved at ``path``."""
-    from transformers import OwlViTConfig, OwlViTForObjectDetection, OwlViTImageProcessor, OwlViTProcessor
+def save_tiny_owlvit(path: Path, seed: int = 0, v2: bool = False) -> Path:
+    """A random OWL-ViT (``v2``: OWLv2) detector (32 px, 8 px patches: 16 boxes) and its processor saved at
+    ``path``."""
+    if v2:
+        from transformers import Owlv2Config as OwlViTConfig
+        from transformers import Owlv2ForObjectDetection as OwlViTForObjectDetection
+        from transformers import Owlv2ImageProcessor as OwlViTImageProcessor
+        from transformers import Owlv2Processor as OwlViTProcessor
+    else:
+        from transformers import OwlViTConfig, OwlViTForObjectDetection, OwlViTImageProcessor, OwlViTProcessor
 
     tok = clip_tokenizer()
     torch.manual_seed(seed)
@@ -62,6 +69,7 @@ def save_tiny_owlvit(path: Path, seed: int = 0) -> Path:
                   image_size=SIDE, patch_size=8)
     OwlViTForObjectDetection(OwlViTConfig(text_config=text, vision_config=vision, projection_dim=16)
                              ).save_pretrained(str(path))
-    img = OwlViTImageProcessor(size={"height": SIDE, "width": SIDE}, crop_size={"height": SIDE, "width": SIDE})
+    img = (OwlViTImageProcessor(size={"height": SIDE, "width": SIDE}) if v2 else
+           OwlViTImageProcessor(size={"height": SIDE, "width": SIDE}, crop_size={"height": SIDE, "width": SIDE}))
     OwlViTProcessor(image_processor=img, tokenizer=tok).save_pretrained(str(path))
     return path

@@ -109,3 +109,23 @@ def test_detector_path_on_a_tiny_owlvit(tiny_dirs):
     per_frame = torch.stack([fn(video[:, :, f], ["x", "y"], meta) for f in range(2)], 1)
     torch.testing.assert_close(fn(video, ["x", "y"], meta), per_frame.mean(1))
     clear_cache()
+
+
+@pytest.mark.parametrize("v2", [False, True], ids=["owlvit", "owlv2"])
+def test_detector_boxes_are_in_input_pixels(v2, tmp_path):
+    """Boxes by hand from the raw output: OWL-ViT's are relative to the resized image (scale W, H); OWLv2 pads the
+    image to a square first, so its boxes scale by the longer side on both axes."""
+    path = save_tiny_owlvit(tmp_path / "owl", v2=v2)
+    proc, net = load_detector(str(path), "cpu", "float32")
+    img = to_uint8_hwc(torch.rand(1, 3, 24, 40, generator=torch.Generator().manual_seed(1)))[0]  # H=24, W=40
+    got = detect(proc, net, img, ["cat"], 0.0, 1.0)["cat"]  # one class, nothing suppressed (IoU > 1 never holds)
+    with torch.no_grad():
+        out = net(**proc(text=[["a photo of a cat"]], images=[img], return_tensors="pt"))
+    cx, cy, w, h = out.pred_boxes[0].unbind(-1)  # (16,) each, relative
+    sx, sy = (40, 40) if v2 else (40, 24)
+    want = torch.stack([(cx - w / 2) * sx, (cy - h / 2) * sy, (cx + w / 2) * sx, (cy + h / 2) * sy], -1)  # (16, 4)
+    order = out.logits[0, :, 0].argsort(descending=True)[:16]
+    assert len(got) == 16
+    torch.testing.assert_close(torch.tensor([d.box for d in got]), want[order], rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(torch.tensor([d.score for d in got]), out.logits[0, order, 0].sigmoid())
+    clear_cache()

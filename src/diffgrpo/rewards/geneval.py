@@ -151,16 +151,14 @@ def detect(proc, net, image: np.ndarray, classes: list[str], threshold: float, n
     inputs = proc(text=[[f"a photo of a {c}" for c in classes]], images=[image], return_tensors="pt")
     inputs = {k: v.to(p.device, p.dtype if v.is_floating_point() else v.dtype) for k, v in inputs.items()}
     out = net(**inputs)
-    prob = out.logits[0].float().sigmoid()  # (patches, n_classes)
-    score, label = prob.max(-1)  # (patches,)
-    cx, cy, w, h = out.pred_boxes[0].float().unbind(-1)  # (patches,) each, relative
-    # OWLv2 pads the image to a square before resizing: its boxes are relative to the padded side
-    sx, sy = (max(H, W), max(H, W)) if net.config.model_type == "owlv2" else (W, H)
-    boxes = torch.stack([(cx - w / 2) * sx, (cy - h / 2) * sy, (cx + w / 2) * sx, (cy + h / 2) * sy], -1).cpu()
-    score, label = score.cpu(), label.cpu()
+    # the image processor's own post-processing: best query per box, sigmoid score, boxes in pixels of the input
+    # (OWLv2 pads to a square before resizing; its processor scales by the longer side)
+    det = proc.image_processor.post_process_object_detection(out, threshold=threshold, target_sizes=[(H, W)])[0]
+    score, label = det["scores"].float().cpu(), det["labels"].cpu()  # (m,), (m,)
+    boxes = det["boxes"].float().cpu()  # (m, 4) x0 y0 x1 y1
     objects: dict[str, list[Detection]] = {}
     for j, name in enumerate(classes):
-        idx = ((label == j) & (score > threshold)).nonzero()[:, 0]  # (m,)
+        idx = (label == j).nonzero()[:, 0]  # (k,)
         kept = [int(idx[i]) for i in nms(boxes[idx], score[idx], nms_iou)] if len(idx) else []
         objects[name] = [Detection(tuple(float(v) for v in boxes[i]), float(score[i])) for i in kept[:MAX_OBJECTS]]
     return objects
