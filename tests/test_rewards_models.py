@@ -167,16 +167,27 @@ def test_the_defaults_are_the_hub_ids_users_use(monkeypatch):
     assert clip_models.AESTHETIC_HEAD == "camenduru/improved-aesthetic-predictor:sac+logos+ava1-l14-linearMSE.pth"
 
 
-def test_a_flow_run_scores_with_a_clip_reward_on_the_policy_device(make_trainer, clip_dir):
-    tr = make_trainer("reward.weights={clip_score: 1.0}",
-                      f"reward.options={{clip_score: {{model: '{clip_dir}', batch_size: 4}}}}")
+def test_a_flow_run_scores_with_a_clip_reward_on_the_policy_device(make_trainer, clip_dir, tmp_path):
+    import json
+
+    pytest.importorskip("rapidocr_onnxruntime")  # the 'rewards' extra
+    rows = [{"prompt": f"a sign {i}", "text": word} for i, word in enumerate(["open", "stop"])]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tr = make_trainer("reward.weights={clip_score: 1.0, ocr: 0.5}", f"train.prompts_file={tmp_path / 'p.jsonl'}",
+                      f"reward.options={{clip_score: {{model: '{clip_dir}', batch_size: 4}}, "
+                      f"ocr: {{det_limit_side_len: 32}}}}")
     ro = tr.rollout()
     got = ro.reward_components["clip_score"]
     assert got.shape == (6,) and torch.isfinite(got).all() and got.std() > 0
-    assert len(LOADS) == 1 and next(iter(LOADS))[3] == str(tr.policy.device)
+    clip_keys = [k for k in LOADS if k[0] == "clip"]
+    assert len(clip_keys) == 1 and clip_keys[0][3] == str(tr.policy.device)
     want = make_rewards({"clip_score": 1.0}, {"clip_score": {"model": str(clip_dir)}}, "cpu")["clip_score"](
         ro.traj.images, ro.prompts, None)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    # the records' "text" reached the OCR reward (without it every sample would be NaN); an untrained 8-pixel
+    # model draws nothing legible: measured 0 for every sample
+    assert ro.reward_components["ocr"].tolist() == [0.0] * 6
+    torch.testing.assert_close(ro.rewards, got)
 
 
 # ----------------------------------------------------------------------------------------------- config errors
