@@ -35,23 +35,23 @@ def _images(n: int = 5, seed: int = 0, shape=(3, 20, 24)) -> torch.Tensor:
 
 
 def _reference(clip_dir, images, prompts):
-    """(model, unit image embeddings, unit text embeddings) computed directly with CLIPModel / CLIPProcessor."""
+    """(model, unit image embeddings, unit text embeddings, logits_per_image) from one CLIPModel forward (its own
+    normalisation and logit scale), with inputs from CLIPProcessor."""
     from transformers import CLIPModel, CLIPProcessor
 
     model, proc = CLIPModel.from_pretrained(str(clip_dir)).eval(), CLIPProcessor.from_pretrained(str(clip_dir))
     with torch.no_grad():
         pix = proc(images=to_uint8_hwc(images), return_tensors="pt")["pixel_values"]
         tok = proc(text=prompts, padding=True, return_tensors="pt")
-        img = model.get_image_features(pixel_values=pix)
-        txt = model.get_text_features(input_ids=tok["input_ids"], attention_mask=tok["attention_mask"])
-    img, txt = getattr(img, "pooler_output", img), getattr(txt, "pooler_output", txt)
-    return model, F.normalize(img, dim=-1), F.normalize(txt, dim=-1)
+        out = model(input_ids=tok["input_ids"], attention_mask=tok["attention_mask"], pixel_values=pix)
+    return model, out.image_embeds, out.text_embeds, out.logits_per_image
 
 
 def test_clip_score_is_the_cosine_of_clip_embeddings_and_batch_size_free(clip_dir):
     images = _images()
-    _, img, txt = _reference(clip_dir, images, PROMPTS)
+    model, img, txt, logits = _reference(clip_dir, images, PROMPTS)
     want = F.cosine_similarity(img, txt, dim=-1)  # (5,)
+    torch.testing.assert_close(want, logits.diagonal() / model.logit_scale.exp().detach())
     for bs in (1, 2, 16):
         fn = make_rewards({"clip_score": 1.0}, {"clip_score": {"model": str(clip_dir), "batch_size": bs}}, "cpu")
         got = fn["clip_score"](images, PROMPTS, [{}] * 5)
@@ -62,8 +62,8 @@ def test_clip_score_is_the_cosine_of_clip_embeddings_and_batch_size_free(clip_di
 
 def test_pickscore_is_logit_scale_times_cosine_over_divide_by(clip_dir, tmp_path):
     images = _images(seed=1)
-    model, img, txt = _reference(clip_dir, images, PROMPTS)
-    want = model.logit_scale.exp().detach() * (img * txt).sum(-1) / 4.0
+    _, _, _, logits = _reference(clip_dir, images, PROMPTS)
+    want = logits.diagonal() / 4.0  # logit_scale · cos(image_i, prompt_i) / divide_by
     opts = {"model": str(clip_dir), "processor": str(clip_dir), "divide_by": 4.0, "batch_size": 3}
     got = make_rewards({"pickscore": 1.0}, {"pickscore": opts}, "cpu")["pickscore"](images, PROMPTS, None)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
@@ -90,7 +90,7 @@ def test_aesthetic_is_the_mlp_on_the_normalised_image_embedding(clip_dir, tmp_pa
     torch.save(state, tmp_path / "head.pth")
     save_file(state, str(tmp_path / "head.safetensors"))
     images = _images(4, seed=4)
-    _, img, _ = _reference(clip_dir, images, PROMPTS[:4])
+    _, img, _, _ = _reference(clip_dir, images, PROMPTS[:4])
     x = img  # (4, 16): the MLP by hand, layer by layer (dropout is inactive when scoring)
     for i in (0, 2, 4, 6, 7):
         x = x @ state[f"layers.{i}.weight"].T + state[f"layers.{i}.bias"]
