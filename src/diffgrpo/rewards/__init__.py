@@ -27,6 +27,7 @@ import torch
 from ..errors import ConfigError, RewardError, suggest
 from . import clip_models, geneval, ocr
 from .image import digit_alignment, jpeg_compressibility, jpeg_incompressibility
+from .loading import DTYPES
 
 RewardFn = Callable[..., object]
 
@@ -189,7 +190,7 @@ def make_rewards(weights: Mapping[str, float], options: Mapping[str, Mapping] | 
     return out
 
 
-_DTYPES = ("float32", "bfloat16", "float16")
+_DTYPES = tuple(DTYPES)  # float32, bfloat16, float16
 
 
 def _check_option(key: str, value, tp) -> object:
