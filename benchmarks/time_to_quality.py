@@ -22,7 +22,7 @@ recompute's final diversity; a variant whose reward reaches the target only outs
 hacking. Outputs under ``--out``: ``table.md``, ``summary.json`` (aggregate), ``curves.png``, ``configs/<variant>
 _seed<s>.yaml`` (the resolved config of every cell) and ``command.txt``. No per-iteration logs.
 
-    OMP_NUM_THREADS=1 python benchmarks/time_to_quality.py --seeds 0 1 2 --budget-seconds 60 --evals 4
+    OMP_NUM_THREADS=1 python benchmarks/time_to_quality.py --seeds 0 1 2 --budget-seconds 60 --evals 6
 """
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ VARIANTS: dict[str, list[str]] = {
                             "sampler.shared_prefix=true", "sampler.tail_solver=heun", "sampler.tail_steps=2"],
 }
 BASE = ["train.prompts_per_batch=4", "train.group_size=8", "train.lr=3e-4", "log.progress=false",
-        "log.save_images=false", "eval.every=0", "eval.seeds_per_prompt=4"]
+        "log.save_images=false", "eval.every=0", "eval.seeds_per_prompt=8"]
 REWARD_KEY = "eval/rewards/digit_alignment/mean"
 
 
@@ -271,7 +271,7 @@ def main(argv=None):
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--budget-seconds", type=float, default=60.0, help="training wall-clock per run")
     p.add_argument("--max-iterations", type=int, default=1000)
-    p.add_argument("--evals", type=int, default=4, help="evaluations per run after the start one")
+    p.add_argument("--evals", type=int, default=6, help="evaluations per run after the start one")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), help="names from the built-in list")
     p.add_argument("--variant", action="append", default=[], help="extra variant NAME=key=value,key=value")
     p.add_argument("--target", type=float, default=None, help="held-out reward target (default: recompute's final)")
@@ -301,7 +301,9 @@ def main(argv=None):
             "max_iterations": a.max_iterations, "evals": a.evals, "total_seconds": total,
             "eval_images": 10 * runs[0].cfg.eval.seeds_per_prompt, "torch_threads": torch.get_num_threads(),
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS", ""), "variants": {v: VARIANTS[v] for v in a.variants}}
-    (out / "summary.json").write_text(json.dumps({"meta": meta, **summ}, indent=2))
+    cells = [{"variant": r.variant, "seed": r.seed, "iterations": r.iterations, "seconds": r.seconds, "cost": r.cost,
+              "saved_forwards": r.saved, "evaluations": r.curve} for r in runs]
+    (out / "summary.json").write_text(json.dumps({"meta": meta, **summ, "cells": cells}, indent=2))
     (out / "command.txt").write_text(command + "\n")
     md = to_markdown(meta, summ)
     (out / "table.md").write_text(md)
