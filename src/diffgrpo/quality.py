@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-_REFERENCE: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+_REFERENCE: dict[int, tuple] = {}  # image size → (classifier, μ, Σ)
 
 
 # ---------------------------------------------------------------------- pure functions
@@ -80,11 +80,11 @@ def reference_stats(image_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     from .rewards.image import load_classifier
 
     clf, _ = load_classifier(image_size)
-    key = (image_size, id(clf))
-    if key not in _REFERENCE:
+    cached = _REFERENCE.get(image_size)
+    if cached is None or cached[0] is not clf:  # computed with this very classifier
         _, (x_te, _) = digits_split(image_size)
-        _REFERENCE[key] = gaussian_stats(penultimate_features(clf, x_te))
-    return _REFERENCE[key]
+        cached = _REFERENCE[image_size] = (clf, *gaussian_stats(penultimate_features(clf, x_te)))
+    return cached[1], cached[2]
 
 
 def digit_quality(images: torch.Tensor, prompts: list[str]) -> dict[str, float]:
