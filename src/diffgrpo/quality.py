@@ -18,6 +18,9 @@ from __future__ import annotations
 
 import torch
 
+from .data import digits_split
+from .rewards import image as image_rewards
+
 _REFERENCE: dict[int, tuple] = {}  # image size → (classifier, μ, Σ)
 
 
@@ -76,10 +79,7 @@ def penultimate_features(clf, images: torch.Tensor) -> torch.Tensor:
 
 def reference_stats(image_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(μ, Σ) of the penultimate features of the digits test split at ``image_size`` (cached per process)."""
-    from .data import digits_split
-    from .rewards.image import load_classifier
-
-    clf, _ = load_classifier(image_size)
+    clf, _ = image_rewards.load_classifier(image_size)
     cached = _REFERENCE.get(image_size)
     if cached is None or cached[0] is not clf:  # computed with this very classifier
         _, (x_te, _) = digits_split(image_size)
@@ -89,9 +89,7 @@ def reference_stats(image_size: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def digit_quality(images: torch.Tensor, prompts: list[str]) -> dict[str, float]:
     """{"eval/fid", "eval/diversity"} of evaluation images (B, 1, S, S) in [0, 1] with their prompts."""
-    from .rewards.image import load_classifier
-
-    clf, _ = load_classifier(images.shape[-1])
+    clf, _ = image_rewards.load_classifier(images.shape[-1])
     feats = penultimate_features(clf, images)
     mu_r, cov_r = reference_stats(images.shape[-1])
     mu, cov = gaussian_stats(feats)
