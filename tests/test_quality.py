@@ -97,3 +97,12 @@ def test_no_guards_when_images_are_chunked(make_trainer, monkeypatch):
     tr = make_trainer("eval.batch_size=7", "eval.seeds_per_prompt=8")  # 80 images, 64 kept
     row, _ = tr.evaluate()
     assert "eval/fid" not in row and "eval/diversity" not in row
+
+
+def test_one_sample_per_prompt_logs_fid_only(make_trainer, monkeypatch):
+    """eval.seeds_per_prompt=1: no pair of samples shares a prompt, so no diversity (and no NaN in the metrics)."""
+    torch.manual_seed(0)
+    clf = image_rewards.DigitClassifier().eval().requires_grad_(False)
+    monkeypatch.setattr(image_rewards, "load_classifier", lambda image_size=16, *a, **k: (clf, 0.0))
+    row, _ = make_trainer("eval.seeds_per_prompt=1").evaluate()
+    assert "eval/diversity" not in row and np.isfinite(row["eval/fid"])

@@ -215,3 +215,17 @@ def test_trainer_with_tail_and_prefix_trains(make_trainer):
     assert torch.isfinite(torch.tensor(row["loss"]))
     assert torch.isfinite(ro.traj.xs[:, -1]).all()
     assert flow_sde.SDE_TYPES  # the kernel module is the one the sampler uses
+
+
+def test_sliding_window_clock_survives_a_checkpoint(make_trainer):
+    """The window position is part of the saved state: a resumed run continues the schedule."""
+    over = ("steps.mode=window", "steps.window_start=0", "steps.window_size=2", "steps.window_shift_every=1",
+            "steps.ode_outside=true")
+    tr = make_trainer(*over)
+    tr.rollout(), tr.rollout()
+    st = tr.state()
+    expected = tr.rollout().selected
+    fresh = make_trainer(*over)
+    fresh.load_state({**st, "iteration": 2})
+    assert torch.equal(fresh.rollout().selected, expected)
+    assert bool(expected[:, 2:4].all()) and not bool(expected[:, :2].any())

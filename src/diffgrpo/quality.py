@@ -88,12 +88,17 @@ def reference_stats(image_size: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def digit_quality(images: torch.Tensor, prompts: list[str]) -> dict[str, float]:
-    """{"eval/fid", "eval/diversity"} of evaluation images (B, 1, S, S) in [0, 1] with their prompts."""
+    """{"eval/fid", "eval/diversity"} of evaluation images (B, 1, S, S) in [0, 1] with their prompts (diversity
+    only when some prompt has two or more samples)."""
     clf, _ = image_rewards.load_classifier(images.shape[-1])
     feats = penultimate_features(clf, images)
     mu_r, cov_r = reference_stats(images.shape[-1])
     mu, cov = gaussian_stats(feats)
-    return {"eval/fid": frechet_distance(mu, cov, mu_r, cov_r), "eval/diversity": per_prompt_diversity(feats, prompts)}
+    out = {"eval/fid": frechet_distance(mu, cov, mu_r, cov_r)}
+    div = per_prompt_diversity(feats, prompts)
+    if div == div:  # no prompt with two samples (eval.seeds_per_prompt=1): no diversity, rather than a NaN row
+        out["eval/diversity"] = div
+    return out
 
 
 def flow_eval_quality(cfg, images: torch.Tensor, prompts: list[str]) -> dict[str, float]:

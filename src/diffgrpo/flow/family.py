@@ -110,7 +110,8 @@ class FlowFamily:
                  "steps": self.gen_steps.get_state(), "group_noise": self.gen_group_noise.get_state()}
         if self.sampler is not None:
             state["prompt_sampler"] = self.sampler.state()
-        state["plans_made"] = torch.tensor(self.plans_made)
+        if self.cfg.steps.window_shift_every > 0:  # the sliding SDE window's clock
+            state["plans_made"] = torch.tensor(self.plans_made)
         return state
 
     def set_rng_state(self, state: dict) -> None:
