@@ -16,6 +16,8 @@ are computed once per image size and kept in memory.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .data import digits_split
@@ -96,7 +98,7 @@ def digit_quality(images: torch.Tensor, prompts: list[str]) -> dict[str, float]:
     mu, cov = gaussian_stats(feats)
     out = {"eval/fid": frechet_distance(mu, cov, mu_r, cov_r)}
     div = per_prompt_diversity(feats, prompts)
-    if div == div:  # no prompt with two samples (eval.seeds_per_prompt=1): no diversity, rather than a NaN row
+    if math.isfinite(div):  # no prompt with two samples (eval.seeds_per_prompt=1): no diversity, rather than a NaN row
         out["eval/diversity"] = div
     return out
 

@@ -116,7 +116,6 @@ def _run_partial(policy, cond, x, sigmas, k, kernel, generator, sde_mask, grad_m
     """Step k of the rows not ``inactive`` (B,) bool; inactive rows keep x and get zero records (a shared-prefix
     follower's are filled from its leader by the caller, a tail row's are NaN). The whole batch's noise is drawn
     as in the full step, so the stream does not change → x_{k+1} (B, *S)."""
-    B = x.shape[0]
     act = (~inactive).nonzero().flatten()  # (a,)
     eps = torch.randn(x.shape, generator=generator, device=x.device)  # (B, *S) the full step's draw
     x_next = x.clone()
@@ -125,10 +124,10 @@ def _run_partial(policy, cond, x, sigmas, k, kernel, generator, sde_mask, grad_m
     noise[inactive, k] = 0.0
     if len(act) == 0:
         return x_next
-    sub = lambda t: None if t is None else t[act]  # noqa: E731
+    sub = lambda t: None if t is None else t[act]
     hook = None
     if on_grad_step is not None:
-        hook = lambda kk, idx, v, xk, xn: on_grad_step(kk, act[idx], v, xk, xn)  # noqa: E731
+        hook = lambda kk, idx, v, xk, xn: on_grad_step(kk, act[idx], v, xk, xn)
     v_k = torch.empty_like(x[act])
     l_k = torch.zeros(len(act), device=x.device)
     z_k = torch.zeros_like(x[act])
@@ -149,7 +148,7 @@ def _run_tail(policy, cond, xs, vel, sigmas, tail: torch.Tensor, solver: str, st
         r = (tail == s).nonzero().flatten()
         c = {name: t[r] for name, t in cond.items()}
         with torch.no_grad():
-            x_end, calls = savings.solve_tail(lambda xx, sig: policy.velocity(xx, sig, c).float(), xs[r, s],
+            x_end, calls = savings.solve_tail(lambda xx, sig, c=c: policy.velocity(xx, sig, c).float(), xs[r, s],
                                               savings.tail_grid(sigmas, s, steps), solver)
         xs[r, s + 1:T] = float("nan")
         xs[r, T] = x_end
