@@ -107,6 +107,12 @@ class SamplerConfig:
     share_noise_in_group: bool = _f(False, doc="same initial noise for every sample of a prompt group")
     batch_size: int = _f(0, lo=0, doc="rollout trajectories per network call (whole rows, every step); 0 = the whole "
                                       "batch. Bounds sampling activations; the noise draws do not change")
+    shared_prefix: bool = _f(False, doc="rollout savings: a group shares its initial noise and runs its deterministic ODE "
+                                        "prefix (up to its first stochastic step) once: k + G(T-k) forwards, exact")
+    tail_solver: str = _f("full", choices=("full", "euler", "heun"),
+                          doc="rollout savings: after a sample's last stochastic / trained step, carry it to x0 with "
+                              "sampler.tail_steps steps of this solver (full = every grid step; not exact otherwise)")
+    tail_steps: int = _f(1, lo=1, doc="rollout savings: steps of the cheap tail (sampler.tail_solver)")
 
 
 @dataclass
@@ -140,6 +146,12 @@ class StepsConfig:
     fraction: float = _f(1.0, lo=0.0, hi=1.0, doc="first_fraction / random: share of trainable steps")
     window_start: int = _f(-1, lo=-1, doc="window: first step, -1 = random per sample")
     window_size: int = _f(4, lo=1)
+    window_shift_every: int = _f(0, lo=0, doc="window (MixGRPO sliding window): move the window by "
+                                               "steps.window_shift_stride every N iterations; 0 = fixed window")
+    window_shift_stride: int = _f(1, lo=1, doc="window: steps the sliding window moves per shift")
+    window_roll_back: bool = _f(True, doc="window: a sliding window past the last trainable step restarts at "
+                                          "steps.window_start (else it stays at the end)")
+    ode_outside: bool = _f(False, doc="SDE kernel only on the selected (trained) steps, ODE elsewhere (MixGRPO)")
 
 
 @dataclass
@@ -846,6 +858,16 @@ def _validate_flow(cfg: RunConfig) -> None:
                           "embedding, one forward); negative prompts and true CFG do not apply")
     if cfg.model.image_size % cfg.model.patch_size:
         raise ConfigError(f"model.patch_size: {cfg.model.patch_size} must divide model.image_size={cfg.model.image_size}")
+    _validate_rollout_savings(cfg)
+
+
+def _validate_rollout_savings(cfg: RunConfig) -> None:
+    """The sliding SDE window needs a fixed window to slide (steps.mode=window, steps.window_start >= 0)."""
+    s = cfg.steps
+    if s.window_shift_every > 0 and (s.mode != "window" or s.window_start < 0):
+        raise ConfigError(f"steps.window_shift_every: value {s.window_shift_every} needs steps.mode=window with "
+                          f"steps.window_start >= 0 (got steps.mode={s.mode}, window_start={s.window_start}); "
+                          "or set it to 0")
 
 
 def selected_per_trajectory(cfg: RunConfig) -> int:
