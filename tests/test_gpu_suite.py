@@ -1,0 +1,53 @@
+"""The GPU suite (benchmarks/gpu/suite.sh) at toy size on the CPU: the same script, models and cells a GPU run
+uses, so it cannot rot before a GPU is lent. Every engine runs against recompute in every cell that fits the toy
+budget; the exact engines reproduce recompute's gradient; the tables carry the command and the hardware line."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from diffgrpo.engines import ENGINES
+
+ROOT = Path(__file__).resolve().parents[1]
+EXACT = ("retain", "reweight", "single_step")  # exact against recompute on the same rollout and steps
+
+
+def test_gpu_suite_runs_at_toy_size(tmp_path):
+    out = tmp_path / "suite"
+    env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1", "SUITE_TIMEOUT": "90"}
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu" / "suite.sh"), "--size", "toy", "--out", str(out),
+                           "--threads", "1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rep = json.loads((out / "suite.json").read_text())
+    assert rep["size"] == "toy" and rep["device"] == "cpu" and rep["hardware"].startswith("CPU only")
+    assert set(rep["models"]) == {"sd3", "wan", "flux"} or set(rep["models"]) >= {"sd3"}
+    cells = {(c["model"], c["cell"]): c for c in rep["cells"]}
+    assert ("sd3", "full") in cells and ("sd3", "lora+ckpt") in cells
+    for key, c in cells.items():
+        assert c["status"] == "ok" or c["status"].startswith("skipped ("), (key, c["status"])
+    for key in (("sd3", "full"), ("sd3", "lora+ckpt")):
+        assert cells[key]["status"] == "ok", cells[key]
+    for (model, cell), c in cells.items():
+        if c["status"] != "ok":
+            continue
+        rows = {r["variant"]: r for r in c["rows"]}
+        assert set(rows) == set(ENGINES)
+        assert (out / model / cell / "engines.json").is_file()
+        for name, r in rows.items():
+            assert r["peak_memory_bytes"] > 0 and r["train_s"] > 0 and r["ideal_train_speedup"] > 0
+            if name in EXACT:
+                assert r["grad_cos_vs_recompute"] > 1 - 1e-6 and r["grad_relerr_vs_recompute"] < 1e-4, (model, cell, r)
+            else:  # JAGG's interpolated Jacobians: an approximation, close on these models
+                assert 0.5 < r["grad_cos_vs_recompute"] <= 1 + 1e-9
+        assert rows["recompute"]["train_speedup"] == pytest.approx(1.0)
+        assert rows["jagg"]["ideal_train_speedup"] == pytest.approx(2.0)  # one window of W = 4: W/2
+        lora = cell.startswith("lora")
+        assert (c["trainable_parameters"] < rep["models"][model]["parameters"]) is lora
+    md = (out / "suite.md").read_text()
+    assert "Command: `bash benchmarks/gpu/suite.sh --size toy" in md and "Hardware: CPU only" in md
+    assert md.count("| sd3 | full |") == len(ENGINES)
