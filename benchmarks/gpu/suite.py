@@ -210,8 +210,33 @@ def to_markdown(report: dict) -> str:
                 f"{r.get('iteration_efficiency', 1):.2f} | {mem_s} | {r.get('memory_vs_recompute', 1):.2f} | "
                 f"{r['grad_cos_vs_recompute']:.5f} | {r['grad_relerr_vs_recompute']:.1e} | {r['train_s']:.3f} | "
                 f"{r['iteration_s']:.3f} |")
+    lines += memory_table(report)
     lines.append(f"\nSuite time {report.get('elapsed_s', 0):.0f} s (budget {report['budget_s']:.0f} s).")
     return "\n".join(lines) + "\n"
+
+
+def _mem(b: float) -> str:
+    return f"{b / 2**30:.2f} GiB" if b >= 2**30 else f"{b / 2**20:.2f} MiB"
+
+
+def memory_table(report: dict) -> list[str]:
+    """Peak memory per engine (rows) and cell (columns), one table per model, with the trainable parameters of each
+    cell (their gradients and AdamW's two moments add 3 × 4 bytes each in float32, not part of the measured peak
+    here: the bench takes no optimizer step)."""
+    lines = []
+    for model in report["models"]:
+        done = [c for c in report["cells"] if c["model"] == model and c.get("status") == "ok"]
+        if not done:
+            continue
+        lines += ["", f"Peak memory, {model} ({report['models'][model]['parameters'] / 1e6:.1f}M parameters, batch "
+                      f"{report['models'][model]['batch']}):", "",
+                  "| engine | " + " | ".join(c["cell"] for c in done) + " |", "|---|" + "---|" * len(done)]
+        for name in [r["variant"] for r in done[0]["rows"]]:
+            cols = [next((_mem(r["peak_memory_bytes"]) for r in c["rows"] if r["variant"] == name), "") for c in done]
+            lines.append(f"| {name} | " + " | ".join(cols) + " |")
+        lines.append("| trainable parameters | " + " | ".join(f"{c['trainable_parameters'] / 1e6:.2f}M"
+                                                              for c in done) + " |")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -270,7 +270,7 @@ def wrap_fsdp2(module: torch.nn.Module, *, param_dtype: torch.dtype | None = Non
 
     if param_dtype is not None and param_dtype != torch.float32:
         kw.setdefault("mp_policy", MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32))
-    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    device_type = "cuda" if "nccl" in str(dist.get_backend()) else "cpu"  # also "cpu:gloo,cuda:nccl"
     if cpu_offload:  # pinned host memory for the copies to the GPU (there is none to pin for on a CPU run)
         kw.setdefault("offload_policy", CPUOffloadPolicy(pin_memory=device_type == "cuda"))
     mesh = init_device_mesh(device_type, (dist.get_world_size(),))
