@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from diffgrpo import RunConfig, Trainer
+from diffgrpo.checkpoint import latest_complete, load_checkpoint
 from diffgrpo.config import ConfigError
 from diffgrpo.engines import ENGINES
 from diffgrpo.engines.base import MemoryMeter
@@ -168,6 +169,18 @@ def test_fp16_update_unscales_before_clipping_and_skips_overflow():
     assert float(stepped["scaled"].norm()) == pytest.approx(0.01, rel=1e-4)  # clipped after unscaling
     assert rel_err(stepped["scaled"], stepped["plain"]) < 1e-3
     assert any(not torch.equal(a, p) for a, p in zip(w0, tr.params))
+
+
+def test_fp16_loss_scale_is_checkpointed_and_resumed(tmp_path):
+    ov = ["model.mixed_precision=fp16", "train.num_iterations=2", "train.save_every=1", "eval.every=0",
+          f"log.output_dir={tmp_path / 'run'}"]
+    tr = _tiny(*ov)
+    tr.grad_scaler.load_state_dict({**tr.grad_scaler.state_dict(), "scale": 2.0 ** 9, "_growth_tracker": 3})
+    tr.save_checkpoint()
+    again = _tiny(*ov)
+    assert again.grad_scaler.get_scale() == 2.0 ** 16
+    again.load_state(load_checkpoint(latest_complete(tmp_path / "run")))
+    assert again.grad_scaler.get_scale() == 2.0 ** 9 and again.grad_scaler.state_dict()["_growth_tracker"] == 3
 
 
 # ------------------------------------------------------------------------------------------- checkpointing

@@ -262,7 +262,8 @@ class Trainer:
             "optimizer": {**self.optimizer.state_dict(), "lr_scheduler": self.scheduler.state_dict()},
             "ema": self.ema.state_dict() if self.ema is not None else None,
             "rng": rng,
-            "extra": {"bad_updates": self.bad_updates},
+            "extra": {"bad_updates": self.bad_updates,  # fp16: the loss scale and its growth tracker (json)
+                      **({"grad_scaler": self.grad_scaler.state_dict()} if self.grad_scaler is not None else {})},
         })
 
     def load_state(self, ck: dict) -> None:
@@ -290,6 +291,8 @@ class Trainer:
         torch.set_rng_state(rng["torch"])
         self.iteration = int(ck["iteration"])
         self.bad_updates = int(ck.get("extra", {}).get("bad_updates", 0))
+        if self.grad_scaler is not None and "grad_scaler" in ck.get("extra", {}):
+            self.grad_scaler.load_state_dict(ck["extra"]["grad_scaler"])
 
     def save_checkpoint(self) -> Path:
         st = self.state()  # on every rank (collectives); rank 0 writes
