@@ -252,14 +252,14 @@ def transformer_blocks(module: torch.nn.Module) -> list[torch.nn.Module]:
     return out
 
 
-def wrap_fsdp2(module: torch.nn.Module, *, param_dtype: torch.dtype | None = None, cpu_offload: bool = False,
+def wrap_fsdp2(module: torch.nn.Module, *, param_dtype: torch.dtype | str | None = None, cpu_offload: bool = False,
                **kw) -> torch.nn.Module:
     """FSDP2 in place: ``fully_shard`` on each transformer block (one all-gather per block in forward and
     backward, one reduce-scatter per block), then on the root for the remaining parameters. Returns
     ``module`` (now an ``FSDPModule``: parameters are sharded DTensors, ``set_requires_gradient_sync`` exists).
     Build optimizers AFTER wrapping. No-op at world size 1.
 
-    ``param_dtype`` (e.g. ``torch.bfloat16``): a ``MixedPrecisionPolicy`` that all-gathers and computes in that
+    ``param_dtype`` (e.g. ``torch.bfloat16`` or ``"bfloat16"``): a ``MixedPrecisionPolicy`` that all-gathers and computes in that
     dtype and reduce-scatters gradients in float32; the sharded parameters, their gradients and the optimizer state
     stay float32. ``cpu_offload``: a ``CPUOffloadPolicy`` (shards, gradients and optimizer state on the CPU; each
     block's parameters are copied to the device for its all-gather)."""
@@ -268,6 +268,8 @@ def wrap_fsdp2(module: torch.nn.Module, *, param_dtype: torch.dtype | None = Non
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
+    if isinstance(param_dtype, str):  # dist.fsdp_param_dtype
+        param_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[param_dtype]
     if param_dtype is not None and param_dtype != torch.float32:
         kw.setdefault("mp_policy", MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32))
     device_type = "cuda" if "nccl" in str(dist.get_backend()) else "cpu"  # also "cpu:gloo,cuda:nccl"

@@ -72,7 +72,7 @@ class Trainer:
         self.dp_module = None  # the DDP / FSDP2 wrapper the policy's forwards go through (None in one process)
         if self.world.world_size > 1:  # FSDP2 shards in place: build the optimizer after
             self.dp_module = (distributed.wrap_fsdp2(  # mixed precision / CPU offload: dist.fsdp_*
-                self.family.network(), param_dtype=getattr(torch, cfg.dist.fsdp_param_dtype),
+                self.family.network(), param_dtype=cfg.dist.fsdp_param_dtype,
                 cpu_offload=cfg.dist.fsdp_cpu_offload) if self.dist_mode == "fsdp2"
                 else distributed.wrap(self.family.network(), self.dist_mode))
             self.policy.forward_module = self.dp_module
