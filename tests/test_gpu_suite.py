@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from diffgrpo.engines import ENGINES
 
@@ -45,9 +46,35 @@ def test_gpu_suite_runs_at_toy_size(tmp_path):
             else:  # JAGG's interpolated Jacobians: an approximation, close on these models
                 assert 0.5 < r["grad_cos_vs_recompute"] <= 1 + 1e-9
         assert rows["recompute"]["train_speedup"] == pytest.approx(1.0)
+        assert rows["recompute"]["grad_cos_vs_recompute"] == pytest.approx(1.0)  # a gradient, not zeros
         assert rows["jagg"]["ideal_train_speedup"] == pytest.approx(2.0)  # one window of W = 4: W/2
         lora = cell.startswith("lora")
         assert (c["trainable_parameters"] < rep["models"][model]["parameters"]) is lora
     md = (out / "suite.md").read_text()
     assert "Command: `bash benchmarks/gpu/suite.sh --size toy" in md and "Hardware: CPU only" in md
     assert md.count("| sd3 | full |") == len(ENGINES)
+
+
+def test_bench_keep_going_drops_a_failing_variant_and_keeps_the_others(monkeypatch):
+    """At real sizes one engine may run out of memory; with keep_going the others are still measured and the
+    failure is reported, without it the benchmark stops."""
+    from diffgrpo import RunConfig
+    from diffgrpo.bench import bench_engines
+    from diffgrpo.engines.single_step import SingleStepEngine
+    from diffgrpo.models.tiny import build_tiny_policy
+    from tests.conftest import TINY
+
+    def oom(self, ctx, rollout, epoch=0):
+        raise RuntimeError("CUDA out of memory. Tried to allocate 80.00 GiB\nmore detail")
+
+    monkeypatch.setattr(SingleStepEngine, "backward", oom)
+    cfg = RunConfig.from_overrides([*TINY, "model.device=cpu", "loss.beta=0"])
+    torch.manual_seed(0)
+    policy = build_tiny_policy(cfg, progress=False, log=lambda *a: None, pretrained=False)
+    rep = bench_engines(cfg, ["recompute", "single_step", "jagg:window=2"], repeats=1, log=lambda *a: None,
+                        keep_going=True, policy=policy)
+    assert [r["variant"] for r in rep["rows"]] == ["recompute", "jagg:window=2"]
+    assert rep["errors"] == {"single_step": "RuntimeError: CUDA out of memory. Tried to allocate 80.00 GiB"}
+    assert rep["rows"][1]["grad_cos_vs_recompute"] > 0.99  # W = 2 is exact
+    with pytest.raises(RuntimeError, match="out of memory"):
+        bench_engines(cfg, ["recompute", "single_step"], repeats=1, log=lambda *a: None, policy=policy)

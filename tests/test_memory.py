@@ -237,7 +237,7 @@ def _fsdp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
         tr = _tiny(*FSDP[1:], *extra)  # the same initial weights in every variant
         dtypes = set()
         lin = distributed.transformer_blocks(tr.policy.transformer)[0].attn.to_q
-        h = lin.register_forward_hook(lambda m, i, o: dtypes.add(m.weight.dtype))
+        h = lin.register_forward_hook(lambda m, i, o, dtypes=dtypes: dtypes.add(m.weight.dtype))
         tr.evaluate()  # as Trainer.train does before the first iteration
         if ro is None:
             ro = tr.rollout()  # every variant back-propagates the fp32 run's rollout

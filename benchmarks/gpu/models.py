@@ -111,10 +111,13 @@ def stub_encoder(family: str, size: str, device: str, dtype: torch.dtype):
 
 
 def stub_decoder(z: torch.Tensor) -> torch.Tensor:
-    """Latents → (B, 3, H, W) in [0, 1]: the first three channels (the first frame of a video)."""
+    """Latents → (B, 3, H', W') in [0, 1]: the first three channels (the first frame of a video), upsampled
+    (nearest) to at least 64 pixels a side so that the JPEG reward tells samples apart at toy sizes too."""
     if z.dim() == 5:
         z = z[:, :, 0]
-    return torch.sigmoid(z[:, :3].float())
+    img = torch.sigmoid(z[:, :3].float())
+    f = max(1, -(-64 // min(img.shape[-2:])))
+    return img.repeat_interleave(f, -2).repeat_interleave(f, -1) if f > 1 else img
 
 
 def build_policy(transformer: torch.nn.Module, family: str, size: str, device: str, *, lora_rank: int = 0,

@@ -34,24 +34,24 @@ from diffgrpo.bench import bench_engines  # noqa: E402
 from diffgrpo.distributed import resolve_device  # noqa: E402
 from diffgrpo.engines import ENGINES  # noqa: E402
 
-# cell name → (LoRA rank, gradient checkpointing, engine.micro_batch_size)
-CELLS = {"full": (0, False, 0), "full+ckpt": (0, True, 0), "lora": (32, False, 0), "lora+ckpt": (32, True, 0),
-         "full+mb2": (0, False, 2), "lora+mb2": (32, False, 2)}
+# cell name → (LoRA adapter, gradient checkpointing, engine.micro_batch_size); the rank is the size's lora_rank
+CELLS = {"full": (False, False, 0), "full+ckpt": (False, True, 0), "lora": (True, False, 0),
+         "lora+ckpt": (True, True, 0), "full+mb2": (False, False, 2), "lora+mb2": (True, False, 2)}
 # per size: (model, cells, prompts per batch, group size); full fine-tune cells first (LoRA adds layers in place)
 PLANS = {
     "real": [("sd3", ["full", "full+ckpt", "lora", "lora+ckpt"], 2, 2), ("wan", ["lora", "lora+ckpt"], 2, 2),
              ("flux", ["lora+ckpt"], 1, 2)],
-    "toy": [("sd3", ["full", "lora+ckpt"], 2, 2), ("wan", ["lora+ckpt"], 2, 2), ("flux", ["lora+ckpt"], 1, 2)],
+    "toy": [("sd3", ["full", "lora+ckpt"], 2, 2), ("wan", ["lora+ckpt"], 2, 2), ("flux", ["lora+ckpt"], 2, 2)],
     "small": [("sd3", ["full", "full+ckpt", "full+mb2", "lora", "lora+ckpt", "lora+mb2"], 2, 2)],
 }
-DEFAULTS = {"real": dict(budget=450.0, cell_limit=150.0, dtype="bfloat16"),
-            "toy": dict(budget=50.0, cell_limit=16.0, dtype="float32"),
-            "small": dict(budget=3000.0, cell_limit=900.0, dtype="float32")}
+DEFAULTS = {"real": dict(budget=450.0, cell_limit=150.0, dtype="bfloat16", lora_rank=32),
+            "toy": dict(budget=50.0, cell_limit=16.0, dtype="float32", lora_rank=4),
+            "small": dict(budget=3000.0, cell_limit=900.0, dtype="float32", lora_rank=32)}
 NUM_STEPS, STEP_FRACTION = 8, 0.5  # T = 8 sampling steps, the first half (4 steps) trained: one JAGG window of 4
 
 
-class CellTimeout(Exception):
-    pass
+class CellTimeout(BaseException):
+    """A cell ran past its limit (a BaseException: bench_engines' keep_going does not swallow it)."""
 
 
 def hardware_line(device: torch.device) -> str:
@@ -70,8 +70,9 @@ def hardware_line(device: torch.device) -> str:
     return f"CPU only: {cpu}, {os.cpu_count()} cores visible, {torch.get_num_threads()} torch threads, {soft}"
 
 
-def cell_config(cell: str, prompts: int, group: int, device: str) -> RunConfig:
+def cell_config(cell: str, prompts: int, group: int, device: str, lora_rank: int) -> RunConfig:
     lora, ckpt, micro = CELLS[cell]
+    lora = lora_rank if lora else 0
     return RunConfig.from_overrides([
         "log.progress=false", "log.save_images=false", "reward.weights={jpeg_incompressibility: 1.0}",
         f"sampler.num_steps={NUM_STEPS}", "steps.mode=first_fraction", f"steps.fraction={STEP_FRACTION}",
@@ -104,7 +105,7 @@ def run_suite(size: str, out: Path, *, device: str = "auto", models: list[str] |
     report = {"command": command, "hardware": hardware_line(dev), "size": size, "device": str(dev),
               "dtype": str(wdtype).replace("torch.", ""), "num_steps": NUM_STEPS,
               "trained_steps": int(round(STEP_FRACTION * (NUM_STEPS - 1))), "repeats": repeats, "budget_s": budget,
-              "cell_limit_s": cell_limit, "models": {}, "cells": []}
+              "cell_limit_s": cell_limit, "lora_rank": d["lora_rank"], "models": {}, "cells": []}
 
     def save():
         report["elapsed_s"] = time.monotonic() - start
@@ -150,13 +151,15 @@ def run_suite(size: str, out: Path, *, device: str = "auto", models: list[str] |
             try:
                 lora, ckpt, _ = CELLS[cell]
                 _alarm(min(cell_limit, left))
-                policy = build_policy(tr, family, size, str(dev), lora_rank=lora, gradient_checkpointing=ckpt)
+                policy = build_policy(tr, family, size, str(dev), lora_rank=d["lora_rank"] if lora else 0,
+                                      gradient_checkpointing=ckpt)
                 entry["trainable_parameters"] = sum(p.numel() for p in policy.trainable_parameters())
-                rep = bench_engines(cell_config(cell, prompts, group, str(dev)), variants, repeats=repeats,
+                rep = bench_engines(cell_config(cell, prompts, group, str(dev), d["lora_rank"]), variants,
+                                    repeats=repeats,
                                     out_dir=out / family / cell, log=lambda *a: None, policy=policy,
-                                    command=command)
-                entry.update(status="ok", rows=rep["rows"])
-            except Exception as e:  # out of memory, the cell's time limit, anything else: record it, go on
+                                    command=command, keep_going=True)
+                entry.update(status="ok", rows=rep["rows"], errors=rep["errors"])
+            except (Exception, CellTimeout) as e:  # out of memory, the cell's time limit, anything: record, go on
                 entry["status"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
             finally:
                 signal.setitimer(signal.ITIMER_REAL, 0)
@@ -181,14 +184,15 @@ def to_markdown(report: dict) -> str:
     lines = [f"Command: `{report['command']}`", "", f"Hardware: {report['hardware']}", "",
              f"Size `{report['size']}`, weights {report['dtype']}, random initialisation from the published config "
              f"numbers (no download). T = {report['num_steps']} sampling steps, the first {report['trained_steps']} "
-             f"trained (one JAGG window of 4), KL off (loss.beta=0), median of {report['repeats']} timed run(s) after "
-             "a warm-up. Text encoders and VAE are stubs (seeded random prompt embeddings of the pipelines' shapes; "
-             "decoder = first three latent channels); reward: JPEG size. Ratios are against `recompute` on the same "
-             "rollout; ideal = the cost model (forwards + 2 × sample-backwards from the counters); eff = measured / "
+             f"trained (one JAGG window of 4), LoRA rank {report['lora_rank']}, KL off (loss.beta=0), median of "
+             f"{report['repeats']} timed run(s) after a warm-up. Text encoders and VAE are stubs (seeded random "
+             "prompt embeddings of the pipelines' shapes; decoder = first three latent channels, upsampled to ≥ 64 "
+             "px); reward: JPEG size. Ratios are against `recompute` on the same rollout; ideal = the cost model (forwards + 2 × sample-backwards from the counters); eff = measured / "
              "ideal. Peak memory: `torch.cuda.max_memory_allocated` over the iteration (weights included) on CUDA; on "
              "the CPU the peak bytes of tensors saved for backward (activations only).", ""]
     if report["models"]:
-        lines += ["| model | class | parameters | latents | pixels | text tokens | batch |", "|---|---|---|---|---|---|---|"]
+        lines += ["| model | class | parameters | latents | pixels | text tokens | batch |",
+                  "|---|---|---|---|---|---|---|"]
         for name, m in report["models"].items():
             lines.append(f"| {name} | {m['class']} | {m['parameters'] / 1e9:.3f}B | {tuple(m['latents'])} | "
                          f"{m['pixels']} | {m['text_tokens']} | {m['batch']} |")
@@ -210,6 +214,8 @@ def to_markdown(report: dict) -> str:
                 f"{r.get('iteration_efficiency', 1):.2f} | {mem_s} | {r.get('memory_vs_recompute', 1):.2f} | "
                 f"{r['grad_cos_vs_recompute']:.5f} | {r['grad_relerr_vs_recompute']:.1e} | {r['train_s']:.3f} | "
                 f"{r['iteration_s']:.3f} |")
+        for name, err in c.get("errors", {}).items():
+            lines.append(f"| {c['model']} | {c['cell']} | {name} | failed: {err} |" + " |" * 11)
     lines += memory_table(report)
     lines.append(f"\nSuite time {report.get('elapsed_s', 0):.0f} s (budget {report['budget_s']:.0f} s).")
     return "\n".join(lines) + "\n"

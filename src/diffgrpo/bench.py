@@ -93,11 +93,12 @@ def _run_variant(trainer: Trainer, base_state: dict, rng_state: dict) -> dict:
 
 
 def bench_engines(cfg: RunConfig, variants: list[str], *, repeats: int = 3, out_dir: str | Path | None = None,
-                  log=print, policy=None, command: str | None = None) -> dict:
+                  log=print, policy=None, command: str | None = None, keep_going: bool = False) -> dict:
     """Run every variant side by side; write ``engines.json`` and ``engines.md`` (headed by the command line that
     produced them) to ``out_dir``. ``policy``: a policy built by the caller (e.g. a transformer at a real size with
     random weights, benchmarks/gpu/) instead of the one ``cfg.model`` names; ``command``: the command line to
-    record (default: this process's)."""
+    record (default: this process's); ``keep_going``: a variant other than ``recompute`` that raises (out of memory)
+    is left out of the rows and listed in ``report["errors"]`` instead of ending the benchmark."""
     if MODEL_FAMILIES[cfg.model.name] != "flow":
         raise ConfigError(f"bench engines: gradient engines are the flow family's; model.name={cfg.model.name} is a "
                           "masked diffusion LM (compare its methods with benchmarks/dllm_train.py)")
@@ -112,25 +113,38 @@ def bench_engines(cfg: RunConfig, variants: list[str], *, repeats: int = 3, out_
         t = Trainer(vcfg, policy=base.policy, log=log)
         trainers[label] = t
     results = {label: [] for label in trainers}
+    errors: dict[str, str] = {}  # keep_going: variants that raised, with the first line of their error
     for r in range(repeats + 1):  # first round is warm-up
         order = list(trainers) if r % 2 == 0 else list(reversed(trainers))
         for label in order:
-            res = _run_variant(trainers[label], base_state, rng_state)
-            if r == 0:
-                # exact reference: recompute on this variant's own rollout (same selected steps)
-                ro = res["ro"]
-                base.optimizer.zero_grad(set_to_none=True)
-                RecomputeEngine().backward(trainers[label].family.ctx, ro, 0)
-                res["ref_cos"], res["ref_relerr"] = _compare(res["grad"], [p.grad for p in base.params])
-                base.optimizer.zero_grad(set_to_none=True)
-                results[label].append(res)
-            else:
-                results[label].append(res)
+            if label in errors:
+                continue
+            try:
+                res = _run_variant(trainers[label], base_state, rng_state)
+                if r == 0:
+                    # exact reference: recompute on this variant's own rollout (same selected steps)
+                    ro = res["ro"]
+                    base.optimizer.zero_grad(set_to_none=True)
+                    RecomputeEngine().backward(trainers[label].family.ctx, ro, 0)
+                    res["ref_cos"], res["ref_relerr"] = _compare(res["grad"], [p.grad for p in base.params])
+                    base.optimizer.zero_grad(set_to_none=True)
+            except Exception as e:  # e.g. out of memory at a real size: drop this variant, keep the others
+                if not keep_going or label == "recompute":
+                    raise
+                errors[label] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+                res = None
+                for t in (trainers[label], base):
+                    t.optimizer.zero_grad(set_to_none=True)
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                log(f"bench engines: {label} failed ({errors[label]}); the other variants go on")
+                continue
+            results[label].append(res)
             res.pop("ro", None)
             res.pop("grad", None)
     base.policy.load_state_dict(base_state)
     rows = []
-    labels = list(trainers)
+    labels = [lab for lab in trainers if lab not in errors]
     base_label = next((lab for lab in labels if lab == "recompute"), None)
     for label in labels:
         runs = results[label]
@@ -164,7 +178,7 @@ def bench_engines(cfg: RunConfig, variants: list[str], *, repeats: int = 3, out_
         "config": cfg.to_dict(), "repeats": repeats, "device": str(base.device),
         "torch_threads": torch.get_num_threads(), "batch": cfg.train.prompts_per_batch * cfg.train.group_size,
         "command": command or "diffgrpo " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
-        "num_steps": cfg.sampler.num_steps, "rows": rows,
+        "num_steps": cfg.sampler.num_steps, "rows": rows, "errors": errors,
     }
     md = to_markdown(report)
     if out_dir:

@@ -259,9 +259,9 @@ def wrap_fsdp2(module: torch.nn.Module, *, param_dtype: torch.dtype | str | None
     ``module`` (now an ``FSDPModule``: parameters are sharded DTensors, ``set_requires_gradient_sync`` exists).
     Build optimizers AFTER wrapping. No-op at world size 1.
 
-    ``param_dtype`` (e.g. ``torch.bfloat16`` or ``"bfloat16"``): a ``MixedPrecisionPolicy`` that all-gathers and computes in that
-    dtype and reduce-scatters gradients in float32; the sharded parameters, their gradients and the optimizer state
-    stay float32. ``cpu_offload``: a ``CPUOffloadPolicy`` (shards, gradients and optimizer state on the CPU; each
+    ``param_dtype`` (e.g. ``torch.bfloat16`` or ``"bfloat16"``): a ``MixedPrecisionPolicy`` that all-gathers and
+    computes in that dtype and reduce-scatters gradients in float32; the sharded parameters, their gradients and
+    the optimizer state stay float32. ``cpu_offload``: a ``CPUOffloadPolicy`` (shards, gradients and optimizer state on the CPU; each
     block's parameters are copied to the device for its all-gather)."""
     if not is_initialized() or dist.get_world_size() == 1:
         return module
