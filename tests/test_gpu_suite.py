@@ -1,5 +1,5 @@
-"""The GPU suite (benchmarks/gpu/suite.sh) at toy size on the CPU: the same script, models and cells a GPU run
-uses, so it cannot rot before a GPU is lent. Every engine runs against recompute in every cell that fits the toy
+"""The GPU suite (benchmarks/gpu/suite.sh) at toy size on the CPU: the same script, models, cells and bf16 weights a
+GPU run uses, so it cannot rot before a GPU is lent. Every engine runs against recompute in every cell that fits the toy
 budget; the exact engines reproduce recompute's gradient; the tables carry the command and the hardware line."""
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ def test_gpu_suite_runs_at_toy_size(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     rep = json.loads((out / "suite.json").read_text())
     assert rep["size"] == "toy" and rep["device"] == "cpu" and rep["hardware"].startswith("CPU only")
+    assert rep["dtype"] == "bfloat16"  # the weights' dtype of a GPU run: its casts are exercised here
     assert set(rep["models"]) == {"sd3", "wan", "flux"} or set(rep["models"]) >= {"sd3"}
     cells = {(c["model"], c["cell"]): c for c in rep["cells"]}
     assert ("sd3", "full") in cells and ("sd3", "lora+ckpt") in cells
@@ -41,8 +42,8 @@ def test_gpu_suite_runs_at_toy_size(tmp_path):
         assert (out / model / cell / "engines.json").is_file()
         for name, r in rows.items():
             assert r["peak_memory_bytes"] > 0 and r["train_s"] > 0 and r["ideal_train_speedup"] > 0
-            if name in EXACT:
-                assert r["grad_cos_vs_recompute"] > 1 - 1e-6 and r["grad_relerr_vs_recompute"] < 1e-4, (model, cell, r)
+            if name in EXACT:  # up to bf16 rounding of the gradients (8 mantissa bits: ~4e-3 per rounding)
+                assert r["grad_cos_vs_recompute"] > 1 - 1e-4 and r["grad_relerr_vs_recompute"] < 2e-2, (model, cell, r)
             else:  # JAGG's interpolated Jacobians: an approximation, close on these models
                 assert 0.5 < r["grad_cos_vs_recompute"] <= 1 + 1e-9
         assert rows["recompute"]["train_speedup"] == pytest.approx(1.0)

@@ -45,7 +45,7 @@ PLANS = {
     "small": [("sd3", ["full", "full+ckpt", "full+mb2", "lora", "lora+ckpt", "lora+mb2"], 2, 2)],
 }
 DEFAULTS = {"real": dict(budget=450.0, cell_limit=150.0, dtype="bfloat16", lora_rank=32),
-            "toy": dict(budget=50.0, cell_limit=16.0, dtype="float32", lora_rank=4),
+            "toy": dict(budget=50.0, cell_limit=16.0, dtype="bfloat16", lora_rank=4),  # the GPU's dtype paths
             "small": dict(budget=3000.0, cell_limit=900.0, dtype="float32", lora_rank=32)}
 NUM_STEPS, STEP_FRACTION = 8, 0.5  # T = 8 sampling steps, the first half (4 steps) trained: one JAGG window of 4
 

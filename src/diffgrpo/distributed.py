@@ -158,7 +158,8 @@ def add_mean_grad_(params: list[torch.Tensor], flat: torch.Tensor) -> None:
         parts = _reduce_scatter_mean(params, flat)
     else:
         all_reduce_mean_(flat)
-        parts = [g.view_as(p).clone() for p, g in zip(params, flat.split([p.numel() for p in params]))]
+        parts = [g.view_as(p).to(p.dtype, copy=True)  # a bf16 model's gradient in bf16
+                 for p, g in zip(params, flat.split([p.numel() for p in params]))]
     for p, g in zip(params, parts):
         p.grad = g if p.grad is None else p.grad + g
 
@@ -188,7 +189,7 @@ def _reduce_scatter_mean(params: list[torch.Tensor], flat: torch.Tensor) -> list
     out = []
     for p, seg, c in zip(params, mine.split([s.shape[1] for s in segments]), rows):
         local = seg.view(c, *p.shape[1:])[:p.to_local().shape[0]]  # drop this rank's padding rows
-        out.append(DTensor.from_local(local.contiguous(), p.device_mesh, p.placements, run_check=False,
+        out.append(DTensor.from_local(local.to(p.dtype).contiguous(), p.device_mesh, p.placements, run_check=False,
                                       shape=p.shape, stride=p.stride()))
     return out
 
@@ -252,8 +253,8 @@ def transformer_blocks(module: torch.nn.Module) -> list[torch.nn.Module]:
     return out
 
 
-def wrap_fsdp2(module: torch.nn.Module, *, param_dtype: torch.dtype | str | None = None, cpu_offload: bool = False,
-               **kw) -> torch.nn.Module:
+def wrap_fsdp2(module: torch.nn.Module, *, param_dtype: torch.dtype | str | None = None,
+               cpu_offload: bool = False, **kw) -> torch.nn.Module:
     """FSDP2 in place: ``fully_shard`` on each transformer block (one all-gather per block in forward and
     backward, one reduce-scatter per block), then on the root for the remaining parameters. Returns
     ``module`` (now an ``FSDPModule``: parameters are sharded DTensors, ``set_requires_gradient_sync`` exists).

@@ -283,6 +283,17 @@ class _ScaleGrad(torch.autograd.Function):
 TEXT_ENCODER_NAMES = ("text_encoder", "text_encoder_2", "text_encoder_3")
 
 
+def weight_dtype(module: nn.Module) -> torch.dtype:
+    """The dtype holding most of ``module``'s floating-point weights: the one its inputs must have. Not the first
+    parameter's: diffusers keeps some small modules in float32 in a bf16 model (Wan's ``scale_shift_table``, its
+    time embedder and norms: ``_keep_in_fp32_modules``)."""
+    count: dict[torch.dtype, int] = {}
+    for p in module.parameters():
+        if p.is_floating_point():
+            count[p.dtype] = count.get(p.dtype, 0) + p.numel()
+    return max(count, key=count.get) if count else torch.float32
+
+
 # ------------------------------------------------------------------------------------------- the adapter
 
 
@@ -331,6 +342,7 @@ class DiffusersFlowPolicy:
         self.amp_dtype = {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16}[mixed_precision]
         self.counters = {"forwards_grad": 0, "forwards_nograd": 0}
 
+        self.weight_dtype = weight_dtype(self.transformer)  # what the inputs are cast to (before LoRA's fp32 layers)
         self.lora_rank = int(lora_rank)
         if self.lora_rank > 0:
             add_lora(self.transformer, self.lora_rank, lora_alpha, lora_target_modules,
@@ -413,7 +425,7 @@ class DiffusersFlowPolicy:
                     pos, neg = _pad_seq(pos, L), _pad_seq(neg, L)
                 c[k] = torch.cat([pos, neg])
         H, W = x.shape[-2:]
-        wdtype = next(tr.parameters()).dtype
+        wdtype = self.weight_dtype
         h = pack_2x2(x) if fam.packed else x  # (N, H/2·W/2, 4C) or (N, *latent_shape)
         h = h.to(wdtype)
         c = {k: (v.to(wdtype) if v.is_floating_point() else v) for k, v in c.items()}
