@@ -71,7 +71,8 @@ class ModelConfig:
     family: str = _f("auto", choices=("auto", "sd3", "flux", "wan", "qwenimage"),
                      doc="diffusers: model family; auto = from the transformer class")
     dtype: str = _f("float32", choices=("float32", "bfloat16", "float16"), doc="diffusers: weight dtype of the pipeline")
-    mixed_precision: str = _f("no", choices=("no", "bf16", "fp16"), doc="diffusers: autocast of the transformer forward")
+    mixed_precision: str = _f("no", choices=("no", "bf16", "fp16"),
+                              doc="tiny, diffusers: autocast of the transformer forward")
     resolution: int = _f(512, lo=16, doc="diffusers: image side in pixels")
     num_frames: int = _f(33, lo=1, doc="diffusers (wan): video frames")
     negative_prompt: str = _f("", doc="diffusers: negative prompt of true CFG")
@@ -81,7 +82,7 @@ class ModelConfig:
     lora_alpha: float = _f(0.0, lo=0.0, doc="tiny, diffusers: LoRA alpha; 0 = lora_rank")
     lora_target_modules: str = _f("", doc="tiny, diffusers: comma-separated LoRA targets; empty = the attention "
                                           "projections (the family's defaults; tiny: SD3's)")
-    gradient_checkpointing: bool = _f(False, doc="diffusers: activation checkpointing in the transformer")
+    gradient_checkpointing: bool = _f(False, doc="tiny, diffusers: activation checkpointing in the transformer")
     offload_text_encoders: bool = _f(True, doc="diffusers: keep the text encoders on the CPU and move them to the "
                                                "device only to encode prompts not yet cached (each prompt is "
                                                "encoded once)")
