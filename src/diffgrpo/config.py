@@ -71,7 +71,8 @@ class ModelConfig:
     family: str = _f("auto", choices=("auto", "sd3", "flux", "wan", "qwenimage"),
                      doc="diffusers: model family; auto = from the transformer class")
     dtype: str = _f("float32", choices=("float32", "bfloat16", "float16"), doc="diffusers: weight dtype of the pipeline")
-    mixed_precision: str = _f("no", choices=("no", "bf16", "fp16"), doc="diffusers: autocast of the transformer forward")
+    mixed_precision: str = _f("no", choices=("no", "bf16", "fp16"),
+                              doc="tiny, diffusers: autocast of the transformer forward")
     resolution: int = _f(512, lo=16, doc="diffusers: image side in pixels")
     num_frames: int = _f(33, lo=1, doc="diffusers (wan): video frames")
     negative_prompt: str = _f("", doc="diffusers: negative prompt of true CFG")
@@ -81,7 +82,10 @@ class ModelConfig:
     lora_alpha: float = _f(0.0, lo=0.0, doc="tiny, diffusers: LoRA alpha; 0 = lora_rank")
     lora_target_modules: str = _f("", doc="tiny, diffusers: comma-separated LoRA targets; empty = the attention "
                                           "projections (the family's defaults; tiny: SD3's)")
-    gradient_checkpointing: bool = _f(False, doc="diffusers: activation checkpointing in the transformer")
+    gradient_checkpointing: bool = _f(False, doc="tiny, diffusers: activation checkpointing in the transformer")
+    offload_text_encoders: bool = _f(True, doc="diffusers: keep the text encoders on the CPU and move them to the "
+                                               "device only to encode prompts not yet cached (each prompt is "
+                                               "encoded once)")
 
 
 @dataclass
@@ -288,6 +292,12 @@ class DistConfig:
     backend: str = _f("", doc="process-group backend; empty = nccl with CUDA, gloo otherwise")
     timeout: float = _f(1800.0, gt=0.0, doc="timeout of collectives; a stalled rank fails the job after this many "
                                             "seconds")
+    fsdp_param_dtype: str = _f("float32", choices=("float32", "bfloat16"),
+                               doc="fsdp2: dtype the sharded parameters are all-gathered and computed in "
+                                   "(MixedPrecisionPolicy; gradients are reduced in float32, the optimizer keeps "
+                                   "float32 shards)")
+    fsdp_cpu_offload: bool = _f(False, doc="fsdp2: keep parameter, gradient and optimizer shards on the CPU "
+                                           "(CPUOffloadPolicy); the optimizer step runs on the CPU")
 
 
 @dataclass
@@ -583,6 +593,22 @@ def validate(cfg: RunConfig) -> None:
         check_rewards(cfg.reward.weights, cfg.reward.options, model_name=cfg.model.name)
     else:
         _validate_dllm(cfg)
+    _validate_memory(cfg)
+
+
+def _validate_memory(cfg: RunConfig) -> None:
+    """Mixed precision and FSDP2 memory options that cannot work together."""
+    m, d = cfg.model, cfg.dist
+    if m.mixed_precision == "fp16" and m.dtype == "float16":
+        raise ConfigError("model.mixed_precision: value 'fp16' needs float32 weights (model.dtype=float32): the "
+                          "gradient scaler cannot unscale float16 gradients; or use model.mixed_precision=bf16")
+    if m.mixed_precision == "fp16" and d.mode == "fsdp2":
+        raise ConfigError("model.mixed_precision: value 'fp16' is not supported with dist.mode=fsdp2 (the gradient "
+                          "scaler's inf check is per rank); use dist.fsdp_param_dtype=bfloat16")
+    for key in ("fsdp_param_dtype", "fsdp_cpu_offload"):
+        if getattr(d, key) != getattr(DistConfig(), key) and d.mode != "fsdp2":
+            raise ConfigError(f"dist.{key}: applies only to dist.mode=fsdp2 (dist.mode={d.mode}); set "
+                              f"dist.mode=fsdp2 or remove it")
 
 
 def _validate_dist(mode: str) -> None:
@@ -747,7 +773,8 @@ FAMILY_KEYS = {
                        "model.negative_prompt", "model.max_sequence_length", "model.lora_rank", "model.lora_alpha",
                        "model.lora_target_modules", "model.gradient_checkpointing", "pretrain.cond_dropout",
                        "sampler", "reward", "loss.clip_range", "loss.kl_flowgrpo_compat", "steps", "engine",
-                       "train.digits", "train.prompts_file", "train.prompt_column", "eval"),
+                       "train.digits", "train.prompts_file", "train.prompt_column", "eval",
+                       "model.offload_text_encoders"),
     "dllm": _SHARED + ("pretrain.answer_noise", "dllm", "daca"),
 }
 # engine keys that only some engines read
