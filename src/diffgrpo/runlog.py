@@ -1,7 +1,8 @@
 """Run outputs: metrics.jsonl mirrored to the trackers (TensorBoard, W&B), sample grids and the reward-curve plot.
 
 The trackers (TensorBoard through ``torch.utils.tensorboard``, W&B through ``wandb``) sit behind the small
-``Tracker`` protocol: scalars at a step, an image grid with a caption, finish. (``accelerate.tracking``'s classes
+``Tracker`` protocol: scalars at a step, an image grid with a caption, a per-sample table (``media.SampleTable``
+rows: a W&B Table with the images, TensorBoard text), finish. (``accelerate.tracking``'s classes
 are not used: they log through accelerate's process state, which this trainer does not create.) ``MetricsWriter`` appends every row to
 ``metrics.jsonl`` and sends its finite scalars to each tracker; it is a context manager whose ``close`` (after the
 run's last write, the end evaluation) finishes every tracker once, however the run ends.
@@ -29,6 +30,10 @@ class Tracker(Protocol):
     def log_image(self, key: str, image: np.ndarray, step: int, caption: str) -> None:
         """``image``: (H, W, 3) uint8."""
 
+    def log_table(self, key: str, columns: list[str], rows: list[list], step: int, run_dir: Path) -> None:
+        """A per-sample table: ``columns`` names, ``rows`` values; an ``image`` / ``video`` column holds paths
+        relative to ``run_dir``."""
+
     def finish(self) -> None: ...
 
 
@@ -49,6 +54,17 @@ class TensorBoardTracker:
     def log_image(self, key: str, image: np.ndarray, step: int, caption: str) -> None:
         self._w.add_image(key, image, step, dataformats="HWC")
         self._w.add_text(f"{key}/caption", caption, step)
+        self._w.flush()
+
+    def log_table(self, key: str, columns: list[str], rows: list[list], step: int, run_dir: Path) -> None:
+        """As a Markdown table in the text tab."""
+        def cell(v) -> str:
+            text = f"{v:.4f}" if isinstance(v, float) else "" if v is None else str(v)
+            return text.replace("|", "\\|").replace("\n", " ")
+
+        lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+        lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+        self._w.add_text(key, "\n".join(lines), step)
         self._w.flush()
 
     def finish(self) -> None:
@@ -75,6 +91,15 @@ class WandBTracker:
         import wandb
 
         self._run.log({key: wandb.Image(image, caption=caption)}, step=step)
+
+    def log_table(self, key: str, columns: list[str], rows: list[list], step: int, run_dir: Path) -> None:
+        """A ``wandb.Table``; image paths become ``wandb.Image`` cells, video paths ``wandb.Video`` cells."""
+        import wandb
+
+        kinds = {"image": wandb.Image, "video": wandb.Video}
+        data = [[kinds[c](str(Path(run_dir) / v)) if c in kinds and v else v for c, v in zip(columns, row)]
+                for row in rows]
+        self._run.log({key: wandb.Table(columns=columns, data=data)}, step=step)
 
     def finish(self) -> None:
         self._run.finish()
@@ -123,6 +148,16 @@ class MetricsWriter:
             grid = np.repeat(grid[:, :, None], 3, axis=2)
         for t in self.trackers:
             t.log_image(key, grid, step=int(step), caption=caption)
+
+    def log_table(self, rows: list[dict], step: int, key: str = "eval/samples_table") -> None:
+        """An evaluation's per-sample rows (``media.SampleTable.close()``) to every tracker."""
+        if not self.trackers or not rows:
+            return
+        from .media import table_columns
+
+        columns, data = table_columns(rows)
+        for t in self.trackers:
+            t.log_table(key, columns, data, step=int(step), run_dir=self.path.parent)
 
     def close(self) -> None:
         """Finish every tracker once (the first error is raised after all were tried)."""

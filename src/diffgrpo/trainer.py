@@ -36,6 +36,7 @@ from .family import Family, Sync
 from .fileio import atomic_write
 from .flow.family import FlowFamily
 from .models import POLICIES
+from .media import SampleTable, side_by_side
 from .runlog import MetricsWriter, plot_curves, read_metrics, save_grid
 from .types import EngineStats, Rollout
 
@@ -186,12 +187,13 @@ class Trainer:
                 "time/reward": ro.timings["reward"], "time/train": stats.seconds.get("train", 0.0),
                 "time/iteration": time.perf_counter() - t0}
 
-    def evaluate(self) -> tuple[dict[str, float], torch.Tensor | None]:
-        """Held-out evaluation by the family, with the EMA weights when ``train.ema_decay`` > 0."""
+    def evaluate(self, table=None) -> tuple[dict[str, float], torch.Tensor | None]:
+        """Held-out evaluation by the family, with the EMA weights when ``train.ema_decay`` > 0; ``table`` (a
+        ``media.SampleTable``, rank 0) receives one row per sample."""
         if self.ema is None:
-            return self.family.evaluate()
+            return self.family.evaluate(table)
         with self.ema.swapped_in():
-            return self.family.evaluate()
+            return self.family.evaluate(table)
 
     # ------------------------------------------------------------------ checkpoints and the whole job
     def run_dir(self) -> Path:
@@ -378,9 +380,12 @@ class Trainer:
         lead = self.world.rank == 0
 
         def do_eval(tag: str) -> dict:
-            row, images = self.evaluate()
+            table = SampleTable(out, self.iteration, save_media=cfg.log.save_images) if lead else None
+            row, images = self.evaluate(table)
             row["iteration"] = self.iteration
             writer.write(row)
+            if table is not None:  # the per-sample table: samples/eval_<iteration>.jsonl and the trackers
+                writer.log_table(table.close(), self.iteration)
             if images is not None:
                 reward = row.get("eval/reward")
                 caption = (f"iteration {self.iteration}{f' ({tag})' if tag in ('start', 'end') else ''}: "
@@ -388,6 +393,8 @@ class Trainer:
                 writer.log_images(images, self.iteration, nrow=cfg.eval.seeds_per_prompt * 2, caption=caption)
                 if lead and cfg.log.save_images:
                     save_grid(images, out / f"samples_{tag}.png", nrow=cfg.eval.seeds_per_prompt * 2)
+                    if tag == "end":
+                        side_by_side(out / "samples_start.png", out / "samples_end.png", out / "samples_start_end.png")
             return row
 
         rows = read_metrics(out / "metrics.jsonl", log=self.log) if resumed else []
@@ -470,6 +477,9 @@ class _NullWriter:
         pass
 
     def log_images(self, images: torch.Tensor, step: int, nrow: int, caption: str) -> None:
+        pass
+
+    def log_table(self, rows: list, step: int) -> None:
         pass
 
     def close(self) -> None:

@@ -32,6 +32,7 @@ from ..engines.base import EngineContext
 from ..errors import ConfigError
 from ..family import Sync
 from ..loss_weights import apply, grpo_loss_weights
+from ..media import SampleTable, grid_frames, to_uint8
 from ..rewards import compute_rewards
 from ..samplers import flow_sde
 from ..samplers.rollout import sample_trajectories
@@ -225,30 +226,50 @@ class FlowFamily:
         return [r["prompt"] for r in recs], seeds, [prompt_metadata(r, prompt_digit(r["prompt"])) for r in recs]
 
     @torch.no_grad()
-    def evaluate(self) -> tuple[dict[str, float], torch.Tensor]:
+    def evaluate(self, table: SampleTable | None = None) -> tuple[dict[str, float], torch.Tensor]:
         """Held-out evaluation: fixed prompts and seeds, ``eval.sde_type`` sampling (ODE by default). Not counted
-        as training cost. ``eval.batch_size`` > 0 samples, decodes and scores that many at a time, keeping only
-        the rewards and the first :data:`EVAL_GRID_IMAGES` images, so memory does not grow with the prompts (each
-        chunk continues the SDE noise stream: with eval.sde_type=ode the samples are those of one batch)."""
+        as training cost. → (metrics, the first :data:`EVAL_GRID_IMAGES` samples for the grid (first frames of
+        videos)).
+
+        Sharded over ranks: rank r takes the r-th contiguous share of the samples (shares padded to one length, so
+        every rank makes the same network calls), in chunks of ``eval.batch_size`` (0 = its whole share); each
+        chunk's rewards (and, for the grid and ``table``, its samples as uint8) are gathered, so memory does not
+        grow with the prompts. Every sample starts from the noise of its own seed, so with eval.sde_type=ode the
+        metrics equal one process's; SDE evaluation draws its noise per rank and chunk. ``table`` (rank 0) gets
+        one row per sample: prompt, metadata, reward components, total, its PNG / MP4."""
         prompts, seeds, metadata = self.eval_prompts()
-        n = self.cfg.eval.batch_size
-        if n <= 0 or n >= len(prompts):
-            images, rewards, comps = self._eval_chunk(prompts, seeds, metadata, self._eval_generator())
-        else:
-            g, kept, parts = self._eval_generator(), [], []
-            for lo in range(0, len(prompts), n):
-                im, r, c = self._eval_chunk(prompts[lo:lo + n], seeds[lo:lo + n], metadata[lo:lo + n], g)
-                if sum(len(i) for i in kept) < EVAL_GRID_IMAGES:
-                    kept.append(im[:EVAL_GRID_IMAGES - sum(len(i) for i in kept)])
-                parts.append((r, c))
-                del im
-            images = torch.cat(kept)
-            rewards = torch.cat([r for r, _ in parts])
-            comps = {name: torch.cat([c[name] for _, c in parts]) for name in parts[0][1]}
+        N, W, rank = len(prompts), self.world.world_size, self.world.rank
+        share = -(-N // W)
+        mine = list(range(rank * share, min((rank + 1) * share, N)))
+        rows = mine + [N - 1] * (share - len(mine))  # padding rows: sampled like the others, dropped when gathered
+        n = self.cfg.eval.batch_size if self.cfg.eval.batch_size > 0 else share
+        g = self._eval_generator()
+        want_media = table is not None or W > 1  # rank 0 alone knows whether it writes a table
+        save_media = want_media and self.cfg.log.save_images
+        rewards, comps, grid = torch.full((N,), float("nan")), {}, {}
+        for lo in range(0, share, n):
+            idx = rows[lo:lo + n]
+            im, r, c = self._eval_chunk([prompts[i] for i in idx], [seeds[i] for i in idx],
+                                        [metadata[i] for i in idx], g)
+            real = [j for j, i in enumerate(idx) if lo + j < len(mine)]
+            part = {"index": [idx[j] for j in real], "reward": r[real], "comps": {k: v[real] for k, v in c.items()},
+                    "grid": {idx[j]: grid_frames(im[j:j + 1])[0].cpu() for j in real if idx[j] < EVAL_GRID_IMAGES},
+                    "media": [to_uint8(im[j]) for j in real] if save_media else None}
+            del im
+            for got in distributed.all_gather_object(part):
+                index = torch.tensor(got["index"], dtype=torch.long)
+                rewards[index] = got["reward"]
+                for k, v in got["comps"].items():
+                    comps.setdefault(k, torch.full((N,), float("nan")))[index] = v
+                grid.update(got["grid"])
+                if table is not None:
+                    for j, i in enumerate(got["index"]):
+                        table.add_sample(i, prompts[i], metadata[i], {k: v[j] for k, v in got["comps"].items()},
+                                         got["reward"][j], got["media"][j] if got["media"] is not None else None)
         row = {"eval/reward": float(rewards[torch.isfinite(rewards)].mean())}
         for name, v in comps.items():
             row[f"eval/rewards/{name}/mean"] = float(v[torch.isfinite(v)].mean())
-        return row, images
+        return row, torch.stack([grid[i] for i in sorted(grid)])
 
     def _eval_generator(self) -> torch.Generator:
         return torch.Generator(device=self.device).manual_seed(self.cfg.eval.seed)
@@ -267,6 +288,6 @@ class FlowFamily:
         return images, rewards, comps
 
 
-EVAL_GRID_IMAGES = 64  # images kept for the sample grid when evaluation runs in chunks (eval.batch_size > 0)
+EVAL_GRID_IMAGES = 64  # samples kept for the evaluation grid (the first in prompt order); the table has them all
 
 __all__ = ["FlowFamily"]
