@@ -157,7 +157,8 @@ class MetricsWriter:
 
         columns, data = table_columns(rows)
         for t in self.trackers:
-            t.log_table(key, columns, data, step=int(step), run_dir=self.path.parent)
+            if hasattr(t, "log_table"):  # a tracker written before tables were part of the protocol
+                t.log_table(key, columns, data, step=int(step), run_dir=self.path.parent)
 
     def close(self) -> None:
         """Finish every tracker once (the first error is raised after all were tried)."""
