@@ -112,6 +112,10 @@ class SamplerConfig:
 @dataclass
 class RewardConfig:
     weights: dict = _f({"digit_alignment": 1.0}, doc="reward name (or module:function) -> weight")
+    background: bool = _f(False, doc="score each sampling micro-batch (sampler.batch_size) in a worker thread while "
+                                     "the next one samples (FlowGRPO's overlap); the samples and rewards equal "
+                                     "background=false's. Needs sampler.batch_size > 0; engines that keep rollout "
+                                     "graphs (retain, reweight, evaluation=retain) score after sampling")
 
 
 @dataclass
@@ -843,6 +847,9 @@ def _validate_flow(cfg: RunConfig) -> None:
                           "embedding, one forward); negative prompts and true CFG do not apply")
     if cfg.model.image_size % cfg.model.patch_size:
         raise ConfigError(f"model.patch_size: {cfg.model.patch_size} must divide model.image_size={cfg.model.image_size}")
+    if cfg.reward.background and cfg.sampler.batch_size == 0:
+        raise ConfigError("reward.background: value True needs sampling micro-batches to overlap with; set "
+                          "sampler.batch_size > 0 (e.g. a quarter of the batch), or reward.background=false")
 
 
 def selected_per_trajectory(cfg: RunConfig) -> int:

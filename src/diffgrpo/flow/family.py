@@ -21,6 +21,7 @@ noise (shared x_0 in the spread layout). A prompt record's metadata travels with
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -187,16 +188,22 @@ class FlowFamily:
         distributed.reshard(self.policy.forward_module)
         hooks = self.engine.rollout_hooks(self.ctx, plan)
         cond = self.policy.encode(plan.prompts)
-        out = sample_trajectories(self.policy, cond, plan.x0, self.sigmas, kernel=self.kernel,
-                                  generator=self.gen_noise, sde_mask=plan.sde_mask,
-                                  grad_mask=None if hooks is None else hooks.grad_mask,
-                                  on_grad_step=None if hooks is None else hooks.on_grad_step,
-                                  batch_size=self.cfg.sampler.batch_size)
-        t_sample = time.perf_counter() - t0
-        t1 = time.perf_counter()
-        images = self.policy.decode(out["xs"][:, -1])
-        rewards, comps = compute_rewards(self.cfg.reward.weights, images, plan.prompts, plan.metadata, log=self.log)
-        t_reward = time.perf_counter() - t1
+        n = self.cfg.sampler.batch_size
+        if self.cfg.reward.background and hooks is None and 0 < n < len(plan.prompts):
+            out, images, rewards, comps, t_reward = self._sample_scoring_behind(plan, cond, n)
+            t_sample = time.perf_counter() - t0 - t_reward
+        else:
+            out = sample_trajectories(self.policy, cond, plan.x0, self.sigmas, kernel=self.kernel,
+                                      generator=self.gen_noise, sde_mask=plan.sde_mask,
+                                      grad_mask=None if hooks is None else hooks.grad_mask,
+                                      on_grad_step=None if hooks is None else hooks.on_grad_step,
+                                      batch_size=n)
+            t_sample = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            images = self.policy.decode(out["xs"][:, -1])
+            rewards, comps = compute_rewards(self.cfg.reward.weights, images, plan.prompts, plan.metadata,
+                                             log=self.log)
+            t_reward = time.perf_counter() - t1
         traj = FlowTrajectory(cond=cond, sigmas=self.sigmas, xs=out["xs"], velocities=out["velocities"],
                               log_probs=out["log_probs"], noise=out["noise"], images=images,
                               engine_state=plan.engine_state)
@@ -206,6 +213,41 @@ class FlowFamily:
         self.weigh(ro, wave=plan.wave)
         ro.timings["rollout"] = time.perf_counter() - t0
         return ro
+
+    def _sample_scoring_behind(self, plan: BatchPlan, cond: dict, n: int):
+        """``reward.background``: sample micro-batch after micro-batch of ``n`` whole trajectories, each decoded and
+        handed to one worker thread that scores it while the next one samples (FlowGRPO's overlap).
+
+        The step noise is drawn first, step by step for the whole batch, exactly as the interleaved sampler draws
+        it, and every network call sees the same rows, so trajectories, images and rewards equal
+        ``background=false``'s. A reward's errors surface here as ``compute_rewards`` raises them (retry once,
+        then one RewardError); non-finite scores stay NaN. → (trajectory records, images, rewards (B,),
+        components, seconds spent waiting for scores after the last micro-batch)."""
+        B, T = plan.x0.shape[0], self.sigmas.shape[0] - 1
+        noise = torch.stack([torch.randn(plan.x0.shape, generator=self.gen_noise, device=self.device)
+                             for _ in range(T)], 1)  # (B, T, *S): the interleaved sampler's draws
+        outs, images, futures = [], [], []
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="diffgrpo-reward") as pool:
+            for lo in range(0, B, n):
+                failed = next((f for f in futures if f.done() and f.exception() is not None), None)
+                if failed is not None:  # stop sampling at once: the run ends with this micro-batch's error
+                    raise failed.exception()
+                rows = slice(lo, min(lo + n, B))
+                o = sample_trajectories(self.policy, {k: v[rows] for k, v in cond.items()}, plan.x0[rows],
+                                        self.sigmas, kernel=self.kernel, noise=noise[rows],
+                                        sde_mask=None if plan.sde_mask is None else plan.sde_mask[rows])
+                im = self.policy.decode(o["xs"][:, -1])
+                futures.append(pool.submit(compute_rewards, self.cfg.reward.weights, im, plan.prompts[rows],
+                                           plan.metadata[rows], log=self.log))
+                outs.append(o)
+                images.append(im)
+            t_wait = time.perf_counter()
+            scored = [f.result() for f in futures]  # the first failing micro-batch's RewardError, as is
+            t_wait = time.perf_counter() - t_wait
+        out = {k: torch.cat([o[k] for o in outs]) for k in outs[0]}
+        rewards = torch.cat([r for r, _ in scored])
+        comps = {name: torch.cat([c[name] for _, c in scored]) for name in scored[0][1]}
+        return out, torch.cat(images), rewards, comps, t_wait
 
     def weigh(self, ro: Rollout, wave: tuple | None = None) -> None:
         """Advantages, trained steps and loss weights of a scored rollout (``ro.selected`` = the planned steps),
