@@ -38,6 +38,7 @@ def test_background_scoring_equals_synchronous(make_trainer, engine):
     CALLS.clear()
     _, bg = _rollout(make_trainer, *engine, "reward.background=true")
     assert [n for _, n in CALLS] == [2, 2, 2] and all(t.startswith("diffgrpo-reward") for t, _ in CALLS)
+    assert bool((sync.traj.noise != 0).flatten(2).any(-1).any(-1).all())  # every trajectory has an SDE step
     for k in ("xs", "velocities", "log_probs", "noise", "images"):
         assert torch.equal(getattr(bg.traj, k), getattr(sync.traj, k)), k
     for k in ("rewards", "advantages", "loss_weights", "selected"):

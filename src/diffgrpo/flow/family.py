@@ -234,7 +234,7 @@ class FlowFamily:
                     raise failed.exception()
                 rows = slice(lo, min(lo + n, B))
                 o = sample_trajectories(self.policy, {k: v[rows] for k, v in cond.items()}, plan.x0[rows],
-                                        self.sigmas, kernel=self.kernel, noise=noise[rows],
+                                        self.sigmas, kernel=self.kernel, step_noise=noise[rows],
                                         sde_mask=None if plan.sde_mask is None else plan.sde_mask[rows])
                 im = self.policy.decode(o["xs"][:, -1])
                 futures.append(pool.submit(compute_rewards, self.cfg.reward.weights, im, plan.prompts[rows],

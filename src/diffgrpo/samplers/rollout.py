@@ -23,7 +23,7 @@ def sample_trajectories(policy, cond: dict[str, torch.Tensor], x0: torch.Tensor,
                         sde_mask: torch.Tensor | None = None,
                         grad_mask: torch.Tensor | None = None,
                         on_grad_step: GradStepHook | None = None,
-                        batch_size: int = 0, noise: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+                        batch_size: int = 0, step_noise: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Sample B trajectories. x0 (B, *S) initial noise; sigmas (T+1,).
 
     ``sde_mask`` (B, T) bool optionally makes step k of trajectory i deterministic (the ODE step x + dt·v,
@@ -31,7 +31,7 @@ def sample_trajectories(policy, cond: dict[str, torch.Tensor], x0: torch.Tensor,
     ``batch_size`` > 0 runs every step in chunks of that many trajectories (whole rows), bounding the network's
     activations: the step's noise is still drawn once for the whole batch, so the draws do not change, and
     ``on_grad_step`` is called once per chunk with row indices of the whole batch.
-    ``noise`` (B, T, *S): the standard-normal step noise to use instead of drawing it from ``generator`` (the
+    ``step_noise`` (B, T, *S): the standard-normal step noise to use instead of drawing it from ``generator`` (the
     same values the generator would give when they were drawn from it, step by step, for the whole batch).
     Returns {"xs": (B, T+1, *S), "velocities": (B, T, *S), "log_probs": (B, T), "noise": (B, T, *S)}.
     """
@@ -44,7 +44,7 @@ def sample_trajectories(policy, cond: dict[str, torch.Tensor], x0: torch.Tensor,
     xs[:, 0] = x
     n = batch_size if 0 < batch_size < B else B
     for k in range(T):
-        eps, x_next = (None if noise is None else noise[:, k]), (None if n == B else torch.empty_like(x))
+        eps, x_next = (None if step_noise is None else step_noise[:, k]), (None if n == B else torch.empty_like(x))
         for lo in range(0, B, n):
             rows = slice(lo, min(lo + n, B))
             # the whole batch's noise, drawn after the first chunk's forward (where the unchunked loop draws it)
