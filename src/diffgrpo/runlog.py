@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from .fileio import append_line, atomic_write, read_jsonl
+from .media import table_columns
 
 
 class Tracker(Protocol):
@@ -153,8 +154,6 @@ class MetricsWriter:
         """An evaluation's per-sample rows (``media.SampleTable.close()``) to every tracker."""
         if not self.trackers or not rows:
             return
-        from .media import table_columns
-
         columns, data = table_columns(rows)
         for t in self.trackers:
             if hasattr(t, "log_table"):  # a tracker written before tables were part of the protocol
