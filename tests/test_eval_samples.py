@@ -243,3 +243,21 @@ def test_table_reaches_tensorboard_and_wandb(tmp_path, monkeypatch):
     assert tables[1]["nrows"] == 2 * len(PROMPTS)
     table_json = json.loads((offline[0].parent / "files" / tables[1]["path"]).read_text())
     assert table_json["columns"][-1] == "image" and len(table_json["data"]) == 2 * len(PROMPTS)
+
+
+def test_captioned_grid_holds_each_sample_above_its_caption():
+    from diffgrpo.media import captioned_grid
+
+    images = torch.rand(5, 3, 8, 16)  # 5 samples, 3 per row, 128 × 64 tiles
+    grid = captioned_grid(images, [f"{i}.000 | prompt {i}" for i in range(5)], nrow=3)
+    tile_w, tile_h, cap, pad = 128, 64, 28, 4
+    assert grid.shape == (2 * (tile_h + cap + pad) + pad, 3 * (tile_w + pad) + pad, 3)
+    for i in range(5):
+        r, q = divmod(i, 3)
+        x, y = pad + q * (tile_w + pad), pad + r * (tile_h + cap + pad)
+        up = to_uint8(images[i]).repeat(8, axis=0).repeat(8, axis=1)  # nearest-neighbour ×8
+        assert np.array_equal(grid[y:y + tile_h, x:x + tile_w], up)
+        below = grid[y + tile_h:y + tile_h + cap, x:x + tile_w]
+        assert (below < 128).any() and (below == 255).mean() > 0.5  # dark caption text on white
+    x, y = pad + 2 * (tile_w + pad), pad + (tile_h + cap + pad)
+    assert (grid[y:y + tile_h + cap, x:x + tile_w] == 255).all()  # no sixth tile

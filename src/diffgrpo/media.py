@@ -117,6 +117,12 @@ class SampleTable:
         return self.rows
 
 
+def caption_of(row: dict) -> str:
+    """A grid caption for a table row: the prompt and the sample's total reward."""
+    reward = "n/a" if row["reward"] is None else f"{row['reward']:.3f}"
+    return f"{reward} | {row['prompt']}"
+
+
 def table_columns(rows: list[dict]) -> tuple[list[str], list[list]]:
     """Rows of a :class:`SampleTable` → (columns, values) for a tracker's table: index, prompt, metadata (JSON),
     each reward component, reward, and the media path or completion."""
@@ -126,6 +132,36 @@ def table_columns(rows: list[dict]) -> tuple[list[str], list[list]]:
     data = [[r["index"], r["prompt"], json.dumps(r["metadata"], default=str), *[r["rewards"].get(n) for n in names],
              r["reward"], *([r.get(media)] if media else [])] for r in rows]
     return cols, data
+
+
+def captioned_grid(images: torch.Tensor, captions: list[str], nrow: int, tile: int = 128) -> np.ndarray:
+    """Samples (N, C, H, W) or videos (N, C, F, H, W, first frames shown) in [0, 1] → one (H', W', 3) uint8 grid,
+    ``nrow`` tiles per row, each ``tile`` pixels wide (nearest-neighbour upscaling of small images) with its caption
+    (e.g. prompt and reward) in up to two lines below it."""
+    import textwrap
+
+    from PIL import Image, ImageDraw, ImageFont
+
+    frames = grid_frames(images)
+    n, _, h, w = frames.shape
+    th = max(1, round(tile * h / w))
+    font = ImageFont.load_default()
+    line = 12
+    cap = 2 * line + 4
+    cols, rows, pad = nrow, math.ceil(n / nrow), 4
+    canvas = Image.new("RGB", (cols * (tile + pad) + pad, rows * (th + cap + pad) + pad), (255, 255, 255))
+    draw = ImageDraw.Draw(canvas)
+    width = max(4, tile // 6)  # characters per caption line of the default bitmap font
+    for i in range(n):
+        r, q = divmod(i, cols)
+        x, y = pad + q * (tile + pad), pad + r * (th + cap + pad)
+        im = Image.fromarray(np.ascontiguousarray(to_uint8(frames[i])))
+        resample = Image.NEAREST if w < tile else Image.BILINEAR
+        canvas.paste(im.resize((tile, th), resample), (x, y))
+        text = textwrap.wrap(captions[i] if i < len(captions) else "", width)[:2]
+        for j, part in enumerate(text):
+            draw.text((x, y + th + 2 + j * line), part, fill=(0, 0, 0), font=font)
+    return np.asarray(canvas)
 
 
 def side_by_side(left: Path, right: Path, out: Path, gap: int = 8) -> bool:
@@ -143,5 +179,5 @@ def side_by_side(left: Path, right: Path, out: Path, gap: int = 8) -> bool:
     return True
 
 
-__all__ = ["SampleTable", "can_write_mp4", "grid_frames", "save_image", "save_video", "side_by_side",
+__all__ = ["SampleTable", "can_write_mp4", "caption_of", "captioned_grid", "grid_frames", "save_image", "save_video", "side_by_side",
            "table_columns", "to_uint8"]

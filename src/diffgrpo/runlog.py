@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from .fileio import append_line, atomic_write, read_jsonl
-from .media import table_columns
+from .media import captioned_grid, table_columns
 
 
 class Tracker(Protocol):
@@ -199,11 +199,13 @@ def grid_array(images: torch.Tensor, nrow: int, scale: int = 4) -> np.ndarray:
     return arr.repeat(scale, axis=0).repeat(scale, axis=1) if scale > 1 else arr
 
 
-def save_grid(images: torch.Tensor, path: Path, nrow: int, scale: int = 4) -> None:
-    """images (N, C, H, W) in [0, 1] → one PNG, ``nrow`` images per row, upscaled ``scale``× (nearest)."""
+def save_grid(images: torch.Tensor, path: Path, nrow: int, scale: int = 4, captions: list[str] | None = None) -> None:
+    """images (N, C, H, W) in [0, 1] → one PNG, ``nrow`` images per row, upscaled ``scale``× (nearest); with
+    ``captions`` (one per image, e.g. prompt and reward), tiles 128 px wide with the caption below each."""
     from PIL import Image
 
-    img = Image.fromarray(np.ascontiguousarray(grid_array(images, nrow, scale)))
+    arr = grid_array(images, nrow, scale) if captions is None else captioned_grid(images, captions, nrow)
+    img = Image.fromarray(np.ascontiguousarray(arr))
     fmt = {".jpg": "JPEG", ".jpeg": "JPEG"}.get(Path(path).suffix.lower(), "PNG")
     atomic_write(path, lambda tmp: img.save(tmp, format=fmt))
 

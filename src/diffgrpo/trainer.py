@@ -36,7 +36,7 @@ from .family import Family, Sync
 from .fileio import atomic_write
 from .flow.family import FlowFamily
 from .models import POLICIES
-from .media import SampleTable, side_by_side
+from .media import SampleTable, caption_of, side_by_side
 from .runlog import MetricsWriter, plot_curves, read_metrics, save_grid
 from .types import EngineStats, Rollout
 
@@ -384,15 +384,16 @@ class Trainer:
             row, images = self.evaluate(table)
             row["iteration"] = self.iteration
             writer.write(row)
-            if table is not None:  # the per-sample table: samples/eval_<iteration>.jsonl and the trackers
-                writer.log_table(table.close(), self.iteration)
+            samples = table.close() if table is not None else []  # samples/eval_<iteration>.jsonl
+            writer.log_table(samples, self.iteration)
             if images is not None:
                 reward = row.get("eval/reward")
                 caption = (f"iteration {self.iteration}{f' ({tag})' if tag in ('start', 'end') else ''}: "
                            f"mean held-out reward {'n/a' if reward is None else f'{reward:.4f}'}")
                 writer.log_images(images, self.iteration, nrow=cfg.eval.seeds_per_prompt * 2, caption=caption)
                 if lead and cfg.log.save_images:
-                    save_grid(images, out / f"samples_{tag}.png", nrow=cfg.eval.seeds_per_prompt * 2)
+                    save_grid(images, out / f"samples_{tag}.png", nrow=cfg.eval.seeds_per_prompt * 2,
+                              captions=[caption_of(r) for r in samples[:len(images)]])
                     if tag == "end":
                         side_by_side(out / "samples_start.png", out / "samples_end.png", out / "samples_start_end.png")
             return row
