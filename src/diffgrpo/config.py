@@ -847,6 +847,10 @@ def _validate_flow(cfg: RunConfig) -> None:
                           "embedding, one forward); negative prompts and true CFG do not apply")
     if cfg.model.image_size % cfg.model.patch_size:
         raise ConfigError(f"model.patch_size: {cfg.model.patch_size} must divide model.image_size={cfg.model.image_size}")
+    if cfg.model.name == "diffusers" and "digit_alignment" in cfg.reward.weights:
+        raise ConfigError("reward.weights: digit_alignment scores the built-in model's one-channel digit images; "
+                          "model.name=diffusers makes RGB images (videos for Wan): choose rewards for them, e.g. "
+                          "reward.weights={pickscore: 1.0}, or a module:function of your own")
     if cfg.reward.background and cfg.sampler.batch_size == 0:
         raise ConfigError("reward.background: value True needs sampling micro-batches to overlap with; set "
                           "sampler.batch_size > 0 (e.g. a quarter of the batch), or reward.background=false")
