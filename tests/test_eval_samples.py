@@ -111,6 +111,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow  # two spawned processes: about 30-50 s on two busy cores, mostly imports
 def test_sharded_evaluation_equals_one_process(tmp_path):
     """10 samples over 2 ranks (5 each; with eval.batch_size=2 in chunks of 2, 2, 1 + a padding row): the metrics,
     the grid and the table (written by rank 0 alone) equal one process's."""
