@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from .fileio import append_line, atomic_write, read_jsonl
-from .media import captioned_grid, table_columns
+from .media import captioned_grid, grid_frames, table_columns
 
 
 class Tracker(Protocol):
@@ -185,7 +185,8 @@ def read_metrics(path: Path, log=print) -> list[dict]:
 
 def grid_array(images: torch.Tensor, nrow: int, scale: int = 4) -> np.ndarray:
     """images (N, C, H, W) in [0, 1] → one uint8 grid, ``nrow`` images per row, upscaled ``scale``× (nearest):
-    (H', W') for one channel, (H', W', C) otherwise."""
+    (H', W') for one channel, (H', W', C) otherwise. Videos (N, C, F, H, W) show their first frames."""
+    images = grid_frames(images)
     n, c, h, w = images.shape
     ncol = nrow
     nr = math.ceil(n / ncol)
