@@ -8,7 +8,6 @@ import json
 import math
 import os
 import socket
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -151,10 +150,10 @@ def test_wan_evaluation_writes_mp4_videos(tmp_path):
     its frames; the grid shows first frames."""
     import imageio.v3 as iio
 
-    from diffgrpo.flow.family import FlowFamily
-    from tests.test_diffusers_models import LATENTS, stub_encoder, tiny_transformer
     from diffgrpo.distributed import WorldInfo
+    from diffgrpo.flow.family import FlowFamily
     from diffgrpo.models.diffusers_adapter import DiffusersFlowPolicy
+    from tests.test_diffusers_models import LATENTS, stub_encoder, tiny_transformer
 
     def video_decoder(z):  # (B, 4, F, h, w) latents → (B, 3, F, 2h, 2w) videos in [0, 1]
         return torch.sigmoid(z[:, :3].float()).repeat_interleave(2, -1).repeat_interleave(2, -2)
@@ -183,7 +182,7 @@ def test_video_falls_back_to_gif(tmp_path, monkeypatch):
     """Without imageio-ffmpeg a video is an animated GIF with every frame."""
     from PIL import Image, ImageSequence
 
-    import diffgrpo.media as media
+    from diffgrpo import media
 
     monkeypatch.setattr(media, "can_write_mp4", lambda: False)
     t = torch.linspace(0, 1, 4)[None, :, None, None].expand(3, 4, 8, 8)  # 4 frames of growing brightness

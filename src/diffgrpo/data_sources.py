@@ -234,4 +234,5 @@ class EpochSampler:
         self._order = self._permutation(self.epoch)
 
 
-__all__ = ["EpochSampler", "builtin_sets", "check_prompts", "load_prompts", "resolve_builtin", "skip_data_checks", "prompt_metadata", "read_utf8", "split_hf_spec"]
+__all__ = ["EpochSampler", "builtin_sets", "check_prompts", "load_prompts", "prompt_metadata", "read_utf8",
+           "resolve_builtin", "skip_data_checks", "split_hf_spec"]

@@ -35,8 +35,8 @@ from .errors import ConfigError, TrainingError
 from .family import Family, Sync
 from .fileio import atomic_write
 from .flow.family import FlowFamily
-from .models import POLICIES
 from .media import SampleTable, caption_of, side_by_side
+from .models import POLICIES
 from .runlog import MetricsWriter, plot_curves, read_metrics, save_grid
 from .types import EngineStats, Rollout
 

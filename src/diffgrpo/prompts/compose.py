@@ -2,7 +2,9 @@
 
 Usage: python compose.py <prompts folder>
 """
-import json, random, sys
+import json
+import random
+import sys
 from pathlib import Path
 
 out = Path(sys.argv[1])
@@ -138,7 +140,7 @@ by_tag = {}
 for r in rows:
     by_tag.setdefault(r["tag"], []).append(r)
 train, test = [], []
-for tag, rs in by_tag.items():
+for rs in by_tag.values():
     rng.shuffle(rs)
     k = max(4, len(rs) // 6)
     test += rs[:k]
