@@ -89,14 +89,16 @@ def test_evaluation_logs_fid_and_diversity(make_trainer, monkeypatch):
     assert row["eval/fid"] > 0 and row["eval/diversity"] > 0
 
 
-def test_no_guards_when_images_are_chunked(make_trainer, monkeypatch):
-    """eval.batch_size keeps only a grid of images: the guards are not computed on a partial set."""
+def test_guards_are_the_same_when_evaluation_is_chunked(make_trainer, monkeypatch):
+    """eval.batch_size samples in chunks; the built-in task keeps its (tiny) images, so the guards cover every
+    sample and equal the unchunked evaluation's (each sample starts from its own seed's noise)."""
     torch.manual_seed(0)
     clf = image_rewards.DigitClassifier().eval().requires_grad_(False)
     monkeypatch.setattr(image_rewards, "load_classifier", lambda image_size=16, *a, **k: (clf, 0.0))
-    tr = make_trainer("eval.batch_size=7", "eval.seeds_per_prompt=8")  # 80 images, 64 kept
-    row, _ = tr.evaluate()
-    assert "eval/fid" not in row and "eval/diversity" not in row
+    whole, _ = make_trainer("eval.seeds_per_prompt=8").evaluate()  # 80 images
+    chunked, _ = make_trainer("eval.batch_size=7", "eval.seeds_per_prompt=8").evaluate()
+    for key in ("eval/fid", "eval/diversity", "eval/reward"):
+        assert chunked[key] == pytest.approx(whole[key], rel=1e-4, abs=1e-5), key
 
 
 def test_one_sample_per_prompt_logs_fid_only(make_trainer, monkeypatch):

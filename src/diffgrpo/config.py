@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import yaml
 
-from .data_sources import load_prompts, read_utf8
+from .data_sources import check_prompts, read_utf8
 from .distributed import launched_world_size
 from .dllm.tasks import VOCAB, examples_from_file, get_task
 from .engines import ENGINES
@@ -124,6 +124,10 @@ class RewardConfig:
     weights: dict = _f({"digit_alignment": 1.0}, doc="reward name (or module:function) -> weight")
     options: dict[str, dict] = _f({}, doc="per-reward options, e.g. {pickscore: {model: <hub id or path>, dtype: "
                                           "bfloat16, batch_size: 16, device: cuda:1}} (see README, Rewards)")
+    background: bool = _f(False, doc="score each sampling micro-batch (sampler.batch_size) in a worker thread while "
+                                     "the next one samples (FlowGRPO's overlap); the samples and rewards equal "
+                                     "background=false's. Needs sampler.batch_size > 0; engines that keep rollout "
+                                     "graphs (retain, reweight, evaluation=retain) score after sampling")
 
 
 @dataclass
@@ -199,8 +203,9 @@ class TrainConfig:
                                               "sampler: a UTF-8 text file (one prompt per line), a .jsonl file (a "
                                               "prompt field + metadata fields) or a .csv file (a prompt column + "
                                               "metadata columns), or hf:<path or hub id>[:<split>] (datasets."
-                                              "load_dataset; hf:json:<file> for a local JSON file); the metadata "
-                                              "reaches the rewards")
+                                              "load_dataset; hf:json:<file> for a local JSON file), or "
+                                              "builtin:<set>/<split> (a prompt set shipped with the package, e.g. "
+                                              "builtin:ocr/train); the metadata reaches the rewards")
     prompt_column: str = _f("prompt", doc="the field / column holding the prompt in train.prompts_file and "
                                           "eval.prompts_file (.jsonl, .csv, hf:)")
 
@@ -583,8 +588,8 @@ def validate(cfg: RunConfig) -> None:
     for key in ("train.prompts_file", "eval.prompts_file"):
         sec, name = key.split(".")
         spec = getattr(getattr(cfg, sec), name)
-        if spec:  # exists, is UTF-8, parses, has the prompt column and at least one prompt
-            load_prompts(spec, key=key, column=t.prompt_column)
+        if spec:  # exists, is UTF-8, parses, has the prompt column and at least one prompt (see check_prompts)
+            check_prompts(spec, key=key, column=t.prompt_column)
     _validate_device(cfg.model.device)
     _validate_dist(cfg.dist.mode)
     _validate_logging(cfg.log)
@@ -886,6 +891,9 @@ def _validate_flow(cfg: RunConfig) -> None:
     if cfg.model.image_size % cfg.model.patch_size:
         raise ConfigError(f"model.patch_size: {cfg.model.patch_size} must divide model.image_size={cfg.model.image_size}")
     _validate_rollout_savings(cfg)
+    if cfg.reward.background and cfg.sampler.batch_size == 0:
+        raise ConfigError("reward.background: value True needs sampling micro-batches to overlap with; set "
+                          "sampler.batch_size > 0 (e.g. a quarter of the batch), or reward.background=false")
 
 
 def _validate_rollout_savings(cfg: RunConfig) -> None:

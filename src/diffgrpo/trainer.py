@@ -35,6 +35,7 @@ from .errors import ConfigError, TrainingError
 from .family import Family, Sync
 from .fileio import atomic_write
 from .flow.family import FlowFamily
+from .media import SampleTable, caption_of, side_by_side
 from .models import POLICIES
 from .runlog import MetricsWriter, plot_curves, read_metrics, save_grid
 from .types import EngineStats, Rollout
@@ -218,12 +219,13 @@ class Trainer:
                 "time/reward": ro.timings["reward"], "time/train": stats.seconds.get("train", 0.0),
                 "time/iteration": time.perf_counter() - t0}
 
-    def evaluate(self) -> tuple[dict[str, float], torch.Tensor | None]:
-        """Held-out evaluation by the family, with the EMA weights when ``train.ema_decay`` > 0."""
+    def evaluate(self, table=None) -> tuple[dict[str, float], torch.Tensor | None]:
+        """Held-out evaluation by the family, with the EMA weights when ``train.ema_decay`` > 0; ``table`` (a
+        ``media.SampleTable``, rank 0) receives one row per sample."""
         if self.ema is None:
-            return self.family.evaluate()
+            return self.family.evaluate(table)
         with self.ema.swapped_in():
-            return self.family.evaluate()
+            return self.family.evaluate(table)
 
     # ------------------------------------------------------------------ checkpoints and the whole job
     def run_dir(self) -> Path:
@@ -413,16 +415,22 @@ class Trainer:
         lead = self.world.rank == 0
 
         def do_eval(tag: str) -> dict:
-            row, images = self.evaluate()
+            table = SampleTable(out, self.iteration, save_media=cfg.log.save_images) if lead else None
+            row, images = self.evaluate(table)
             row["iteration"] = self.iteration
             writer.write(row)
+            samples = table.close() if table is not None else []  # samples/eval_<iteration>.jsonl
+            writer.log_table(samples, self.iteration)
             if images is not None:
                 reward = row.get("eval/reward")
                 caption = (f"iteration {self.iteration}{f' ({tag})' if tag in ('start', 'end') else ''}: "
                            f"mean held-out reward {'n/a' if reward is None else f'{reward:.4f}'}")
                 writer.log_images(images, self.iteration, nrow=cfg.eval.seeds_per_prompt * 2, caption=caption)
                 if lead and cfg.log.save_images:
-                    save_grid(images, out / f"samples_{tag}.png", nrow=cfg.eval.seeds_per_prompt * 2)
+                    save_grid(images, out / f"samples_{tag}.png", nrow=cfg.eval.seeds_per_prompt * 2,
+                              captions=[caption_of(r) for r in samples[:len(images)]])
+                    if tag == "end":
+                        side_by_side(out / "samples_start.png", out / "samples_end.png", out / "samples_start_end.png")
             return row
 
         rows = read_metrics(out / "metrics.jsonl", log=self.log) if resumed else []
@@ -505,6 +513,9 @@ class _NullWriter:
         pass
 
     def log_images(self, images: torch.Tensor, step: int, nrow: int, caption: str) -> None:
+        pass
+
+    def log_table(self, rows: list, step: int) -> None:
         pass
 
     def close(self) -> None:

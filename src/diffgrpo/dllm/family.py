@@ -167,7 +167,7 @@ class DLLMFamily:
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
     def score(self, examples: list[Example], *, temperature: float, samples: int = 1, seed: int = 0,
-              prefix: str = "eval/") -> dict[str, float]:
+              prefix: str = "eval/", table=None) -> dict[str, float]:
         """Decode ``samples`` completions per example (seeded, batches of 256) and average the task's reward
         components: → {prefix+"reward", prefix+"accuracy", prefix+"rewards/<k>/mean"}. Not counted as cost."""
         ex = [e for e in examples for _ in range(samples)]
@@ -179,18 +179,23 @@ class DLLMFamily:
             outs += [self.vocab.decode(c) for c in smp.completions]
         self.policy.counters.update(saved)  # evaluation is not training cost
         scored = self.task.rewards(outs, ex)
+        if table is not None:  # the completions table (media.SampleTable): prompt, answer, components, completion
+            for i, (e, text) in enumerate(zip(ex, outs)):
+                table.add_completion(i, e.prompt, {"answer": e.answer}, {k: v[i] for k, v in scored.items()
+                                                                          if k != "reward"},
+                                     scored["reward"][i], text)
         row = {f"{prefix}reward": float(scored["reward"].mean()), f"{prefix}accuracy": float(scored["correct"].mean())}
         for k, v in scored.items():
             row[f"{prefix}rewards/{k}/mean"] = float(v.mean())
         return row
 
-    def evaluate(self) -> tuple[dict[str, float], None]:
+    def evaluate(self, table=None) -> tuple[dict[str, float], None]:
         """Held-out test split (first ``dllm.eval_size`` instances), ``dllm.eval_samples`` completions each at
-        ``dllm.eval_temperature``."""
+        ``dllm.eval_temperature``; ``table`` (a ``media.SampleTable``) gets each completion with its rewards."""
         pool = self.task.instances("test")
         ex = pool[: self.d.eval_size] if self.d.eval_size else pool
         return self.score(ex, temperature=self.d.eval_temperature, samples=self.d.eval_samples,
-                          seed=self.cfg.eval.seed), None
+                          seed=self.cfg.eval.seed, table=table), None
 
 
 __all__ = ["DLLMFamily", "SAMPLER_RECORDS"]

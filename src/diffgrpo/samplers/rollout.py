@@ -26,7 +26,7 @@ def sample_trajectories(policy, cond: dict[str, torch.Tensor], x0: torch.Tensor,
                         batch_size: int = 0,
                         share_groups: torch.Tensor | None = None,
                         tail_start: torch.Tensor | None = None, tail_solver: str = "full",
-                        tail_steps: int = 0) -> dict[str, torch.Tensor]:
+                        tail_steps: int = 0, step_noise: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Sample B trajectories. x0 (B, *S) initial noise; sigmas (T+1,).
 
     ``sde_mask`` (B, T) bool optionally makes step k of trajectory i deterministic (the ODE step x + dt·v,
@@ -39,6 +39,8 @@ def sample_trajectories(policy, cond: dict[str, torch.Tensor], x0: torch.Tensor,
     ``tail_start`` (B,) long with ``tail_solver`` ∈ {euler, heun}: from that step on, the row is carried to σ = 0
     by ``tail_steps`` steps of the solver (``savings.solve_tail``; not exact); its skipped states and velocities
     are recorded as NaN. ``tail_solver="full"`` runs every step.
+    ``step_noise`` (B, T, *S): the standard-normal step noise to use instead of drawing it from ``generator`` (the
+    same values the generator would give when they were drawn from it, step by step, for the whole batch).
     Returns {"xs": (B, T+1, *S), "velocities": (B, T, *S), "log_probs": (B, T), "noise": (B, T, *S),
     "saved_forwards": int (sample-forwards not run thanks to the shared prefix and the tail, before CFG)}.
     """
@@ -75,12 +77,13 @@ def sample_trajectories(policy, cond: dict[str, torch.Tensor], x0: torch.Tensor,
             inactive |= follower & (prefix > k)
         if tail is not None:
             inactive |= tail <= k
+        eps = None if step_noise is None else step_noise[:, k]  # (B, *S) given, or drawn from the generator
         if not bool(inactive.any()):
             x = _run_step(policy, cond, x, sigmas, k, kernel, generator, sde_mask, grad_mask, on_grad_step, n,
-                          None, vel[:, k], lps[:, k], noise[:, k])
+                          eps, vel[:, k], lps[:, k], noise[:, k])
         else:
             x = _run_partial(policy, cond, x, sigmas, k, kernel, generator, sde_mask, grad_mask, on_grad_step, n,
-                             inactive, vel, lps, noise)
+                             inactive, vel, lps, noise, eps)
             if follower is not None:
                 f = (follower & (prefix > k)).nonzero().flatten()
                 if len(f):
@@ -112,12 +115,13 @@ def _run_step(policy, cond, x, sigmas, k, kernel, generator, sde_mask, grad_mask
 
 
 def _run_partial(policy, cond, x, sigmas, k, kernel, generator, sde_mask, grad_mask, on_grad_step, n: int,
-                 inactive: torch.Tensor, vel, lps, noise) -> torch.Tensor:
+                 inactive: torch.Tensor, vel, lps, noise, eps: torch.Tensor | None = None) -> torch.Tensor:
     """Step k of the rows not ``inactive`` (B,) bool; inactive rows keep x and get zero records (a shared-prefix
     follower's are filled from its leader by the caller, a tail row's are NaN). The whole batch's noise is drawn
     as in the full step, so the stream does not change → x_{k+1} (B, *S)."""
     act = (~inactive).nonzero().flatten()  # (a,)
-    eps = torch.randn(x.shape, generator=generator, device=x.device)  # (B, *S) the full step's draw
+    if eps is None:
+        eps = torch.randn(x.shape, generator=generator, device=x.device)  # (B, *S) the full step's draw
     x_next = x.clone()
     vel[inactive, k] = float("nan")
     lps[inactive, k] = 0.0
