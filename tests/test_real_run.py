@@ -1,7 +1,8 @@
 """A whole run from the command line on a tiny StableDiffusion3Pipeline saved locally, as a user runs a real model:
-a JSONL prompt set with metadata, two rewards (an OCR-style reward that reads the record's target text and a
-CLIP-class stand-in, as ``module:function`` plug-ins), training with evaluations (per-sample tables, grids),
-checkpoints, a resume with more iterations, the LoRA export and ``diffgrpo report``."""
+a JSONL prompt set with metadata, the registry rewards ``ocr`` (RapidOCR against each record's target text) and
+``clip_score`` (a tiny CLIP saved locally, loaded through the reward's real ``from_pretrained``) beside a
+``module:function`` plug-in that records the metadata it receives; training with evaluations (per-sample tables,
+grids), checkpoints, a resume with more iterations, the LoRA export and ``diffgrpo report``."""
 from __future__ import annotations
 
 import json
@@ -11,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from diffgrpo.cli import main
+from tests._tiny_rewards import save_tiny_clip
 from tests.test_diffusers_models import sd3_dir  # noqa: F401 - the tiny pipeline fixture
 
 RECORDS = [{"prompt": "a sign that says open", "text": "open"}, {"prompt": "a red cat", "text": "cat"},
@@ -20,17 +22,14 @@ SEEN: list[dict] = []
 
 
 def text_reward(images, prompts, metadata):
-    """OCR stand-in: reads the record's target text (metadata "text"), as the `ocr` reward does."""
+    """Records the metadata a reward receives; scores the target text's length."""
     SEEN.extend(metadata)
-    return torch.tensor([len(m["text"]) / 10 for m in metadata]) + images.flatten(1).mean(1)
+    return torch.tensor([len(m["text"]) / 10 for m in metadata])
 
 
-def contrast_reward(images, prompts, metadata):
-    """CLIP-class stand-in: a differentiable-looking image score."""
-    return images.flatten(1).std(1)
-
-
-REWARDS = "reward.weights={tests.test_real_run:text_reward: 1.0, tests.test_real_run:contrast_reward: 0.5}"
+SPY = "tests.test_real_run:text_reward"
+REWARDS = f"reward.weights={{ocr: 1.0, clip_score: 0.5, {SPY}: 0.25}}"
+WEIGHTS = {"ocr": 1.0, "clip_score": 0.5, SPY: 0.25}
 
 
 def _jsonl(path: Path, rows: list[dict]) -> Path:
@@ -46,10 +45,12 @@ def test_cli_run_train_eval_checkpoint_resume_export_report(sd3_dir, tmp_path, c
     from diffusers import StableDiffusion3Pipeline
 
     run = tmp_path / "run"
+    clip = save_tiny_clip(tmp_path / "clip")
+    options = f"reward.options={{clip_score: {{model: '{clip}'}}, ocr: {{det_limit_side_len: 32}}}}"
     train_file, eval_file = _jsonl(tmp_path / "train.jsonl", RECORDS), _jsonl(tmp_path / "eval.jsonl", EVAL)
     args = ["model.name=diffusers", f"model.pretrained={sd3_dir}", "model.device=cpu", "model.resolution=16",
             "model.max_sequence_length=8", "model.guidance_scale=2.0", "model.lora_rank=4", "model.lora_alpha=8",
-            "sampler.num_steps=3", "sampler.batch_size=2", "reward.background=true", REWARDS,
+            "sampler.num_steps=3", "sampler.batch_size=2", "reward.background=true", REWARDS, options,
             "train.prompts_per_batch=2", "train.group_size=2", "train.lr=0.05", "train.num_iterations=2",
             "train.save_every=1", f"train.prompts_file={train_file}", f"eval.prompts_file={eval_file}",
             "eval.seeds_per_prompt=2", "eval.batch_size=3", "eval.every=1", "log.progress=false",
@@ -65,9 +66,9 @@ def test_cli_run_train_eval_checkpoint_resume_export_report(sd3_dir, tmp_path, c
         assert [r["prompt"] for r in table] == [e["prompt"] for e in EVAL for _ in range(2)]
         assert [r["metadata"]["text"] for r in table] == [e["text"] for e in EVAL for _ in range(2)]
         for r in table:
-            assert set(r["rewards"]) == {"tests.test_real_run:text_reward", "tests.test_real_run:contrast_reward"}
-            assert abs(r["reward"] - r["rewards"]["tests.test_real_run:text_reward"]
-                       - 0.5 * r["rewards"]["tests.test_real_run:contrast_reward"]) < 1e-5
+            assert set(r["rewards"]) == set(WEIGHTS)
+            assert abs(r["reward"] - sum(w * r["rewards"][k] for k, w in WEIGHTS.items())) < 1e-5
+            assert 0 <= r["rewards"]["ocr"] <= 1 and -1 <= r["rewards"]["clip_score"] <= 1
             assert (run / r["image"]).is_file()
         mean = sum(r["reward"] for r in table) / len(table)
         assert abs(mean - next(r for r in rows if "eval/reward" in r and r["iteration"] == it)["eval/reward"]) < 1e-5
