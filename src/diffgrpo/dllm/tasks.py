@@ -7,6 +7,8 @@ pretrain the built-in model) and a reward computed from the completion text alon
   sudoku       4×4, "." = blank    → 16 digits (row-major)     reward 0.5·cell_accuracy + 0.5·solved
   countdown    "3,5,2:13"          → "<answer>3*5-2</answer>"  reward 1.0 correct / 0.1 well-formed / 0
   json_schema  "a:int,b:str"       → '{"a":3,"b":"x"}'         reward 1/(1+#jsonschema errors), 0 if not JSON
+  gsm8k        a word problem      → "... \\boxed{72}"          reward 1 if the numeric answer is exact, else 0
+                                                               (instances from dllm.data_file: no generator)
 
 Verifiers score any string and never raise: a completion longer than ``Task.max_chars`` (64 characters per
 token of the task's ``gen_length``, far beyond any decoded completion) scores 0 without being parsed; digits are
@@ -559,21 +561,56 @@ class JsonSchema(Task):
         return json.dumps(vals, separators=(",", ":"))
 
 
+# ---------------------------------------------------------------------------------------------- GSM8K-style
+class Numeric(Task):
+    """Word problems with a numeric answer (GSM8K, MATH-style integers): no generator, the instances come from
+    ``dllm.data_file`` (and ``dllm.eval_file``). The reference is the record's answer (GSM8K's ``#### N`` tail, a
+    ``\\boxed{}`` or its last number); a completion is correct when its boxed answer (else the last number of its
+    <answer> tag, else its last number) equals it exactly (:mod:`diffgrpo.rewards.verifiers`)."""
+
+    name, prompt_length, gen_length = "gsm8k", 256, 256  # d1's generation length for GSM8K
+
+    def instances(self, split):
+        return []
+
+    def example(self, prompt, answer):
+        from ..rewards.verifiers import reference_number
+
+        ref = reference_number(answer)
+        if ref is None:
+            raise ValueError(f"answer {answer[:80]!r} holds no number (GSM8K '#### N', a boxed value or a number)")
+        return Example(prompt, answer, {"target": ref, "answer": answer})
+
+    refused: ClassVar[dict[str, float]] = {"reward": 0.0, "correct": 0.0}
+
+    def score(self, completion, ex):
+        from ..rewards.verifiers import numeric_correct
+
+        correct = float(numeric_correct(completion, ex.meta["target"]))
+        return {"reward": correct, "correct": correct}
+
+
 TASKS: dict[str, type[Task]] = {"arithmetic": Arithmetic, "sudoku": Sudoku, "countdown": Countdown,
-                                "json_schema": JsonSchema}
+                                "json_schema": JsonSchema}  # tasks with their own instance generator
+FILE_TASKS: dict[str, type[Task]] = {"gsm8k": Numeric}  # tasks whose instances come from dllm.data_file only
 
 
-def examples_from_file(path: str, task: Task, *, key: str = "dllm.data_file") -> list[Example]:
-    """The instances of a JSONL file of ``{"prompt": str, "answer": str}`` records (other fields ignored) for
-    ``task``; each reference answer must pass the task's verifier. One-line ConfigErrors naming ``key``."""
-    if not path.lower().endswith(".jsonl"):
+def examples_from_file(path: str, task: Task, *, key: str = "dllm.data_file", prompt_field: str = "prompt",
+                       answer_field: str = "answer") -> list[Example]:
+    """The instances of a prompt/answer source for ``task``: a JSONL file of ``{prompt_field: str, answer_field:
+    str}`` records (other fields ignored) or an ``hf:`` datasets spec (``hf:gsm8k:train`` with
+    ``prompt_field=question``, ``hf:json:<file>``; see :mod:`diffgrpo.data_sources`). Each reference answer must
+    pass the task's verifier. One-line ConfigErrors naming ``key``."""
+    from ..data_sources import HF_PREFIX
+
+    if not path.startswith(HF_PREFIX) and not path.lower().endswith(".jsonl"):
         raise ConfigError(f"{key}: file {path!r} is not a .jsonl file (one JSON object per line with prompt and "
-                          "answer fields)")
+                          "answer fields) or an hf:<dataset>[:<split>] spec")
     out = []
-    for i, rec in enumerate(load_prompts(path, key=key), 1):
-        answer = rec.get("answer")
+    for i, rec in enumerate(load_prompts(path, key=key, column=prompt_field), 1):
+        answer = rec.get(answer_field)
         if not isinstance(answer, str) or not answer.strip():
-            raise ConfigError(f"{key}: file {path!r} record {i} has no non-empty string field 'answer'")
+            raise ConfigError(f"{key}: file {path!r} record {i} has no non-empty string field {answer_field!r}")
         try:
             ex = task.example(rec["prompt"], answer.strip())
         except ValueError as e:
@@ -586,10 +623,12 @@ def examples_from_file(path: str, task: Task, *, key: str = "dllm.data_file") ->
 
 
 def get_task(name: str) -> Task:
+    if name in FILE_TASKS:
+        return FILE_TASKS[name]()
     if name not in TASKS:
-        raise ValueError(f"unknown dLLM task {name!r}; choose one of {sorted(TASKS)}")
+        raise ValueError(f"unknown dLLM task {name!r}; choose one of {sorted(TASKS) + sorted(FILE_TASKS)}")
     return TASKS[name]()
 
 
-__all__ = ["VOCAB", "CharVocab", "Example", "Task", "TASKS", "get_task", "examples_from_file", "extract_answer", "safe_eval",
+__all__ = ["VOCAB", "CharVocab", "Example", "Task", "TASKS", "FILE_TASKS", "Numeric", "get_task", "examples_from_file", "extract_answer", "safe_eval",
            "schema_from_spec", "all_sudoku_grids", "count_solutions"]
