@@ -3,8 +3,8 @@
 verifiers as registry rewards, d1's format rewards; a CLI run in bf16 with LoRA whose adapter, reloaded with peft,
 reproduces its completions; DDP and FSDP2 (2 gloo ranks) equal one process on the union of the samples.
 
-bf16 on this CPU: torch runs bfloat16 matmuls on every x86 CPU (natively with AVX512-BF16 / AMX, emulated
-otherwise); the CLI test runs in bfloat16 wherever torch can make a bfloat16 tensor and says so in its log."""
+bf16 on the CPU: torch runs bfloat16 matmuls on every x86 CPU (natively with AVX512-BF16 / AMX, emulated
+otherwise), so the CLI test runs in bfloat16 everywhere; the development machine has avx512_bf16 and amx_bf16."""
 from __future__ import annotations
 
 import json
@@ -277,7 +277,8 @@ def test_cli_trains_a_remote_code_model_with_lora_in_bf16_and_peft_reproduces_it
     prompts = ["3+4=?", "10+11=?", "7+8=?"]
     out = tmp_path / "s.txt"
     res = subprocess.run([sys.executable, "-m", "diffgrpo.cli", "sample", "--weights", str(run), "--sde-type", "ode", "--num", "1",
-                          "--out", str(out), *sum((["--prompt", p] for p in prompts), [])],
+                          "--out", str(out), *sum((["--prompt", p] for p in prompts), []),
+                          "dllm.trust_remote_code=true"],  # a saved config never enables remote code by itself
                          capture_output=True, text=True, env=_env(), timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     sampled = [line.split("\t", 1)[1] for line in out.read_text().splitlines()]
@@ -336,6 +337,12 @@ def _dist_trainer(model_dir, data, extra, *, world):
     return Trainer(RunConfig.from_overrides(ov), log=lambda *a: None)
 
 
+def _digit_share(texts, examples):
+    """Share of digit characters in each completion (varies within a group, unlike a random model's accuracy)."""
+    r = torch.tensor([sum(c.isdigit() for c in t) / max(len(t), 1) for t in texts])
+    return {"reward": r, "correct": (r > 0.5).float()}
+
+
 def _dist_worker(rank, world, port, model_dir, data, out_dir):
     from datetime import timedelta
 
@@ -354,6 +361,7 @@ def _dist_worker(rank, world, port, model_dir, data, out_dir):
 
             assert all(hasattr(b, "reshard") for b in transformer_blocks(tr.policy.model))  # sharded per block
             tr.evaluate()  # as training does: no-grad forwards first
+        tr.family.task.rewards = _digit_share  # a random model's answers are never right: a reward that varies
         ro = tr.rollout()
         stats, _ = tr.update(ro)
         torch.save({"grads": [distributed.to_full(p.grad).detach().clone() for p in tr.params],
@@ -397,6 +405,7 @@ def test_ddp_and_fsdp2_equal_one_process_on_the_union(dist_results, models, name
     adv, _ = group_advantages(cat("rewards"), gids, std_mode=fam.std_mode, baseline=fam.baseline, clip=a.clip,
                               eps=a.eps)
     torch.testing.assert_close(cat("advantages"), adv)
+    assert not torch.equal(parts[0]["traj"]["sequences"], parts[1]["traj"]["sequences"])  # own samples per rank
     trained = cat("trained")
     lw = aggregation_weights(trained, tr.cfg.loss.aggregation)
     torch.testing.assert_close(cat("loss_weights") / 2, lw)  # × W on each rank, averaged by DDP / FSDP2
