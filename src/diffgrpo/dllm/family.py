@@ -27,13 +27,13 @@ from ..engines.base import EngineContext
 from ..errors import ConfigError
 from ..family import Sync
 from ..loss_weights import apply, grpo_loss_weights
+from ..models.hf_masked_lm import shard_blocks
+from ..rewards.verifiers import d1_format_components
 from ..samplers import masked
 from ..types import EngineStats, Rollout, TokenTrajectory
 from . import credit
 from .grpo import METHODS, TokenGRPO
 from .likelihood import completion_mask
-from ..models.hf_masked_lm import shard_blocks
-from ..rewards.verifiers import d1_format_components
 from .tasks import Example, examples_from_file, get_task
 
 SAMPLER_RECORDS = ("commit_step", "confidence", "entropy", "margin", "block_rank", "order", "step_log_prob")

@@ -25,7 +25,8 @@ import torch
 import torch.nn as nn
 
 from ..cache import cache_lock, cache_root, save_dir_atomic
-from ..distributed import launched_local_rank, resolve_device
+from ..distributed import is_initialized, launched_local_rank, resolve_device, sharded
+from ..distributed import transformer_blocks as root_blocks
 from ..dllm.tasks import VOCAB, get_task, pad_right
 from ..errors import ConfigError
 from .pretraining import pretrain_step
@@ -84,8 +85,6 @@ class MaskedLMPolicy:
         ``<run_dir>/model``; with the tokenizer when it has a transformers one. Under FSDP2 (sharded weights, only
         rank 0 exports) the full weights come from the run's ``weights.safetensors``."""
         from safetensors.torch import load_file, save_file
-
-        from ..distributed import sharded
 
         full = None
         if sharded(self.trainable_parameters()):
@@ -221,9 +220,7 @@ def shard_blocks(model: nn.Module) -> int:
     trainer then shards the root. → the number of blocks sharded here. No-op at world size 1."""
     import torch.distributed as dist
 
-    from .. import distributed
-
-    if not distributed.is_initialized() or dist.get_world_size() == 1 or distributed.transformer_blocks(model):
+    if not is_initialized() or dist.get_world_size() == 1 or root_blocks(model):
         return 0
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard

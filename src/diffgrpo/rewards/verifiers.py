@@ -13,6 +13,8 @@ Numeric answers (GSM8K, MATH-style integers and decimals):
   * a reference is read the same way, GSM8K's ``#### 72`` tail first.
   Literals longer than 40 digits are not numbers (no huge-integer work).
 
+The numeric reading lives with the other task verifiers in :mod:`diffgrpo.dllm.tasks` (re-exported here).
+
 Registry rewards (``reward.weights``; signature ``fn(completions, prompts, metadata) -> (B,)``): ``verify_gsm8k``
 (reference: ``metadata["answer"]``), ``verify_countdown`` / ``verify_sudoku`` / ``verify_json_schema`` (the task's
 own verifier of :mod:`diffgrpo.dllm.tasks`; the instance is read from the prompt and ``metadata["answer"]``, which
@@ -25,116 +27,11 @@ closing tag): :func:`d1_format_components`; their sum (at most 1.5) is :func:`d1
 from __future__ import annotations
 
 import re
-from fractions import Fraction
 
-MAX_CHARS = 65536  # completions longer than this are not parsed (reward 0)
-_MAX_DIGITS = 40
-_NUM_RE = re.compile(r"-?(?:[0-9]{1,3}(?:,[0-9]{3})+|[0-9]+)(?:\.[0-9]+)?(?:/[0-9]+)?")
-_FRAC_RE = re.compile(r"^\\[dt]?frac\{(-?[0-9.]+)\}\{(-?[0-9.]+)\}$")
-_GSM8K_TAIL = re.compile(r"####\s*(.+?)\s*$", re.S)
+from ..dllm.tasks import (NUMERIC_MAX_CHARS, extract_boxed, get_task, last_answer_tag, last_number, numeric_correct,
+                          parse_number, predicted_number, reference_number)
 
-
-def extract_boxed(text: str) -> str | None:
-    """Content of the last ``\\boxed{...}`` / ``\\fbox{...}`` whose brace is closed, or None. One linear pass
-    (a stack of open braces), whatever the nesting."""
-    if not isinstance(text, str) or len(text) > MAX_CHARS:
-        return None
-    closes: dict[int, int] = {}  # index of "{" → index of its "}"
-    stack: list[int] = []
-    for j, ch in enumerate(text):
-        if ch == "{":
-            stack.append(j)
-        elif ch == "}" and stack:
-            closes[stack.pop()] = j
-    best = -1
-    for m in re.finditer(r"\\(?:boxed|fbox)\{", text):
-        if m.end() - 1 in closes:
-            best = m.end() - 1
-    return text[best + 1:closes[best]].strip() if best >= 0 else None
-
-
-def last_number(text: str) -> str | None:
-    """The last number written in ``text`` (``1,234``, ``-5``, ``3.75``, ``3/4``) as written, or None."""
-    if not isinstance(text, str) or len(text) > MAX_CHARS:
-        return None
-    found = _NUM_RE.findall(text)
-    return found[-1] if found else None
-
-
-def parse_number(s: str) -> Fraction | None:
-    """A number's exact value, or None when ``s`` is not one number. Accepts the forms :func:`last_number` finds,
-    ``$``, ``%``, a trailing period, ``\\text{..}`` units after it, surrounding spaces and ``\\frac{a}{b}``."""
-    if not isinstance(s, str) or len(s) > 256:
-        return None
-    t = s.strip().replace("\\$", "").replace("$", "").replace("\\%", "").replace("%", "").replace("\\!", "")
-    t = re.sub(r"\\(?:text|mathrm)\{[^{}]*\}", "", t).strip().rstrip(".").strip()
-    m = _FRAC_RE.match(t)
-    if m:
-        num, den = parse_number(m.group(1)), parse_number(m.group(2))
-        return None if num is None or not den else num / den
-    if not _NUM_RE.fullmatch(t):
-        return None
-    if sum(c.isdigit() for c in t) > _MAX_DIGITS:
-        return None
-    t = t.replace(",", "")
-    try:
-        if "/" in t:
-            a, b = t.split("/")
-            return None if Fraction(b) == 0 else Fraction(a) / Fraction(b)
-        return Fraction(t)
-    except (ValueError, ZeroDivisionError):
-        return None
-
-
-def last_answer_tag(text: str) -> str | None:
-    """Content of the last ``<answer>...</answer>`` pair (the last closing tag and the last opening tag before it;
-    two reverse scans, no regex backtracking), or None."""
-    end = text.rfind("</answer>")
-    start = text.rfind("<answer>", 0, end) if end >= 0 else -1
-    return text[start + len("<answer>"):end] if start >= 0 else None
-
-
-
-def predicted_number(completion: str) -> Fraction | None:
-    """The completion's numeric answer: last boxed, else the last number in the last <answer> tag, else the
-    last number; None if there is none."""
-    if not isinstance(completion, str) or len(completion) > MAX_CHARS:
-        return None
-    boxed = extract_boxed(completion)
-    if boxed is not None:
-        v = parse_number(boxed)
-        if v is None:  # a box around an expression or words: its last number
-            n = last_number(boxed)
-            v = parse_number(n) if n is not None else None
-        return v
-    tag = last_answer_tag(completion)
-    if tag is not None:
-        n = last_number(tag)
-        if n is not None:
-            return parse_number(n)
-    n = last_number(completion)
-    return parse_number(n) if n is not None else None
-
-
-def reference_number(answer: str) -> Fraction | None:
-    """A reference answer's value: GSM8K's ``#### N`` tail, else as :func:`predicted_number` reads it."""
-    if not isinstance(answer, str) or len(answer) > MAX_CHARS:
-        return None
-    m = _GSM8K_TAIL.search(answer)
-    if m is not None:
-        v = parse_number(m.group(1))
-        if v is not None:
-            return v
-    return predicted_number(answer)
-
-
-def numeric_correct(completion, reference) -> bool:
-    """Whether the completion's numeric answer equals the reference's (exact). Never raises."""
-    ref = reference if isinstance(reference, Fraction) else reference_number(str(reference))
-    if ref is None:
-        return False
-    pred = predicted_number(completion)
-    return pred is not None and pred == ref
+MAX_CHARS = NUMERIC_MAX_CHARS  # completions longer than this are not parsed (reward 0)
 
 
 # ---------------------------------------------------------------------------------------------- d1 format
@@ -208,8 +105,6 @@ def verify_gsm8k(completions, prompts, metadata) -> list[float]:
 
 def _task_reward(task_name: str):
     def fn(completions, prompts, metadata) -> list[float]:
-        from ..dllm.tasks import get_task
-
         task = get_task(task_name)
         out = []
         for i, c in enumerate(completions):
@@ -237,6 +132,6 @@ def d1_format(completions, prompts, metadata) -> list[float]:
     return [d1_format_score(c) for c in completions]
 
 
-__all__ = ["MAX_CHARS", "extract_boxed", "last_number", "parse_number", "predicted_number", "reference_number",
+__all__ = ["MAX_CHARS", "last_answer_tag", "extract_boxed", "last_number", "parse_number", "predicted_number", "reference_number",
            "numeric_correct", "d1_format_components", "d1_format_score", "verify_gsm8k", "verify_countdown",
            "verify_sudoku", "verify_json_schema", "d1_format"]
