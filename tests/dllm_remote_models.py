@@ -211,8 +211,9 @@ def char_tokenizer(mask_token: bool):
     return tok
 
 
-def build_remote_model(directory: Path, kind: str = "llada", seed: int = 0, n_layers: int = 2) -> Path:
-    """Write a tiny ``kind`` model directory (weights, tokenizer, its own code behind ``auto_map``) → its path."""
+def build_remote_model(directory: Path, kind: str = "llada", seed: int = 0, n_layers: int = 2, **size) -> Path:
+    """Write a tiny ``kind`` model directory (weights, tokenizer, its own code behind ``auto_map``) → its path.
+    ``size``: config overrides (d_model, n_heads, mlp_hidden, max_positions)."""
     import importlib.util
     import sys
 
@@ -234,7 +235,7 @@ def build_remote_model(directory: Path, kind: str = "llada", seed: int = 0, n_la
     conf = importlib.import_module(f"{pkg}.configuration_{stem}")
     modl = importlib.import_module(f"{pkg}.modeling_{stem}")
     cfg = getattr(conf, cfg_cls)(vocab_size=len(tok), n_layers=n_layers, mask_token_id=tok.convert_tokens_to_ids("<|mask|>"),
-                                 pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+                                 pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, **size)
     cfg.auto_map = {"AutoConfig": f"configuration_{stem}.{cfg_cls}", "AutoModel": f"modeling_{stem}.{model_cls}"}
     torch.manual_seed(seed)
     model = getattr(modl, model_cls)(cfg).eval()

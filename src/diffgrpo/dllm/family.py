@@ -14,7 +14,9 @@ One iteration of this family, top to bottom:
 
 Data parallel (``dist.mode=ddp``): each rank samples its share with its own sampling and mask streams; rewards
 and group ids are all-gathered for the advantages and the token-mean normaliser counts every rank's trained
-tokens (× W, as DDP averages), so W ranks take the one-process step on the union of their samples.
+tokens (× W, as DDP averages), so W ranks take the one-process step on the union of their samples. FSDP2
+(``dist.mode=fsdp2``, ``hf_masked_lm`` only) shards the model's blocks before the trainer shards the root; every
+rank makes the same forwards (the sampler's steps and the estimator's rows do not depend on the samples).
 """
 from __future__ import annotations
 

@@ -8,6 +8,13 @@ Logit conventions are explicit: ``logits_shift=False`` (BERT, LLaDA): position j
 ``logits_shift=True`` (Dream, initialised from an autoregressive LM): position j scores token j+1, so the
 adapter returns ``cat([logits[:, :1], logits[:, :-1]])`` and every caller sees "position j scores token j".
 
+At scale (:func:`configure_model`, ``dllm.*`` keys): weights at ``dllm.dtype`` (bf16: half the memory of float32;
+logits always scored in float32), activation checkpointing of the blocks (transformers' switch), and a peft LoRA
+adapter (:func:`add_lora`; the adapter trains in float32, the base is frozen, the KL reference is the adapter
+disabled: no weight copy). Prompts go through the tokenizer's chat template when it has one
+(:class:`HFTokenizerVocab`). Under FSDP2 :func:`shard_blocks` shards every transformer block found below the
+root (LLaDA's ``transformer.blocks``, Dream's ``layers``), peft's wrapper included.
+
 Built-in model (``model.name=tiny_mlm``): a real ``transformers.BertForMaskedLM`` at a tiny config with the
 character vocabulary of :mod:`diffgrpo.dllm.tasks`, pretrained on generated task data (train split) with
 the masked-diffusion objective (LLaDA): t ~ U(0, 1), every completion token masked with probability t,
