@@ -118,6 +118,9 @@ def test_remote_code_models_load_through_the_one_path(models, kind):
     with pytest.raises(ValueError, match="trust_remote_code"):
         load_hf_masked_lm(str(path), trust_remote_code=False)
     mask = LLADA_MASK if kind == "llada" else None
+    if kind == "llada":  # LLaDA configs default to 126336, outside this tiny vocabulary: refused, naming the key
+        with pytest.raises(ConfigError, match=r"dllm\.mask_token_id: the mask id 126336 is outside"):
+            load_hf_masked_lm(str(path), trust_remote_code=True)
     pol = load_hf_masked_lm(str(path), trust_remote_code=True, mask_token_id=mask, system_prompt="be brief")
     assert pol.logits_shift == (kind == "dream") and pol.mask_id == 2 and pol.vocab.chat_template
     tok = pol.vocab.tok

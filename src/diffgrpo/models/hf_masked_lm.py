@@ -391,6 +391,14 @@ class HFTokenizerVocab:
         return pad_right([self.encode(c) for c in completions], length, self.eos_id)
 
 
+def _dtype_kwarg() -> str:
+    """``from_pretrained``'s dtype argument: ``dtype`` since transformers 4.56, ``torch_dtype`` before."""
+    import transformers
+
+    major, minor = (int(v) for v in transformers.__version__.split(".")[:2])
+    return "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
+
+
 def load_hf_masked_lm(path: str, *, trust_remote_code: bool = False, logits_shift: bool | None = None,
                       device="cpu", keep_reference=False, mask_token_id: int | None = None, dtype: str = "float32",
                       gradient_checkpointing: bool = False, lora_rank: int = 0, lora_alpha: float = 0.0,
@@ -406,7 +414,7 @@ def load_hf_masked_lm(path: str, *, trust_remote_code: bool = False, logits_shif
     mtype = getattr(cfg, "model_type", "").lower()
     if logits_shift is None:
         logits_shift = "dream" in mtype
-    kw = {"trust_remote_code": trust_remote_code, "dtype": DTYPES[dtype]}
+    kw = {"trust_remote_code": trust_remote_code, _dtype_kwarg(): DTYPES[dtype]}
     try:
         model = AutoModelForMaskedLM.from_pretrained(path, **kw)
     except ValueError:
@@ -422,6 +430,10 @@ def load_hf_masked_lm(path: str, *, trust_remote_code: bool = False, logits_shif
                           f"use auto or false")
     use_template = chat_template == "true" or (chat_template == "auto" and has_template)
     vocab = HFTokenizerVocab(tok, mask_token_id, chat_template=use_template, system_prompt=system_prompt)
+    size = getattr(cfg, "vocab_size", None) or len(tok)
+    if not 0 <= vocab.mask_id < size:
+        raise ConfigError(f"dllm.mask_token_id: the mask id {vocab.mask_id} is outside the vocabulary of {path!r} "
+                          f"({size} tokens); set the id of the model's mask token")
     return MaskedLMPolicy(model, vocab=vocab, logits_shift=logits_shift, device=device,
                           keep_reference=keep_reference)
 
