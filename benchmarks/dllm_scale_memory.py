@@ -85,10 +85,10 @@ def main() -> None:
             rows.append(json.loads(out))
             print(rows[-1], flush=True)
     n = rows[0]["trainable"]
-    lines = [f"LLaDA-style model, {a.layers} blocks, d_model {SIZE['d_model']}, {n / 1e6:.1f} M parameters; one step on "
-             f"{a.batch} × ({a.prompt} prompt + {a.gen} completion) tokens; CPU, 1 thread; median of {a.repeats}.",
-             "", "| configuration | weights MiB | trainable params | AdamW state MiB | peak RSS growth in the steps MiB "
-             "| peak RSS MiB | step s |", "|---|---|---|---|---|---|---|"]
+    lines = [f"LLaDA-style model, {a.layers} blocks, d_model {SIZE['d_model']}, {n / 1e6:.1f} M parameters; one step "
+             f"on {a.batch} × ({a.prompt} prompt + {a.gen} completion) tokens; CPU, 1 thread; median of {a.repeats}.",
+             "", ("| configuration | weights MiB | trainable params | AdamW state MiB | peak RSS growth in the steps "
+                  "MiB | peak RSS MiB | step s |"), "|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['config']} | {r['weights_mib']:.1f} | {r['trainable']:,} | {r['adam_state_mib']:.1f} | "
                      f"{r['step_peak_growth_mib']:.0f} | {r['peak_rss_mib']:.0f} | {r['step_s']:.2f} |")

@@ -73,7 +73,8 @@ class LLaDABlock(GradientCheckpointingLayer):
         d = c.d_model
         self.n_heads = c.n_heads
         self.attn_norm, self.ff_norm = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.q_proj, self.k_proj, self.v_proj = nn.Linear(d, d, bias=False), nn.Linear(d, d, bias=False), nn.Linear(d, d, bias=False)
+        self.q_proj, self.k_proj = nn.Linear(d, d, bias=False), nn.Linear(d, d, bias=False)
+        self.v_proj = nn.Linear(d, d, bias=False)
         self.attn_out = nn.Linear(d, d, bias=False)
         self.ff_proj, self.up_proj = nn.Linear(d, c.mlp_hidden, bias=False), nn.Linear(d, c.mlp_hidden, bias=False)
         self.ff_out = nn.Linear(c.mlp_hidden, d, bias=False)
@@ -163,7 +164,8 @@ class DreamLayer(GradientCheckpointingLayer):
 class DreamBase(nn.Module):
     def __init__(self, c):
         super().__init__()
-        self.embed_tokens, self.embed_positions = nn.Embedding(c.vocab_size, c.d_model), nn.Embedding(c.max_positions, c.d_model)
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.d_model)
+        self.embed_positions = nn.Embedding(c.max_positions, c.d_model)
         self.layers = nn.ModuleList([DreamLayer(c) for _ in range(c.n_layers)])
         self.norm = nn.LayerNorm(c.d_model)
 
@@ -234,8 +236,9 @@ def build_remote_model(directory: Path, kind: str = "llada", seed: int = 0, n_la
     spec.loader.exec_module(mod)
     conf = importlib.import_module(f"{pkg}.configuration_{stem}")
     modl = importlib.import_module(f"{pkg}.modeling_{stem}")
-    cfg = getattr(conf, cfg_cls)(vocab_size=len(tok), n_layers=n_layers, mask_token_id=tok.convert_tokens_to_ids("<|mask|>"),
-                                 pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, **size)
+    cfg = getattr(conf, cfg_cls)(vocab_size=len(tok), n_layers=n_layers, pad_token_id=tok.pad_token_id,
+                                 mask_token_id=tok.convert_tokens_to_ids("<|mask|>"), eos_token_id=tok.eos_token_id,
+                                 **size)
     cfg.auto_map = {"AutoConfig": f"configuration_{stem}.{cfg_cls}", "AutoModel": f"modeling_{stem}.{model_cls}"}
     torch.manual_seed(seed)
     model = getattr(modl, model_cls)(cfg).eval()

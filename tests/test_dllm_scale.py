@@ -39,7 +39,8 @@ def test_numeric_verifier_reads_boxed_then_answer_tag_then_last_number():
     assert predicted_number("<answer>\nit is 18\n</answer> (checked 3 times)") == 18  # d1's answer tag next
     assert predicted_number("after 3 steps the total is 1,234.") == 1234  # thousands separator, final period
     assert predicted_number("the change is -17 degrees") == -17 and predicted_number("x = -0.50") == Fraction(-1, 2)
-    assert predicted_number(r"\boxed{\$1,000.00}") == 1000 and predicted_number(r"\boxed{\dfrac{1}{3}}") == Fraction(1, 3)
+    assert predicted_number(r"\boxed{\$1,000.00}") == 1000
+    assert predicted_number(r"\boxed{\dfrac{1}{3}}") == Fraction(1, 3)
     assert predicted_number("3/4 of them") == Fraction(3, 4) and predicted_number("none") is None
     assert reference_number("She sells 16 - 3 - 4 = <<16-3-4=9>>9 eggs.\n#### 18") == 18  # GSM8K's tail first
     assert numeric_correct(r"\boxed{72.0}", "#### 72") and numeric_correct("the answer is $72", "72")
@@ -279,7 +280,8 @@ def test_cli_trains_a_remote_code_model_with_lora_in_bf16_and_peft_reproduces_it
     assert len(trained) == 3 and any(r["grad_norm"] > 0 for r in trained)
     prompts = ["3+4=?", "10+11=?", "7+8=?"]
     out = tmp_path / "s.txt"
-    res = subprocess.run([sys.executable, "-m", "diffgrpo.cli", "sample", "--weights", str(run), "--sde-type", "ode", "--num", "1",
+    res = subprocess.run([sys.executable, "-m", "diffgrpo.cli", "sample", "--weights", str(run), "--sde-type", "ode",
+                          "--num", "1",
                           "--out", str(out), *sum((["--prompt", p] for p in prompts), []),
                           "dllm.trust_remote_code=true"],  # a saved config never enables remote code by itself
                          capture_output=True, text=True, env=_env(), timeout=600)

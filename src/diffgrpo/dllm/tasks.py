@@ -727,7 +727,8 @@ def examples_from_file(path: str, task: Task, *, key: str = "dllm.data_file", pr
         try:
             ex = task.example(rec["prompt"], answer.strip())
         except ValueError as e:
-            raise ConfigError(f"{key}: file {path!r} record {i} is not a dllm.task={task.name} instance ({e})") from None
+            raise ConfigError(f"{key}: file {path!r} record {i} is not a dllm.task={task.name} instance "
+                              f"({e})") from None
         if task.reward(ex.answer, ex).get("correct") != 1.0:
             raise ConfigError(f"{key}: file {path!r} record {i}: the answer {ex.answer!r} does not pass the "
                               f"dllm.task={task.name} verifier for the prompt {ex.prompt!r}")
@@ -744,5 +745,6 @@ def get_task(name: str) -> Task:
 
 
 __all__ = ["VOCAB", "CharVocab", "Example", "Task", "TASKS", "FILE_TASKS", "Numeric", "get_task", "extract_boxed",
-           "last_number", "parse_number", "predicted_number", "reference_number", "numeric_correct", "examples_from_file", "extract_answer", "safe_eval",
+           "last_answer_tag", "last_number", "parse_number", "predicted_number", "reference_number",
+           "numeric_correct", "examples_from_file", "extract_answer", "safe_eval",
            "schema_from_spec", "all_sudoku_grids", "count_solutions"]

@@ -132,6 +132,7 @@ def d1_format(completions, prompts, metadata) -> list[float]:
     return [d1_format_score(c) for c in completions]
 
 
-__all__ = ["MAX_CHARS", "last_answer_tag", "extract_boxed", "last_number", "parse_number", "predicted_number", "reference_number",
+__all__ = ["MAX_CHARS", "last_answer_tag", "extract_boxed", "last_number", "parse_number", "predicted_number",
+           "reference_number",
            "numeric_correct", "d1_format_components", "d1_format_score", "verify_gsm8k", "verify_countdown",
            "verify_sudoku", "verify_json_schema", "d1_format"]
