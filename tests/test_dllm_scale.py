@@ -369,6 +369,14 @@ def _dist_worker(rank, world, port, model_dir, data, out_dir):
         tr.family.task.rewards = _digit_share  # a random model's answers are never right: a reward that varies
         ro = tr.rollout()
         stats, _ = tr.update(ro)
+        full = distributed.to_full(tr.policy.state_dict())  # a collective: every rank
+        if rank == 0 and "fsdp2" in name:  # the end-of-run export from sharded weights (rank 0 only, as training)
+            from safetensors.torch import save_file
+
+            run = Path(out_dir) / f"{name}-run"
+            run.mkdir()
+            save_file(full, str(run / "weights.safetensors"))
+            tr.policy.export(run)
         torch.save({"grads": [distributed.to_full(p.grad).detach().clone() for p in tr.params],
                     "prompts": ro.prompts, "group_ids": ro.group_ids, "rewards": ro.rewards,
                     "advantages": ro.advantages, "trained": ro.trained, "loss_weights": ro.loss_weights,
@@ -378,6 +386,22 @@ def _dist_worker(rank, world, port, model_dir, data, out_dir):
     dist.destroy_process_group()
 
 
+def _load_export(run: Path, base_dir: Path) -> dict:
+    """The trained weights an export directory holds, as the ecosystem loads them: → {"weights": full state of the
+    trainable part, "saved": the run's weights.safetensors}."""
+    from peft import PeftModel
+    from peft.utils import get_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    saved = load_file(str(run / "weights.safetensors"))
+    if (run / "lora").is_dir():
+        net = PeftModel.from_pretrained(_raw(base_dir), str(run / "lora"))
+        weights = dict(get_peft_model_state_dict(net))
+    else:
+        weights = _raw(run / "model").state_dict()
+    return {"weights": weights, "saved": saved}
+
+
 @pytest.fixture(scope="module")
 def dist_results(models, tmp_path_factory):
     import torch.multiprocessing as mp
@@ -385,8 +409,12 @@ def dist_results(models, tmp_path_factory):
     data = _gsm8k_file(tmp_path_factory.mktemp("distdata") / "g.jsonl")
     with tempfile.TemporaryDirectory() as d:
         mp.spawn(_dist_worker, args=(2, _free_port(), str(models["llada"]), str(data), d), nprocs=2, join=True)
-        yield data, {name: [torch.load(os.path.join(d, f"{name}-rank{r}.pt"), weights_only=False) for r in range(2)]
-                     for name in DIST_CASES}
+        out = {name: [torch.load(os.path.join(d, f"{name}-rank{r}.pt"), weights_only=False) for r in range(2)]
+               for name in DIST_CASES}
+        for name in DIST_CASES:  # what the FSDP2 export wrote, loaded back with transformers / peft
+            if "fsdp2" in name:
+                out[name][0]["exported"] = _load_export(Path(d) / f"{name}-run", models["llada"])
+        yield data, out
 
 
 @pytest.mark.slow
@@ -426,3 +454,8 @@ def test_ddp_and_fsdp2_equal_one_process_on_the_union(dist_results, models, name
     for p in parts:
         g = torch.cat([x.flatten() for x in p["grads"]])
         assert ((g - g1).norm() / g1.norm()) < 1e-5
+    if "exported" in parts[0]:  # FSDP2's export (from the gathered weights) loads back to the same weights
+        ex = parts[0]["exported"]
+        assert set(ex["saved"]) <= set(ex["weights"]) and ex["saved"]
+        for k, v in ex["saved"].items():
+            assert torch.equal(ex["weights"][k], v), k

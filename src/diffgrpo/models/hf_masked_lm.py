@@ -23,6 +23,7 @@ the prompt never masked. Weights are cached per task/architecture/recipe under t
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import json
@@ -102,7 +103,8 @@ class MaskedLMPolicy:
                 self.model.peft_config["default"].save_pretrained(str(d))  # adapter_config.json
                 save_file(full if full is not None else self.state_dict(), str(d / "adapter_model.safetensors"))
             elif full is not None:
-                self.model.save_pretrained(str(d), state_dict=full)
+                with own_class(self.model):
+                    self.model.save_pretrained(str(d), state_dict=full)
             else:
                 self.model.save_pretrained(str(d))
             if isinstance(self.vocab, HFTokenizerVocab):
@@ -139,6 +141,23 @@ class MaskedLMPolicy:
                 raise KeyError(f"unexpected LoRA keys: {res.unexpected_keys[:5]}")
             return
         self.model.load_state_dict(sd)
+
+
+@contextlib.contextmanager
+def own_class(module: nn.Module):
+    """Inside the block an FSDP2-sharded ``module`` has its own class again. ``fully_shard`` gives it the class
+    ``FSDP<Cls>(FSDPModule, Cls)``, defined in torch; ``save_pretrained`` copies a remote-code model's source files
+    by its class's module, so saving under the FSDP class would copy torch's files instead of the model's."""
+    cls = type(module)
+    index = getattr(cls, "_orig_cls_mro_index", None)  # FSDPModule: where the original class sits in the MRO
+    if index is None:
+        yield
+        return
+    module.__class__ = cls.__mro__[index]
+    try:
+        yield
+    finally:
+        module.__class__ = cls
 
 
 def untied_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -471,4 +490,4 @@ def build_hf_masked_lm_policy(cfg, *, progress=True, log=print) -> MaskedLMPolic
 __all__ = ["MaskedLMPolicy", "shift_logits", "untied_state_dict", "tiny_bert", "masked_diffusion_loss", "pretrain_tiny_mlm",
            "load_or_pretrain_mlm", "load_hf_masked_lm", "build_tiny_mlm_policy", "build_hf_masked_lm_policy",
            "HFTokenizerVocab", "DTYPES", "LORA_TARGETS", "add_lora", "configure_model", "default_lora_targets",
-           "is_lora", "shard_blocks", "transformer_blocks"]
+           "is_lora", "own_class", "shard_blocks", "transformer_blocks"]
