@@ -232,9 +232,17 @@ def test_family_uses_file_prompts_chat_template_format_reward_and_eval_file(tmp_
     cfg = RunConfig.from_overrides(_scale_overrides(models["dream"], data, f"dllm.eval_file={held}",
                                                     "dllm.format_reward=0.5", "dllm.lora_rank=2", "loss.beta=0.1",
                                                     "dllm.mask_token_id=-1", "seed=3"))
-    tr = Trainer(cfg, log=lambda *a: None)
+    logs = []
+    tr = Trainer(cfg, log=logs.append)
     fam = tr.family
     assert [e.prompt for e in fam.eval_pool] == ["50+51=?", "51+52=?", "52+53=?"]
+    assert not any("longer than dllm.prompt_length" in str(m) for m in logs)  # 16 tokens hold every prompt
+    from diffgrpo.dllm.family import warn_long_prompts
+
+    # "a+b=?" is 5 tokens, 8 with the template's user / end-of-turn / assistant tokens
+    assert warn_long_prompts(tr.policy.vocab, fam.train_pool, 7, logs.append) == 8
+    assert "8 of 8 prompts are longer than dllm.prompt_length=7 tokens (longest 8" in logs[-1]
+    assert warn_long_prompts(tr.policy.vocab, fam.train_pool, 8, logs.append) == 0
     ro = tr.rollout()
     assert set(ro.prompts) <= {f"{a}+{a + 1}=?" for a in range(1, 9)}
     seq = ro.traj.sequences[0, :16].tolist()

@@ -57,6 +57,9 @@ class DLLMFamily:
         self.train_pool = examples_from_file(self.d.data_file, self.task, **fields) if self.d.data_file else None
         self.eval_pool = eval_pool(self.d, self.task, self.train_pool, fields, log)
         self.prompt_length = self.d.prompt_length or self.task.prompt_length
+        if hasattr(self.vocab, "prompt_ids"):  # a transformers tokenizer (chat template): prompts may not fit
+            warn_long_prompts(self.vocab, (self.train_pool or self.task.instances("train")) + self.eval_pool,
+                              self.prompt_length, log)
         if world.world_size > 1 and cfg.dist.mode == "fsdp2":  # blocks below the root, before the trainer's wrap
             shard_blocks(policy.model)
         self.gen_length = self.d.gen_length or self.task.gen_length
@@ -215,6 +218,17 @@ class DLLMFamily:
 D1_FORMAT_KEYS = ("format_strict", "format_soft", "format_xmlcount")
 
 
+def warn_long_prompts(vocab, examples: list[Example], length: int, log, limit: int = 10000) -> int:
+    """Log how many of (the first ``limit``) prompts, chat template included, exceed ``length`` tokens (they keep
+    their last ``length`` tokens). → that count."""
+    sizes = [len(vocab.prompt_ids(e.prompt)) for e in examples[:limit]]
+    long = [n for n in sizes if n > length]
+    if long:
+        log(f"warning: {len(long)} of {len(sizes)} prompts are longer than dllm.prompt_length={length} tokens "
+            f"(longest {max(long)}, chat template included); they keep their last {length} tokens")
+    return len(long)
+
+
 def eval_pool(d, task, train_pool, fields: dict, log) -> list[Example]:
     """Held-out examples: ``dllm.eval_file``, else the task's test split; a task without a generator (gsm8k) and
     no eval file evaluates on ``dllm.data_file`` itself (said in the log: that is training-set accuracy)."""
@@ -228,4 +242,4 @@ def eval_pool(d, task, train_pool, fields: dict, log) -> list[Example]:
     return pool
 
 
-__all__ = ["DLLMFamily", "SAMPLER_RECORDS", "eval_pool"]
+__all__ = ["DLLMFamily", "SAMPLER_RECORDS", "eval_pool", "warn_long_prompts"]
