@@ -227,7 +227,8 @@ def test_config_errors_name_the_field(sd3_dir, tmp_path):
         RunConfig.from_overrides(["model.family=sdxl"])
     with pytest.raises(ConfigError, match="model.pretrained: path .* does not exist"):  # refused on reading
         RunConfig.from_overrides(["model.name=diffusers", f"model.pretrained={tmp_path / 'nope'}"])
-    cfg = RunConfig.from_overrides(["model.name=diffusers", f"model.pretrained={sd3_dir}", "model.resolution=18"])
+    cfg = RunConfig.from_overrides(["model.name=diffusers", f"model.pretrained={sd3_dir}", "model.resolution=18",
+                                    "reward.weights={jpeg_incompressibility: 1.0}"])
     with pytest.raises(ConfigError, match="model.resolution"):
         Trainer(cfg, log=lambda *a: None)
 

@@ -29,7 +29,7 @@ from .distributed import launched_world_size
 from .dllm.tasks import FILE_TASKS, TASKS, VOCAB, examples_from_file, get_task
 from .engines import ENGINES
 from .errors import ConfigError, suggest
-from .rewards import REWARDS, resolve_reward
+from .rewards import REWARDS, check_rewards, resolve_reward
 from .samplers.masked import schedule
 
 # Plausibility bound: samples drawn per iteration (train.prompts_per_batch × train.group_size, all ranks together).
@@ -71,7 +71,8 @@ class ModelConfig:
     family: str = _f("auto", choices=("auto", "sd3", "flux", "wan", "qwenimage"),
                      doc="diffusers: model family; auto = from the transformer class")
     dtype: str = _f("float32", choices=("float32", "bfloat16", "float16"), doc="diffusers: weight dtype of the pipeline")
-    mixed_precision: str = _f("no", choices=("no", "bf16", "fp16"), doc="diffusers: autocast of the transformer forward")
+    mixed_precision: str = _f("no", choices=("no", "bf16", "fp16"),
+                              doc="tiny, diffusers: autocast of the transformer forward")
     resolution: int = _f(512, lo=16, doc="diffusers: image side in pixels")
     num_frames: int = _f(33, lo=1, doc="diffusers (wan): video frames")
     negative_prompt: str = _f("", doc="diffusers: negative prompt of true CFG")
@@ -81,7 +82,10 @@ class ModelConfig:
     lora_alpha: float = _f(0.0, lo=0.0, doc="tiny, diffusers: LoRA alpha; 0 = lora_rank")
     lora_target_modules: str = _f("", doc="tiny, diffusers: comma-separated LoRA targets; empty = the attention "
                                           "projections (the family's defaults; tiny: SD3's)")
-    gradient_checkpointing: bool = _f(False, doc="diffusers: activation checkpointing in the transformer")
+    gradient_checkpointing: bool = _f(False, doc="tiny, diffusers: activation checkpointing in the transformer")
+    offload_text_encoders: bool = _f(True, doc="diffusers: keep the text encoders on the CPU and move them to the "
+                                               "device only to encode prompts not yet cached (each prompt is "
+                                               "encoded once)")
 
 
 @dataclass
@@ -107,11 +111,19 @@ class SamplerConfig:
     share_noise_in_group: bool = _f(False, doc="same initial noise for every sample of a prompt group")
     batch_size: int = _f(0, lo=0, doc="rollout trajectories per network call (whole rows, every step); 0 = the whole "
                                       "batch. Bounds sampling activations; the noise draws do not change")
+    shared_prefix: bool = _f(False, doc="rollout savings: a group shares its initial noise and runs its deterministic ODE "
+                                        "prefix (up to its first stochastic step) once: k + G(T-k) forwards, exact")
+    tail_solver: str = _f("full", choices=("full", "euler", "heun"),
+                          doc="rollout savings: after a sample's last stochastic / trained step, carry it to x0 with "
+                              "sampler.tail_steps steps of this solver (full = every grid step; not exact otherwise)")
+    tail_steps: int = _f(1, lo=1, doc="rollout savings: steps of the cheap tail (sampler.tail_solver)")
 
 
 @dataclass
 class RewardConfig:
     weights: dict = _f({"digit_alignment": 1.0}, doc="reward name (or module:function) -> weight")
+    options: dict[str, dict] = _f({}, doc="per-reward options, e.g. {pickscore: {model: <hub id or path>, dtype: "
+                                          "bfloat16, batch_size: 16, device: cuda:1}} (see README, Rewards)")
 
 
 @dataclass
@@ -138,6 +150,12 @@ class StepsConfig:
     fraction: float = _f(1.0, lo=0.0, hi=1.0, doc="first_fraction / random: share of trainable steps")
     window_start: int = _f(-1, lo=-1, doc="window: first step, -1 = random per sample")
     window_size: int = _f(4, lo=1)
+    window_shift_every: int = _f(0, lo=0, doc="window (MixGRPO sliding window): move the window by "
+                                               "steps.window_shift_stride every N iterations; 0 = fixed window")
+    window_shift_stride: int = _f(1, lo=1, doc="window: steps the sliding window moves per shift")
+    window_roll_back: bool = _f(True, doc="window: a sliding window past the last trainable step restarts at "
+                                          "steps.window_start (else it stays at the end)")
+    ode_outside: bool = _f(False, doc="SDE kernel only on the selected (trained) steps, ODE elsewhere (MixGRPO)")
 
 
 @dataclass
@@ -296,6 +314,12 @@ class DistConfig:
     backend: str = _f("", doc="process-group backend; empty = nccl with CUDA, gloo otherwise")
     timeout: float = _f(1800.0, gt=0.0, doc="timeout of collectives; a stalled rank fails the job after this many "
                                             "seconds")
+    fsdp_param_dtype: str = _f("float32", choices=("float32", "bfloat16"),
+                               doc="fsdp2: dtype the sharded parameters are all-gathered and computed in "
+                                   "(MixedPrecisionPolicy; gradients are reduced in float32, the optimizer keeps "
+                                   "float32 shards)")
+    fsdp_cpu_offload: bool = _f(False, doc="fsdp2: keep parameter, gradient and optimizer shards on the CPU "
+                                           "(CPUOffloadPolicy); the optimizer step runs on the CPU")
 
 
 @dataclass
@@ -454,6 +478,14 @@ def _coerce(key: str, value, tp, meta):
                     value = os.path.expanduser(value)
                 except (ValueError, OSError):  # e.g. an embedded NUL byte: refused by the path checks
                     pass
+        elif origin is dict and typing.get_args(tp)[1:] == (dict,):  # {name: {option: value}}: reward.options
+            if not isinstance(value, dict):
+                raise TypeError
+            value = {str(k): v for k, v in value.items()}
+            for k, v in value.items():
+                if not isinstance(v, dict):
+                    raise ConfigError(f"{_show_key(f'{key}.{k}')}: value {v!r} must be a mapping of options, "
+                                      "e.g. {batch_size: 8}")
         elif origin is dict:
             if not isinstance(value, dict):
                 raise TypeError
@@ -580,8 +612,25 @@ def validate(cfg: RunConfig) -> None:
     _validate_logging(cfg.log)
     if family == "flow":
         _validate_flow(cfg)
+        check_rewards(cfg.reward.weights, cfg.reward.options, model_name=cfg.model.name)
     else:
         _validate_dllm(cfg)
+    _validate_memory(cfg)
+
+
+def _validate_memory(cfg: RunConfig) -> None:
+    """Mixed precision and FSDP2 memory options that cannot work together."""
+    m, d = cfg.model, cfg.dist
+    if m.mixed_precision == "fp16" and m.dtype == "float16":
+        raise ConfigError("model.mixed_precision: value 'fp16' needs float32 weights (model.dtype=float32): the "
+                          "gradient scaler cannot unscale float16 gradients; or use model.mixed_precision=bf16")
+    if m.mixed_precision == "fp16" and d.mode == "fsdp2":
+        raise ConfigError("model.mixed_precision: value 'fp16' is not supported with dist.mode=fsdp2 (the gradient "
+                          "scaler's inf check is per rank); use dist.fsdp_param_dtype=bfloat16")
+    for key in ("fsdp_param_dtype", "fsdp_cpu_offload"):
+        if getattr(d, key) != getattr(DistConfig(), key) and d.mode != "fsdp2":
+            raise ConfigError(f"dist.{key}: applies only to dist.mode=fsdp2 (dist.mode={d.mode}); set "
+                              f"dist.mode=fsdp2 or remove it")
 
 
 def _validate_dist(mode: str) -> None:
@@ -758,7 +807,8 @@ def _validate_dllm_scale(cfg: RunConfig, task) -> None:
     if cfg.dist.mode == "fsdp2" and d.lora_rank and d.dtype != "float32":
         raise ConfigError(f"dllm.dtype: value {d.dtype!r} with dllm.lora_rank={d.lora_rank} under dist.mode=fsdp2 is "
                           f"not supported (FSDP2 shards each block in one dtype and the adapter trains in float32); "
-                          f"choose dllm.dtype=float32 or dist.mode=ddp")
+                          f"choose dllm.dtype=float32 (with dist.fsdp_param_dtype=bfloat16 to compute in bf16) or "
+                          f"dist.mode=ddp")
 
 
 # Keys each family reads (a section name covers all its keys); any other key set to a non-default value is refused.
@@ -776,7 +826,8 @@ FAMILY_KEYS = {
                        "model.negative_prompt", "model.max_sequence_length", "model.lora_rank", "model.lora_alpha",
                        "model.lora_target_modules", "model.gradient_checkpointing", "pretrain.cond_dropout",
                        "sampler", "reward", "loss.clip_range", "loss.kl_flowgrpo_compat", "steps", "engine",
-                       "train.digits", "train.prompts_file", "train.prompt_column", "eval"),
+                       "train.digits", "train.prompts_file", "train.prompt_column", "eval",
+                       "model.offload_text_encoders"),
     "dllm": _SHARED + ("pretrain.answer_noise", "dllm", "daca"),
 }
 # engine keys that only some engines read
@@ -887,6 +938,16 @@ def _validate_flow(cfg: RunConfig) -> None:
                           "embedding, one forward); negative prompts and true CFG do not apply")
     if cfg.model.image_size % cfg.model.patch_size:
         raise ConfigError(f"model.patch_size: {cfg.model.patch_size} must divide model.image_size={cfg.model.image_size}")
+    _validate_rollout_savings(cfg)
+
+
+def _validate_rollout_savings(cfg: RunConfig) -> None:
+    """The sliding SDE window needs a fixed window to slide (steps.mode=window, steps.window_start >= 0)."""
+    s = cfg.steps
+    if s.window_shift_every > 0 and (s.mode != "window" or s.window_start < 0):
+        raise ConfigError(f"steps.window_shift_every: value {s.window_shift_every} needs steps.mode=window with "
+                          f"steps.window_start >= 0 (got steps.mode={s.mode}, window_start={s.window_start}); "
+                          "or set it to 0")
 
 
 def selected_per_trajectory(cfg: RunConfig) -> int:

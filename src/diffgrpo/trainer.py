@@ -71,7 +71,10 @@ class Trainer:
         self.family: Family = family_cls(cfg, self.policy, self.world, log=lambda *a: self.log(*a))
         self.dp_module = None  # the DDP / FSDP2 wrapper the policy's forwards go through (None in one process)
         if self.world.world_size > 1:  # FSDP2 shards in place: build the optimizer after
-            self.dp_module = distributed.wrap(self.family.network(), self.dist_mode)
+            self.dp_module = (distributed.wrap_fsdp2(  # mixed precision / CPU offload: dist.fsdp_*
+                self.family.network(), param_dtype=cfg.dist.fsdp_param_dtype,
+                cpu_offload=cfg.dist.fsdp_cpu_offload) if self.dist_mode == "fsdp2"
+                else distributed.wrap(self.family.network(), self.dist_mode))
             self.policy.forward_module = self.dp_module
         self.params = list(self.policy.trainable_parameters())
         t = cfg.train
@@ -87,6 +90,10 @@ class Trainer:
             sync.all_reduce = distributed.all_reduce_sum
         self.family.connect(sync)
         self.ema = EMA(self.policy.named_trainable_parameters(), t.ema_decay) if t.ema_decay > 0 else None
+        # fp16: a loss scaler; the flow policy scales the gradient at the transformer's output (every engine)
+        self.grad_scaler = torch.amp.GradScaler(self.device.type) if cfg.model.mixed_precision == "fp16" else None
+        if self.grad_scaler is not None:
+            self.policy.grad_scaler = self.grad_scaler
         self.iteration = 0
         self.bad_updates = 0  # consecutive skipped updates (non-finite gradient, or nothing to train)
         self._stop_signal = None
@@ -115,11 +122,15 @@ class Trainer:
         for epoch in range(self.cfg.train.num_inner_epochs):
             stats = first_stats if (epoch == 0 and first_stats is not None) else self.backward(rollout, epoch)
             total.engine = stats.engine
+            if self.grad_scaler is not None and trains:
+                self.grad_scaler.unscale_(self.optimizer)  # before the norm and the clip
             norm = self._grad_norm()
             total.merge(stats)
             info["grad_norm"] = norm
             if epoch == 0:
                 info.update({f"first_epoch/{k}": v for k, v in stats.metrics.items()})
+            if trains and not math.isfinite(norm) and self._scaler_overflow(info):
+                continue  # fp16 overflow: the scaler lowered the scale; not a bad update
             if not trains or not torch.isfinite(torch.tensor(norm)):
                 why = ("no sample could be trained (every reward non-finite, or every group filtered out)"
                        if not trains else "non-finite loss/gradient")
@@ -130,7 +141,12 @@ class Trainer:
             self.bad_updates = 0
             if self.cfg.train.max_grad_norm > 0:
                 torch.nn.utils.clip_grad_norm_(self.params, self.cfg.train.max_grad_norm)
-            self.optimizer.step()
+            if self.grad_scaler is not None:
+                self.grad_scaler.step(self.optimizer)  # unscaled already; steps (the gradient is finite)
+                self.grad_scaler.update()
+                info["loss_scale"] = self.grad_scaler.get_scale()
+            else:
+                self.optimizer.step()
             self.scheduler.step()
             if not self._weights_finite():
                 raise TrainingError(f"stopping: the weights are non-finite after the update of iteration "
@@ -139,6 +155,22 @@ class Trainer:
             if self.ema is not None:
                 self.ema.update()
         return total, info
+
+    def _scaler_overflow(self, info: dict) -> bool:
+        """fp16: a non-finite gradient is an overflow of the loss scale while the scale is still >= 1: the scaler
+        halves it, the update is skipped and it does not count as a bad update. Below 1 the gradient is non-finite
+        by itself, and the update counts as bad (False)."""
+        if self.grad_scaler is None:
+            return False
+        self.grad_scaler.update()  # found inf in unscale_: scale × backoff
+        scale = self.grad_scaler.get_scale()
+        info["loss_scale"] = scale
+        if scale < 1.0:
+            return False
+        info["skipped_updates"] += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        self.log(f"fp16: gradient overflow at iteration {self.iteration + 1}; update skipped, loss scale now {scale:g}")
+        return True
 
     def _skip(self, why: str, info: dict) -> None:
         """Count a skipped update; ``train.max_bad_updates`` in a row stop the run."""
@@ -230,7 +262,8 @@ class Trainer:
             "optimizer": {**self.optimizer.state_dict(), "lr_scheduler": self.scheduler.state_dict()},
             "ema": self.ema.state_dict() if self.ema is not None else None,
             "rng": rng,
-            "extra": {"bad_updates": self.bad_updates},
+            "extra": {"bad_updates": self.bad_updates,  # fp16: the loss scale and its growth tracker (json)
+                      **({"grad_scaler": self.grad_scaler.state_dict()} if self.grad_scaler is not None else {})},
         })
 
     def load_state(self, ck: dict) -> None:
@@ -258,6 +291,8 @@ class Trainer:
         torch.set_rng_state(rng["torch"])
         self.iteration = int(ck["iteration"])
         self.bad_updates = int(ck.get("extra", {}).get("bad_updates", 0))
+        if self.grad_scaler is not None and "grad_scaler" in ck.get("extra", {}):
+            self.grad_scaler.load_state_dict(ck["extra"]["grad_scaler"])
 
     def save_checkpoint(self) -> Path:
         st = self.state()  # on every rank (collectives); rank 0 writes

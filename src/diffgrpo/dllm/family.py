@@ -61,7 +61,8 @@ class DLLMFamily:
             warn_long_prompts(self.vocab, (self.train_pool or self.task.instances("train")) + self.eval_pool,
                               self.prompt_length, log)
         if world.world_size > 1 and cfg.dist.mode == "fsdp2":  # blocks below the root, before the trainer's wrap
-            shard_blocks(policy.model)
+            shard_blocks(policy.model, param_dtype=cfg.dist.fsdp_param_dtype,
+                         cpu_offload=cfg.dist.fsdp_cpu_offload)
         self.gen_length = self.d.gen_length or self.task.gen_length
         self.block_length = self.d.block_length or self.gen_length
         self.steps = self.d.diffusion_steps or self.gen_length

@@ -30,10 +30,12 @@ from ..data_sources import EpochSampler, load_prompts, prompt_metadata
 from ..engines import build_engine, select_steps
 from ..engines.base import EngineContext
 from ..errors import ConfigError
+from ..quality import flow_eval_quality
 from ..family import Sync
 from ..loss_weights import apply, grpo_loss_weights
-from ..rewards import compute_rewards
+from ..rewards import compute_rewards, make_rewards
 from ..samplers import flow_sde
+from ..samplers import options as rollout_options
 from ..samplers.rollout import sample_trajectories
 from ..types import BatchPlan, EngineStats, FlowTrajectory, Rollout
 
@@ -66,6 +68,9 @@ class FlowFamily:
         # prompt files: records {"prompt", **metadata} in a seeded epoch order, the same on every rank
         self.records = load_prompts(t.prompts_file, column=t.prompt_column) if t.prompts_file else []
         self.sampler = EpochSampler(len(self.records), cfg.seed) if self.records else None
+        # reward callables on the policy's device with reward.options bound (models load on first use)
+        self.reward_fns = make_rewards(cfg.reward.weights, cfg.reward.options, self.device)
+        self.plans_made = 0  # training batches planned (the sliding SDE window's clock)
 
     # ------------------------------------------------------------------ the family protocol
     @staticmethod
@@ -107,6 +112,8 @@ class FlowFamily:
                  "steps": self.gen_steps.get_state(), "group_noise": self.gen_group_noise.get_state()}
         if self.sampler is not None:
             state["prompt_sampler"] = self.sampler.state()
+        if self.cfg.steps.window_shift_every > 0:  # the sliding SDE window's clock
+            state["plans_made"] = torch.tensor(self.plans_made)
         return state
 
     def set_rng_state(self, state: dict) -> None:
@@ -117,6 +124,7 @@ class FlowFamily:
             self.gen_group_noise.set_state(state["group_noise"])
         if self.sampler is not None and "prompt_sampler" in state:
             self.sampler.set_state(state["prompt_sampler"])
+        self.plans_made = int(state.get("plans_made", 0))
 
     # ------------------------------------------------------------------ planning
     def sample_prompts(self) -> tuple[list[str], torch.Tensor, list[dict]]:
@@ -146,7 +154,7 @@ class FlowFamily:
     def initial_noise(self, group_ids: torch.Tensor) -> torch.Tensor:
         """x_0 (B, *S); one draw per group when ``sampler.share_noise_in_group``."""
         shape = self.policy.latent_shape
-        if self.cfg.sampler.share_noise_in_group:  # spread: a group's ranks must draw the same x_0
+        if self.cfg.sampler.share_noise_in_group or self.cfg.sampler.shared_prefix:  # spread: a group's ranks must draw the same x_0
             n = int(group_ids.max()) + 1
             gen = self.gen_group_noise if self.spread else self.gen_noise
             z = torch.randn(n, *shape, generator=gen, device=self.device)
@@ -172,8 +180,10 @@ class FlowFamily:
             prompts, group_ids = [prompts[i] for i in rows.tolist()], group_ids[rows]
             metadata = [metadata[i] for i in rows.tolist()]
             selected = selected[rows.to(self.device)]
+        selected, sde_mask = rollout_options.plan_steps(s, selected, self.plans_made)  # sliding window, ODE outside
+        self.plans_made += 1
         plan = BatchPlan(prompts=list(prompts), group_ids=group_ids, selected=selected,
-                         x0=self.initial_noise(group_ids), metadata=metadata)
+                         x0=self.initial_noise(group_ids), metadata=metadata, sde_mask=sde_mask)
         self.engine.plan(plan, self.gen_steps)
         return plan
 
@@ -190,11 +200,14 @@ class FlowFamily:
                                   generator=self.gen_noise, sde_mask=plan.sde_mask,
                                   grad_mask=None if hooks is None else hooks.grad_mask,
                                   on_grad_step=None if hooks is None else hooks.on_grad_step,
-                                  batch_size=self.cfg.sampler.batch_size)
+                                  batch_size=self.cfg.sampler.batch_size,
+                                  **rollout_options.sampler_kwargs(self.cfg.sampler, plan, self.sigmas))
+        rollout_options.count_saved(self.policy, out["saved_forwards"])
         t_sample = time.perf_counter() - t0
         t1 = time.perf_counter()
         images = self.policy.decode(out["xs"][:, -1])
-        rewards, comps = compute_rewards(self.cfg.reward.weights, images, plan.prompts, plan.metadata, log=self.log)
+        rewards, comps = compute_rewards(self.cfg.reward.weights, images, plan.prompts, plan.metadata, log=self.log,
+                                        rewards=self.reward_fns)
         t_reward = time.perf_counter() - t1
         traj = FlowTrajectory(cond=cond, sigmas=self.sigmas, xs=out["xs"], velocities=out["velocities"],
                               log_probs=out["log_probs"], noise=out["noise"], images=images,
@@ -248,6 +261,7 @@ class FlowFamily:
         row = {"eval/reward": float(rewards[torch.isfinite(rewards)].mean())}
         for name, v in comps.items():
             row[f"eval/rewards/{name}/mean"] = float(v[torch.isfinite(v)].mean())
+        row.update(flow_eval_quality(self.cfg, images, prompts))  # eval/fid, eval/diversity on the built-in task
         return row, images
 
     def _eval_generator(self) -> torch.Generator:
@@ -263,7 +277,7 @@ class FlowFamily:
         self.policy.counters.update(saved)
         images = self.policy.decode(out["xs"][:, -1])
         del out
-        rewards, comps = compute_rewards(self.cfg.reward.weights, images, prompts, metadata)
+        rewards, comps = compute_rewards(self.cfg.reward.weights, images, prompts, metadata, rewards=self.reward_fns)
         return images, rewards, comps
 
 

@@ -240,21 +240,29 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
     return []
 
 
-def shard_blocks(model: nn.Module) -> int:
+def shard_blocks(model: nn.Module, *, param_dtype: str = "float32", cpu_offload: bool = False) -> int:
     """FSDP2: ``fully_shard`` every block :func:`transformer_blocks` finds that the trainer's root wrap
-    (``distributed.wrap_fsdp2``, which looks only at the root's own block lists) would not shard itself; the
-    trainer then shards the root. → the number of blocks sharded here. No-op at world size 1."""
+    (``distributed.wrap_fsdp2``, which looks only at the root's own block lists) would not shard itself, with the
+    root's policies (``dist.fsdp_param_dtype``: all-gather and compute in that dtype, reduce in float32;
+    ``dist.fsdp_cpu_offload``); the trainer then shards the root. → the number of blocks sharded here. No-op at
+    world size 1."""
     import torch.distributed as dist
 
     if not is_initialized() or dist.get_world_size() == 1 or root_blocks(model):
         return 0
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-    mesh = init_device_mesh("cuda" if dist.get_backend() == "nccl" else "cpu", (dist.get_world_size(),))
+    device_type = "cuda" if "nccl" in str(dist.get_backend()) else "cpu"
+    kw = {}
+    if DTYPES[param_dtype] != torch.float32:
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=torch.float32)
+    if cpu_offload:
+        kw["offload_policy"] = CPUOffloadPolicy(pin_memory=device_type == "cuda")
+    mesh = init_device_mesh(device_type, (dist.get_world_size(),))
     blocks = transformer_blocks(model)
     for block in blocks:
-        fully_shard(block, mesh=mesh)
+        fully_shard(block, mesh=mesh, **kw)
     return len(blocks)
 
 
