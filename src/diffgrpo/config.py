@@ -26,7 +26,7 @@ import yaml
 
 from .data_sources import check_prompts, read_utf8
 from .distributed import launched_world_size
-from .dllm.tasks import VOCAB, examples_from_file, get_task
+from .dllm.tasks import FILE_TASKS, TASKS, VOCAB, examples_from_file, get_task
 from .engines import ENGINES
 from .errors import ConfigError, suggest
 from .rewards import REWARDS, check_rewards, resolve_reward
@@ -215,8 +215,9 @@ class DLLMConfig:
     """Masked diffusion LMs (model.name=tiny_mlm / hf_masked_lm). TRL names: num_generations = train.group_size,
     beta = loss.beta, epsilon = dllm.clip_range, num_iterations = train.num_inner_epochs,
     scale_rewards = advantage.std_mode (when method_defaults is false)."""
-    task: str = _f("arithmetic", choices=("arithmetic", "sudoku", "countdown", "json_schema"),
-                   doc="task with a verifiable reward (diffgrpo.dllm.tasks)")
+    task: str = _f("arithmetic", choices=("arithmetic", "sudoku", "countdown", "json_schema", "gsm8k"),
+                   doc="task with a verifiable reward (diffgrpo.dllm.tasks); gsm8k: numeric answers, instances from "
+                       "dllm.data_file")
     method: str = _f("diffu_grpo", choices=("diffu_grpo", "coupled_grpo", "random_mask"),
                      doc="base method: likelihood estimator + advantage baseline")
     method_defaults: bool = _f(True, doc="use the method's advantage baseline/std (else the advantage section)")
@@ -243,6 +244,27 @@ class DLLMConfig:
                                            "(LLaDA checkpoints without one: 126336)")
     logits_shift: str = _f("auto", choices=("auto", "true", "false"),
                            doc="hf_masked_lm: true = position j scores token j+1 (Dream); auto by model type")
+    # at scale (diffgrpo.models.hf_masked_lm, diffgrpo.rewards.verifiers)
+    dtype: str = _f("float32", choices=("float32", "bfloat16", "float16"),
+                    doc="weight dtype of the masked LM (LoRA weights train in float32; logits are scored in float32)")
+    gradient_checkpointing: bool = _f(False, doc="activation checkpointing in the masked LM's blocks")
+    lora_rank: int = _f(0, lo=0, doc="LoRA rank (train a peft adapter only; the KL reference is the adapter "
+                                     "disabled); 0 = full fine-tune. d1 trains LLaDA-8B with rank 128")
+    lora_alpha: float = _f(0.0, lo=0.0, doc="LoRA alpha; 0 = lora_rank (d1: 64 at rank 128)")
+    lora_target_modules: str = _f("", doc="comma-separated LoRA targets; empty = the model's attention projections "
+                                          "(LLaDA / Dream: q_proj, k_proj, v_proj as d1; BERT: query, key, value)")
+    chat_template: str = _f("auto", choices=("auto", "true", "false"),
+                            doc="hf_masked_lm: wrap prompts with tokenizer.apply_chat_template (user turn + the "
+                                "generation prompt); auto = when the tokenizer has a template")
+    system_prompt: str = _f("", doc="hf_masked_lm with a chat template: system message before every prompt")
+    prompt_length: int = _f(0, lo=0, doc="prompt tokens (left-padded; longer prompts keep their last tokens); "
+                                         "0 = the task's default")
+    prompt_field: str = _f("prompt", doc="dllm.data_file / eval_file: the field holding the prompt (GSM8K: question)")
+    answer_field: str = _f("answer", doc="dllm.data_file / eval_file: the field holding the reference answer")
+    eval_file: str = _f("", path=True, doc="held-out prompts and answers (same formats as dllm.data_file); empty = "
+                                           "the task's test split (gsm8k: dllm.data_file itself)")
+    format_reward: float = _f(0.0, lo=0.0, doc="weight of d1's format rewards (strict + soft XML format + tag "
+                                               "count, at most 1.5) added to the task reward; 0 = off")
 
 
 @dataclass
@@ -720,8 +742,9 @@ def _validate_dllm(cfg: RunConfig) -> None:
     if cfg.model.name == "hf_masked_lm" and not d.model_path:
         raise ConfigError("dllm.model_path: required for model.name=hf_masked_lm (a local model directory or hub id)")
     task = get_task(d.task)
+    _validate_dllm_scale(cfg, task)
     if d.data_file:
-        examples = examples_from_file(d.data_file, task)
+        examples = examples_from_file(d.data_file, task, prompt_field=d.prompt_field, answer_field=d.answer_field)
         if cfg.model.name == "tiny_mlm":  # the built-in character vocabulary and its prompt positions
             for i, ex in enumerate(examples, 1):
                 try:
@@ -761,6 +784,36 @@ def _validate_dllm(cfg: RunConfig) -> None:
         schedule(gen, block, steps)  # the sampler's own rules, in case they grow
     except ValueError as e:
         raise ConfigError(f"dllm.diffusion_steps: value {steps} is not usable ({e})") from None
+
+
+def _validate_dllm_scale(cfg: RunConfig, task) -> None:
+    """File tasks, held-out files, chat templates and the LoRA / dtype / sharding combinations of masked LMs."""
+    d = cfg.dllm
+    if d.task in FILE_TASKS:
+        if not d.data_file:
+            raise ConfigError(f"dllm.data_file: required for dllm.task={d.task} (it has no generator): a .jsonl file "
+                              f"or hf:<dataset>[:<split>] with fields {d.prompt_field!r} and {d.answer_field!r}")
+        if cfg.model.name != "hf_masked_lm":
+            raise ConfigError(f"dllm.task: value {d.task!r} needs model.name=hf_masked_lm (the built-in tiny_mlm "
+                              f"only knows {sorted(TASKS)})")
+    if d.eval_file:
+        examples_from_file(d.eval_file, task, key="dllm.eval_file", prompt_field=d.prompt_field,
+                           answer_field=d.answer_field)
+    if cfg.model.name == "tiny_mlm":
+        if d.chat_template == "true" or d.system_prompt:
+            key = "dllm.chat_template" if d.chat_template == "true" else "dllm.system_prompt"
+            raise ConfigError(f"{key}: the built-in tiny_mlm has a character vocabulary and no chat template; it "
+                              f"applies to model.name=hf_masked_lm")
+        if d.prompt_length and d.prompt_length != task.prompt_length:
+            raise ConfigError(f"dllm.prompt_length: value {d.prompt_length} does not fit the built-in tiny_mlm for "
+                              f"dllm.task={d.task}, which reads {task.prompt_length} prompt tokens; use 0")
+    if d.lora_target_modules and not d.lora_rank:
+        raise ConfigError("dllm.lora_target_modules: set only with dllm.lora_rank > 0 (LoRA is off at rank 0)")
+    if cfg.dist.mode == "fsdp2" and d.lora_rank and d.dtype != "float32":
+        raise ConfigError(f"dllm.dtype: value {d.dtype!r} with dllm.lora_rank={d.lora_rank} under dist.mode=fsdp2 is "
+                          f"not supported (FSDP2 shards each block in one dtype and the adapter trains in float32); "
+                          f"choose dllm.dtype=float32 (with dist.fsdp_param_dtype=bfloat16 to compute in bf16) or "
+                          f"dist.mode=ddp")
 
 
 # Keys each family reads (a section name covers all its keys); any other key set to a non-default value is refused.

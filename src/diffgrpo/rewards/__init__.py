@@ -25,7 +25,7 @@ from typing import Callable, Mapping
 import torch
 
 from ..errors import ConfigError, RewardError, suggest
-from . import clip_models, geneval, ocr
+from . import clip_models, geneval, ocr, verifiers
 from .image import digit_alignment, jpeg_compressibility, jpeg_incompressibility
 from .loading import DTYPES
 
@@ -35,6 +35,12 @@ REWARDS: dict[str, RewardFn] = {
     "digit_alignment": digit_alignment,
     "jpeg_compressibility": jpeg_compressibility,
     "jpeg_incompressibility": jpeg_incompressibility,
+    # text verifiers (completions are strings; the reference is read from the prompt and metadata["answer"])
+    "verify_gsm8k": verifiers.verify_gsm8k,
+    "verify_countdown": verifiers.verify_countdown,
+    "verify_sudoku": verifiers.verify_sudoku,
+    "verify_json_schema": verifiers.verify_json_schema,
+    "d1_format": verifiers.d1_format,
 }
 
 
