@@ -234,3 +234,9 @@ def test_rewards_that_cannot_apply_fail_before_loading(monkeypatch):
                                                           {"no_such_module_xyz": "rapidocr-onnxruntime"}))
     assert _err("reward.weights={ocr: 1.0}") == ("reward.weights: reward 'ocr' needs rapidocr-onnxruntime, which is "
                                                  "not installed; pip install 'diffgrpo[rewards]'")
+
+
+def test_text_verifiers_are_refused_on_image_models():
+    """A text verifier would read image tensors as completions and score 0: refused before any model loads."""
+    msg = _err("reward.weights={verify_gsm8k: 1.0}")
+    assert msg.startswith("reward.weights: 'verify_gsm8k' verifies text completions and cannot score model.name=tiny")

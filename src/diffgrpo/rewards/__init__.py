@@ -262,6 +262,10 @@ def missing_packages(name: str) -> list[str]:
     return [pkg for mod, pkg in spec.requires.items() if importlib.util.find_spec(mod) is None]
 
 
+# registry rewards that read text completions (masked diffusion LMs), never images
+TEXT_REWARDS = frozenset({"verify_gsm8k", "verify_countdown", "verify_sudoku", "verify_json_schema", "d1_format"})
+
+
 def check_rewards(weights: Mapping[str, float], options: Mapping[str, Mapping], *, model_name: str) -> None:
     """The reward section of a flow-matching run against its model, before anything loads (one-line ConfigErrors):
 
@@ -275,6 +279,11 @@ def check_rewards(weights: Mapping[str, float], options: Mapping[str, Mapping], 
         raise ConfigError(f"reward.weights: 'digit_alignment' scores the built-in one-channel digit images "
                           f"(model.name=tiny) and cannot apply to model.name={model_name}'s RGB output; choose "
                           f"e.g. pickscore, clip_score, aesthetic, ocr or geneval")
+    text = sorted(n for n in weights if n in TEXT_REWARDS)
+    if text:
+        raise ConfigError(f"reward.weights: {text[0]!r} verifies text completions and cannot score "
+                          f"model.name={model_name}'s images; choose e.g. pickscore, clip_score, aesthetic, ocr or "
+                          f"geneval (text verifiers score masked diffusion LMs' completions)")
     check_options(weights, options)
     for name in weights:
         missing = missing_packages(name)
