@@ -213,16 +213,24 @@ def test_one_process_checkpoint_resumes_on_two_ranks(two_ranks):
         _assert_states(r["from_one"], saved_one, exact=True)
 
 
-def test_sharded_format_resumes_bitwise_in_one_process(tmp_path):
-    ref = _make(str(tmp_path / "ref"), "train.checkpoint_format=dcp")
+@pytest.mark.parametrize("lora", [[], ["model.lora_rank=4"]], ids=["full", "lora"])
+def test_sharded_format_resumes_bitwise_in_one_process(tmp_path, lora):
+    ref = _make(str(tmp_path / "ref"), "train.checkpoint_format=dcp", *lora)
     ref.step()
     ref.step()
-    tr = _make(str(tmp_path / "run"), "train.checkpoint_format=dcp", "train.keep_checkpoints=3")
+    tr = _make(str(tmp_path / "run"), "train.checkpoint_format=dcp", "train.keep_checkpoints=3", *lora)
     tr.step()
     tr.save_checkpoint()
     tr.step()
-    tr.save_checkpoint()
-    again = _make(str(tmp_path / "run"), "train.checkpoint_format=dcp")
+    ckpt = tr.save_checkpoint()
+    # LoRA: only the adapter is stored (the frozen base is not), and the checkpoint carries it in diffusers format
+    assert (ckpt / "lora" / "pytorch_lora_weights.safetensors").is_file() == bool(lora)
+    from safetensors import safe_open
+
+    with safe_open(str(next((ckpt / "dcp").glob("*.safetensors"))), "pt") as f:
+        weights = [k for k in f.keys() if k.startswith("model.")]
+    assert weights and all("lora_" in k for k in weights) == bool(lora)
+    again = _make(str(tmp_path / "run"), "train.checkpoint_format=dcp", *lora)
     _scramble(again)
     # a damaged shard of the newest checkpoint (same size) is detected, and the one before is used
     shard = next((list_checkpoints(tmp_path / "run")[-1] / "dcp").glob("*.safetensors"))

@@ -23,7 +23,7 @@ RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT) :func:`init_from_env` creates the
   sharded_state(m, opt)   model + optimizer state as DCP sees it (``get_state_dict``): this rank's shards only
   save_sharded(t, d)      ``dcp.save`` of a tensor tree into directory d: every rank writes its own shards
   load_sharded(m, opt, …) ``dcp.load`` into this process's layout (any world size: DCP reshards), then
-                          ``set_state_dict``
+                          ``set_state_dict``; ``load_sharded_model(m, d)`` the weights alone
   seed_for(seed, rank)    per-rank seed of a stream that must differ across ranks
 
 Gradient scale: DDP and FSDP2 both AVERAGE gradients over ranks, so a loss that must equal the one-process
@@ -359,9 +359,26 @@ def load_sharded(module: torch.nn.Module, optimizer: torch.optim.Optimizer, dire
     groups = [dict(g) for g in param_groups]
     for g in groups:  # JSON turned tuples (betas) into lists
         g.update({k: tuple(v) for k, v in g.items() if isinstance(v, list) and k != "params"})
+    # strict=False: frozen weights (a LoRA run's base model) are not in the checkpoint; every trainable one is
+    # (dcp.load above raises on a key the checkpoint lacks)
     set_state_dict(module, optimizer, model_state_dict=tensors["model"],
                    optim_state_dict={"state": tensors["optim"], "param_groups": groups},
-                   options=StateDictOptions(ignore_frozen_params=True))
+                   options=StateDictOptions(ignore_frozen_params=True, strict=False))
+
+
+def load_sharded_model(module: torch.nn.Module, directory) -> None:
+    """The weights alone of a :func:`save_sharded` checkpoint into ``module`` (e.g. for an export: no optimizer is
+    built): ``dcp.load`` of the ``model`` entries into this process's layout, then ``set_model_state_dict``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+    opts = StateDictOptions(ignore_frozen_params=True)
+    tensors = {"model": dict(get_model_state_dict(module, options=opts))}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to")
+        dcp.load(tensors, storage_reader=HuggingFaceStorageReader(str(directory)), no_dist=not is_initialized())
+    set_model_state_dict(module, tensors["model"], options=StateDictOptions(ignore_frozen_params=True, strict=False))
 
 
 def gather_groups(rewards: torch.Tensor, group_ids: torch.Tensor, *,
@@ -393,4 +410,4 @@ __all__ = ["COUNTERS", "WorldInfo", "info", "init_from_env", "launched_world_siz
            "all_gather_object", "all_reduce_mean_",
            "add_mean_grad_", "all_reduce_sum", "no_sync", "reshard", "sharded", "wrap", "wrap_ddp", "wrap_fsdp2",
            "transformer_blocks", "to_full", "seed_for", "is_initialized", "sharded_state", "save_sharded",
-           "load_sharded"]
+           "load_sharded", "load_sharded_model"]
