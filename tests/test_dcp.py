@@ -228,8 +228,11 @@ def test_sharded_format_resumes_bitwise_in_one_process(tmp_path, lora):
     from safetensors import safe_open
 
     with safe_open(str(next((ckpt / "dcp").glob("*.safetensors"))), "pt") as f:
-        weights = [k for k in f.keys() if k.startswith("model.")]
-    assert weights and all("lora_" in k for k in weights) == bool(lora)
+        stored = {k[len("model."):] for k in f.keys() if k.startswith("model.")}
+    named = dict(tr.family.network().named_parameters())
+    assert {n for n, p in named.items() if p.requires_grad} <= stored  # every trained weight …
+    assert not {n for n, p in named.items() if not p.requires_grad} & stored  # … and no frozen one
+    assert any("lora_" in n for n in stored) == bool(lora)
     again = _make(str(tmp_path / "run"), "train.checkpoint_format=dcp", *lora)
     _scramble(again)
     # a damaged shard of the newest checkpoint (same size) is detected, and the one before is used
