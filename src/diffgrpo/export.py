@@ -25,8 +25,15 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from . import distributed
+from .cache import save_dir_atomic
 from .checkpoint import is_complete, latest_complete, load_checkpoint
+from .cli import _distrust, _fresh_device
+from .config import RunConfig, from_dict
 from .errors import ConfigError
+from .models import POLICIES
+from .models.tiny import build_tiny_policy
+from .runlog import read_metrics
 
 
 def resolve_checkpoint(src: Path) -> tuple[Path, Path]:
@@ -83,12 +90,8 @@ def model_card(config: dict, iteration: int, held_out: dict | None, kind: str) -
 def _policy(cfg):
     """The policy the run trained, built as the run built it (pretrained base weights; the built-in tiny image
     model at random init: a full fine-tune's checkpoint overwrites every trained weight)."""
-    from .models import POLICIES
-
     quiet = lambda *a, **k: None  # noqa: E731
     if cfg.model.name == "tiny":
-        from .models.tiny import build_tiny_policy
-
         return build_tiny_policy(cfg, progress=False, log=quiet, pretrained=False)
     return POLICIES[cfg.model.name](cfg, progress=False, log=quiet)
 
@@ -99,21 +102,13 @@ def _network(policy):
 
 
 def _load_weights(policy, ck: dict) -> None:
-    from safetensors.torch import load_file
-
-    from . import distributed
-
     if ck.get("sharded") is not None:
         distributed.load_sharded_model(_network(policy), ck["sharded"])
     else:
-        policy.load_state_dict(ck["trainable"] if ck.get("trainable") is not None
-                               else load_file(str(Path(ck["path"]) / "trainable.safetensors")))
+        policy.load_state_dict(ck["trainable"])  # the files format: full tensors under the policy's names
 
 
 def _config(ckpt: Path, overrides: list[str]):
-    from .cli import _distrust, _fresh_device
-    from .config import RunConfig, from_dict
-
     data = json.loads((ckpt / "state.json").read_text())["config"]
     raw = json.loads(json.dumps(data))  # for the model card, before code-naming keys are dropped
     data = _fresh_device(_distrust(data, overrides, path=ckpt / "state.json", command="export", strict=False),
@@ -125,8 +120,6 @@ def _config(ckpt: Path, overrides: list[str]):
 
 def export(src: str | Path, out: str | Path, *, merge: bool = False, overrides: list[str] | None = None) -> Path:
     """Write the export of ``src`` (see the module docstring) into ``out``. → ``out``."""
-    from .cache import save_dir_atomic
-
     src, out = Path(src), Path(out)
     run, ckpt = resolve_checkpoint(src)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -147,7 +140,7 @@ def export(src: str | Path, out: str | Path, *, merge: bool = False, overrides: 
             shutil.copytree(ckpt / "lora", tmp, dirs_exist_ok=True)
         else:
             policy = _policy(cfg)
-            _load_weights(policy, dict(ck, path=str(ckpt)))
+            _load_weights(policy, ck)
             if merge and not dllm:
                 if lora:
                     policy.transformer.fuse_lora(lora_scale=1.0)
@@ -161,8 +154,6 @@ def export(src: str | Path, out: str | Path, *, merge: bool = False, overrides: 
                         shutil.move(str(item), tmp / item.name)
         rows = []
         if (run / "metrics.jsonl").is_file():
-            from .runlog import read_metrics
-
             rows = read_metrics(run / "metrics.jsonl", log=lambda *a: None)
         (tmp / "README.md").write_text(model_card(raw, ck["iteration"], last_held_out(rows, ck["iteration"]), kind),
                                        encoding="utf-8")

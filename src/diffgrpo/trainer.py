@@ -278,7 +278,7 @@ class Trainer:
         if self.ema is not None:
             tensors["ema"] = dict(self.ema.shadow)
         rng = self._rng_state()
-        adapter = distributed.to_full(self.policy.state_dict()) if getattr(self.policy, "lora_rank", 0) > 0 else None
+        adapter = distributed.to_full(self.policy.state_dict()) if self.cfg.model.lora_rank > 0 else None
         out = self.run_dir()
         self._saved_at = self.iteration
         return save_sharded_checkpoint(
