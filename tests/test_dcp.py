@@ -139,6 +139,7 @@ def _worker(rank: int, world: int, port: int, d: str) -> None:
     _scramble(tr)
     assert tr._resume(tr.run_dir())
     res["from_one"] = _full_state(tr)
+    res["from_one_rng"] = tr.family.rng_state()
     torch.save(res, os.path.join(d, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
@@ -151,7 +152,7 @@ def two_ranks():
         one = _make(f"{d}/one", "train.checkpoint_format=dcp")  # one process, sharded format
         one.step()
         one.save_checkpoint()
-        saved_one = _full_state(one)
+        saved_one = {**_full_state(one), "rng": one.family.rng_state()}
         mp.spawn(_worker, args=(2, _free_port(), d), nprocs=2, join=True)
         yield d, saved_one, [torch.load(os.path.join(d, f"rank{r}.pt"), weights_only=True) for r in range(2)]
 
@@ -209,8 +210,14 @@ def test_two_rank_checkpoint_resumes_in_one_process(two_ranks):
 
 def test_one_process_checkpoint_resumes_on_two_ranks(two_ranks):
     _, saved_one, ranks = two_ranks
+    saved_rng = saved_one["rng"]
     for r in ranks:
-        _assert_states(r["from_one"], saved_one, exact=True)
+        _assert_states(r["from_one"], {k: v for k, v in saved_one.items() if k != "rng"}, exact=True)
+    # rank 0 continues every saved stream; rank 1 continues the shared one (a group's noise) and keeps its own
+    # per-rank streams (sampling noise: the ranks never draw the same noise)
+    _assert_states(ranks[0]["from_one_rng"], saved_rng, exact=True)
+    assert torch.equal(ranks[1]["from_one_rng"]["group_noise"], saved_rng["group_noise"])
+    assert not torch.equal(ranks[1]["from_one_rng"]["noise"], ranks[0]["from_one_rng"]["noise"])
 
 
 @pytest.mark.parametrize("lora", [[], ["model.lora_rank=4"]], ids=["full", "lora"])

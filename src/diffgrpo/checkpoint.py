@@ -151,6 +151,17 @@ def save_sharded_checkpoint(run_dir: Path, iteration: int, *, write_shards: Call
     return out
 
 
+def states_equal(a, b) -> bool:
+    """Equality of two RNG states (tensors, or plain containers of them)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(states_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(states_equal(x, y) for x, y in zip(a, b))
+    return a == b
+
+
 def list_checkpoints(run_dir: Path) -> list[Path]:
     """Checkpoint directories (complete or not) in iteration order."""
     root = Path(run_dir) / "checkpoints"

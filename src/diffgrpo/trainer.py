@@ -24,10 +24,11 @@ from pathlib import Path
 import torch
 from filelock import FileLock, Timeout
 from safetensors.torch import save_file
+from torch.distributed.checkpoint.api import CheckpointException
 from tqdm.auto import tqdm
 
 from . import distributed
-from .checkpoint import latest_complete, load_checkpoint, save_checkpoint, save_sharded_checkpoint
+from .checkpoint import latest_complete, load_checkpoint, save_checkpoint, save_sharded_checkpoint, states_equal
 from .config import MODEL_FAMILIES, RunConfig, validate
 from .dllm.family import DLLMFamily
 from .ema import EMA
@@ -253,6 +254,8 @@ class Trainer:
         rng = ck["rng"]
         if len(rng.get("per_rank", [])) == self.world.world_size:
             rng = rng["per_rank"][self.world.rank]
+        elif self.world.world_size > 1 and "family" in rng:  # resharded onto another number of ranks
+            rng = self._resharded_rng(rng)
         # earlier versions kept the flow streams at the top level, and the dLLM's own under "family"
         self.family.set_rng_state({**{k: v for k, v in rng.items() if k not in ("torch", "family", "per_rank")},
                                    **rng.get("family", {})})
@@ -297,11 +300,31 @@ class Trainer:
         extra = {"ema": dict(self.ema.shadow)} if self.ema is not None else None  # loaded in place
         try:
             distributed.load_sharded(self.family.network(), self.optimizer, ck["sharded"], ts["param_groups"], extra)
-        except (KeyError, ValueError, RuntimeError) as e:
+        except (KeyError, ValueError, RuntimeError, CheckpointException) as e:
             raise TrainingError(f"cannot load the sharded checkpoint {ck['sharded'].parent} into this run (a "
                                 f"different model or trainable set?): {str(e).splitlines()[0] if str(e) else e!r}"
                                 ) from None
         return ts.get("lr_scheduler")
+
+    def _resharded_rng(self, rng: dict) -> dict:
+        """This rank's streams when the checkpoint was written by another number of ranks (a collective). A stream
+        the fresh trainers seeded alike on every rank (the prompt order, a group's shared noise, torch's global
+        state) is shared: every rank continues saved rank 0's. A stream seeded per rank (sampling noise) continues
+        saved rank r's on rank r, and stays freshly seeded (``seed_for``) on a rank the saving run did not have,
+        so the ranks never draw the same noise."""
+        saved = rng.get("per_rank") or [rng]
+        mine = {"torch": torch.get_rng_state(), "family": self.family.rng_state()}
+        fresh = distributed.all_gather_object(mine)
+        r = self.world.rank
+
+        def pick(now, get):
+            if all(states_equal(get(f), now) for f in fresh):  # seeded alike on every rank: shared
+                return get(saved[0])
+            return get(saved[r]) if r < len(saved) else now
+
+        family = {k: pick(v, lambda d, k=k: d["family"][k]) if all(k in d["family"] for d in saved) else v
+                  for k, v in mine["family"].items()}
+        return {"torch": pick(mine["torch"], lambda d: d["torch"]), "family": family}
 
     def save_checkpoint(self) -> Path:
         if self.sharded_checkpoints():
