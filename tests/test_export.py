@@ -110,3 +110,28 @@ def test_export_full_fine_tune_of_the_builtin_model(make_trainer, tmp_path):
     for n, p in loaded.named_parameters():
         assert torch.equal(p, live[n].detach())
     assert "| iterations | 1 " in (tmp_path / "out" / "README.md").read_text()
+
+
+def test_export_masked_lm_from_a_sharded_checkpoint(tmp_path):
+    """A masked diffusion LM (the built-in one, random init) checkpointed in the sharded format exports as a
+    transformers from_pretrained directory holding the trained weights."""
+    from transformers import AutoModelForMaskedLM
+
+    from diffgrpo import Trainer
+    from diffgrpo.models.hf_masked_lm import build_tiny_mlm_policy
+
+    cfg = RunConfig.from_overrides(["model.name=tiny_mlm", "train.checkpoint_format=dcp", "log.progress=false",
+                                    f"log.output_dir={tmp_path / 'run'}"])
+    torch.manual_seed(0)
+    tr = Trainer(cfg, policy=build_tiny_mlm_policy(cfg, progress=False, pretrained=False), log=lambda *a: None)
+    with torch.no_grad():
+        for p in tr.params:  # trained weights, not the ones a fresh build would draw
+            p.add_(0.5)
+    tr.save_checkpoint()
+    assert main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "out"), "--merge"]) == 0
+    loaded = AutoModelForMaskedLM.from_pretrained(str(tmp_path / "out"))
+    live = tr.policy.state_dict()
+    sd = loaded.state_dict()
+    assert set(live) <= set(sd)
+    for k, v in live.items():
+        assert torch.equal(sd[k], v), k

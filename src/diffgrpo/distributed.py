@@ -313,15 +313,30 @@ def _tensor_tree(obj) -> bool:
     return isinstance(obj, torch.Tensor)
 
 
+def _untied(msd: dict) -> dict:
+    """A model state dict with every tied weight once (the first name of tensors sharing memory, e.g. a masked
+    LM's input embedding and output projection): safetensors refuses shared memory, and loading the kept name
+    fills the tied one. Empty tensors (a rank holding no rows of a shard) are never taken for tied ones."""
+    out, seen = {}, set()
+    for k, v in msd.items():
+        local = v.to_local() if hasattr(v, "to_local") else v
+        key = (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape))
+        if local.numel() and key in seen:
+            continue
+        seen.add(key)
+        out[k] = v
+    return out
+
+
 def sharded_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, list[dict]]:
     """The trainable state of ``module`` and ``optimizer`` as ``torch.distributed.checkpoint.state_dict.get_state_dict``
     gives it: keyed by parameter name (FQN), frozen parameters left out, and under FSDP2 each tensor a DTensor
-    holding this rank's shard only (no gather). → (``{"model": {fqn: tensor}, "optim": {fqn: {"step",
+    holding this rank's shard only (no gather), tied weights once. → (``{"model": {fqn: tensor}, "optim": {fqn: {"step",
     "exp_avg", …}}}``, the optimizer's param_groups: plain numbers and names, stored as JSON)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     msd, osd = get_state_dict(module, optimizer, options=StateDictOptions(ignore_frozen_params=True))
-    tensors = {"model": dict(msd), "optim": {k: dict(v) for k, v in osd["state"].items()}}
+    tensors = {"model": _untied(msd), "optim": {k: dict(v) for k, v in osd["state"].items()}}
     if not _tensor_tree(tensors):
         raise TypeError("the optimizer state holds non-tensor values; sharded checkpoints store tensors only")
     return tensors, [dict(g) for g in osd["param_groups"]]
@@ -374,7 +389,7 @@ def load_sharded_model(module: torch.nn.Module, directory) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
     opts = StateDictOptions(ignore_frozen_params=True)
-    tensors = {"model": dict(get_model_state_dict(module, options=opts))}
+    tensors = {"model": _untied(get_model_state_dict(module, options=opts))}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to")
         dcp.load(tensors, storage_reader=HuggingFaceStorageReader(str(directory)), no_dist=not is_initialized())
