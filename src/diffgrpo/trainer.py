@@ -269,6 +269,7 @@ class Trainer:
         return fmt == "dcp" or (fmt == "auto" and self.dist_mode == "fsdp2")
 
     def _rng_state(self) -> dict:
+        """torch's and the family's RNG states; with several ranks also every rank's (a collective)."""
         rng = {"torch": torch.get_rng_state(), "family": self.family.rng_state()}
         if self.world.world_size > 1:  # a collective: every rank's streams, restored per rank on resume
             rng["per_rank"] = distributed.all_gather_object(rng)
@@ -308,8 +309,8 @@ class Trainer:
 
     def _resharded_rng(self, rng: dict) -> dict:
         """This rank's streams when the checkpoint was written by another number of ranks (a collective). A stream
-        the fresh trainers seeded alike on every rank (the prompt order, a group's shared noise, torch's global
-        state) is shared: every rank continues saved rank 0's. A stream seeded per rank (sampling noise) continues
+        the fresh trainers seeded alike on every rank (e.g. a group's shared noise, torch's global state) is
+        shared: every rank continues saved rank 0's. A stream seeded per rank (e.g. sampling noise) continues
         saved rank r's on rank r, and stays freshly seeded (``seed_for``) on a rank the saving run did not have,
         so the ranks never draw the same noise."""
         saved = rng.get("per_rank") or [rng]
