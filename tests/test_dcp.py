@@ -8,6 +8,7 @@ import json
 import os
 import socket
 import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -177,11 +178,11 @@ def test_fsdp2_killed_and_resumed_equals_uninterrupted(two_ranks):
 
 
 def test_fsdp2_checkpoint_is_sharded_and_checksummed(two_ranks):
-    d, _, ranks = two_ranks
+    _, _, ranks = two_ranks
     ckpt = ranks[0]["ckpt"]
-    files = json.loads(open(os.path.join(ckpt, "state.json")).read())["files"]
+    files = json.loads(Path(ckpt, "state.json").read_text())["files"]
     shards = sorted(f for f in files if f.startswith("dcp/"))
-    assert len(shards) == 2 and is_complete(__import__("pathlib").Path(ckpt))  # one file per rank, both hashed
+    assert len(shards) == 2 and is_complete(Path(ckpt))  # one file per rank, both hashed
     sizes = [files[f]["size"] for f in shards]  # each rank's shards of the weights, the AdamW state and the EMA
     assert max(sizes) < 0.75 * sum(sizes)  # the two ranks' halves (uneven row splits aside), not a full copy each
 

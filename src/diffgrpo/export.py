@@ -36,7 +36,6 @@ from .models.hf_masked_lm import build_tiny_mlm_policy
 from .models.tiny import build_tiny_policy
 from .runlog import read_metrics
 
-
 BUILT_IN = {"tiny": build_tiny_policy, "tiny_mlm": build_tiny_mlm_policy}
 
 
@@ -94,7 +93,7 @@ def model_card(config: dict, iteration: int, held_out: dict | None, kind: str) -
 def _policy(cfg):
     """The policy the run trained, built as the run built it (pretrained base weights; the built-in models at
     random init: they are fully fine-tuned, so the checkpoint overwrites every weight)."""
-    quiet = lambda *a, **k: None  # noqa: E731
+    quiet = lambda *a, **k: None
     if cfg.model.name in BUILT_IN:  # no pretraining: the checkpoint holds every weight of a built-in model
         return BUILT_IN[cfg.model.name](cfg, progress=False, log=quiet, pretrained=False)
     return POLICIES[cfg.model.name](cfg, progress=False, log=quiet)
