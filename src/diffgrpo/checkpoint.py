@@ -11,6 +11,14 @@ Layout under ``<run_dir>/checkpoints/``:
                           relative to the checkpoint directory, subdirectories included (checked on load)
   latest.json             manifest naming the newest complete checkpoint, replaced atomically
 
+Sharded checkpoints (``state.json`` says ``"format": "dcp"``; written by every rank at once, see
+:func:`save_sharded_checkpoint`) hold instead of ``trainable.safetensors`` / ``ema.safetensors`` / ``optimizer.pt``:
+    dcp/                  ``torch.distributed.checkpoint`` files: one safetensors file per rank with that rank's
+                          shards of the weights, the optimizer state and the EMA (a JSON header records each
+                          shard's offsets, so any number of processes can load them: DCP reshards)
+    trainer.json          the optimizer's param_groups and the learning-rate schedule's state
+  Every file DCP writes is checksummed in ``state.json`` like the others.
+
 Nothing is ever unpickled beyond tensors and plain containers (``torch.load(weights_only=True)``).
 A checkpoint directory whose files do not match its ``state.json`` (truncated mid-write, or damaged at the same
 size) is skipped and the previous one is used. Every file is written into a fresh temporary directory that is
@@ -30,6 +38,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from . import distributed
 from .errors import TrainingError
 from .fileio import atomic_write
 
@@ -64,18 +73,18 @@ def save_checkpoint(run_dir: Path, iteration: int, *, trainable: dict[str, torch
         torch.save(rng, tmp / "rng.pt")
         if write_files is not None:
             write_files(tmp)
-        paths = sorted(p for p in tmp.rglob("*") if p.is_file() and not p.is_symlink())
-        for p in paths:  # flush file contents before the rename makes the checkpoint visible
-            with open(p, "rb") as f:
-                os.fsync(f.fileno())
-        files = {p.relative_to(tmp).as_posix(): {"size": p.stat().st_size, "sha256": sha256(p)} for p in paths}
-        state = {"iteration": iteration, "config": config, "files": files, "extra": extra or {}}
-        atomic_write(tmp / "state.json", json.dumps(state, indent=1))
+        _seal(tmp, {"iteration": iteration, "config": config, "extra": extra or {}})
     except Exception as e:  # a full disk or a file-size limit: the earlier checkpoints stay as they were
         shutil.rmtree(tmp, ignore_errors=True)
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise TrainingError(f"cannot write checkpoint {iteration} into {root} ({msg}); the earlier checkpoints "
                             "are intact: free space and resume the run") from None
+    return _publish(run_dir, tmp, final, iteration, keep_last)
+
+
+def _publish(run_dir: Path, tmp: Path, final: Path, iteration: int, keep_last: int) -> Path:
+    """Rename the sealed temporary directory into place, point the manifest at it, prune to ``keep_last``."""
+    root = final.parent
     if final.is_symlink():
         final.unlink()
     elif final.exists():
@@ -85,6 +94,72 @@ def save_checkpoint(run_dir: Path, iteration: int, *, trainable: dict[str, torch
     for old in list_checkpoints(run_dir)[:-keep_last] if keep_last > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _seal(tmp: Path, state: dict) -> None:
+    """fsync every file of ``tmp``, then write ``state.json`` with each file's size and SHA-256."""
+    paths = sorted(p for p in tmp.rglob("*") if p.is_file() and not p.is_symlink())
+    for p in paths:  # flush file contents before the rename makes the checkpoint visible
+        with open(p, "rb") as f:
+            os.fsync(f.fileno())
+    files = {p.relative_to(tmp).as_posix(): {"size": p.stat().st_size, "sha256": sha256(p)} for p in paths}
+    atomic_write(tmp / "state.json", json.dumps({**state, "files": files}, indent=1))
+
+
+def save_sharded_checkpoint(run_dir: Path, iteration: int, *, write_shards: Callable[[Path], None],
+                            trainer_state: dict, rng: dict[str, torch.Tensor], config: dict, extra: dict | None = None,
+                            keep_last: int = 2, write_files: Callable[[Path], None] | None = None) -> Path:
+    """A sharded checkpoint, written by every rank (a collective; also fine in one process): rank 0 makes the
+    temporary directory and shares its name, every rank runs ``write_shards(<tmp>/dcp)`` (``dcp.save`` of its own
+    shards), then rank 0 adds ``trainer.json`` (``trainer_state``: JSON-able), ``rng.pt``, ``write_files``' files,
+    checksums every file, writes ``state.json`` and renames the directory into place as :func:`save_checkpoint`
+    does. Needs a file system every rank sees. A failure on any rank raises TrainingError on every rank and leaves
+    the earlier checkpoints intact."""
+    lead = distributed.info().rank == 0
+    root = Path(run_dir) / "checkpoints"
+    final = root / f"iter_{iteration:06d}"
+    tmp, error = None, None
+    if lead:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=f".tmp_iter_{iteration:06d}.", dir=root))
+        except OSError as e:
+            error = str(e).splitlines()[0] if str(e) else type(e).__name__
+    tmp, error = distributed.all_gather_object((tmp, error))[0]
+    if error is None:
+        try:
+            write_shards(tmp / "dcp")  # collective: DCP itself reports a failure on any rank to every rank
+        except Exception as e:
+            error = str(e).splitlines()[0] if str(e) else type(e).__name__
+    if error is None and lead:
+        try:
+            atomic_write(tmp / "trainer.json", json.dumps(trainer_state))
+            torch.save(rng, tmp / "rng.pt")
+            if write_files is not None:
+                write_files(tmp)
+            _seal(tmp, {"iteration": iteration, "format": "dcp", "config": config, "extra": extra or {}})
+        except Exception as e:
+            error = str(e).splitlines()[0] if str(e) else type(e).__name__
+    error = next((e for e in distributed.all_gather_object(error) if e is not None), None)
+    if error is not None:
+        if lead and tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise TrainingError(f"cannot write checkpoint {iteration} into {root} ({error}); the earlier checkpoints "
+                            "are intact: free space and resume the run")
+    out = _publish(run_dir, tmp, final, iteration, keep_last) if lead else final
+    distributed.all_gather_object(None)  # no rank goes on (e.g. to read it) before it is in place
+    return out
+
+
+def states_equal(a, b) -> bool:
+    """Equality of two RNG states (tensors, or plain containers of them)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(states_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(states_equal(x, y) for x, y in zip(a, b))
+    return a == b
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:
@@ -127,8 +202,16 @@ def latest_complete(run_dir: Path, log=print) -> Path | None:
 
 
 def load_checkpoint(ckpt: Path) -> dict:
-    """→ {"iteration", "config", "trainable", "ema" (or None), "optimizer", "rng", "extra"}; safe loading only."""
+    """→ {"iteration", "config", "trainable", "ema" (or None), "optimizer", "rng", "extra"}; safe loading only.
+    A sharded checkpoint gives ``"sharded"``: its ``dcp/`` directory, and ``"trainer_state"`` (``trainer.json``)
+    instead of the tensors (``trainable``, ``optimizer``, ``ema`` None): they are loaded into the live model and
+    optimizer by ``distributed.load_sharded``, laid out for however many processes load them."""
     state = json.loads((ckpt / "state.json").read_text())
+    if state.get("format") == "dcp":
+        return {"iteration": int(state["iteration"]), "config": state["config"], "extra": state.get("extra", {}),
+                "trainable": None, "ema": None, "optimizer": None, "sharded": ckpt / "dcp",
+                "trainer_state": json.loads((ckpt / "trainer.json").read_text()),
+                "rng": torch.load(ckpt / "rng.pt", weights_only=True)}
     return {
         "iteration": int(state["iteration"]),
         "config": state["config"],

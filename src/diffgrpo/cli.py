@@ -1,4 +1,4 @@
-"""Command line: ``diffgrpo {train, pretrain, sample, bench, print-config}``.
+"""Command line: ``diffgrpo {train, pretrain, sample, bench, report, export, print-config}``.
 
 Every command takes ``[--config FILE] [key=value ...]``; ``diffgrpo train`` with no arguments runs the
 embedded default (the built-in digits model, pretrained on first use).
@@ -49,7 +49,7 @@ def _resume_dir(args) -> Path | None:
 # Keys a resume may change: how long, how fast and how the run is logged, and where it runs. Anything else would
 # change the model, the data or the objective of a run half-way.
 RESUMABLE = ("train.num_iterations", "train.lr", "train.save_every", "train.keep_checkpoints", "train.max_bad_updates",
-             "eval.every", "log.", "dist.", "model.device", "model.cache_dir")
+             "eval.every", "log.", "dist.", "model.device", "model.cache_dir", "train.checkpoint_format")
 # Values that make the library import or run code: taken from the current command line only, never from a run
 # directory's saved config.yaml (a downloaded run directory must not execute its author's code).
 CODE_KEYS = ("reward.weights", "engine.name", "dllm.trust_remote_code")
@@ -284,6 +284,15 @@ def cmd_report(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    from .export import export
+
+    _threads()
+    out = export(args.source, args.out, merge=args.merge, overrides=args.overrides)
+    print(f"exported {args.source} to {out}")
+    return 0
+
+
 def cmd_print_config(args) -> int:
     """The resolved config; prompt files are checked (exist, parse, hold prompts) only with ``--check-data``
     (``diffgrpo train`` always checks them before any model loads)."""
@@ -337,6 +346,14 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("run_dir")
     sp.add_argument("--out", help="output file (default RUN_DIR/report.html)")
     sp.set_defaults(func=cmd_report)
+    sp = sub.add_parser("export", help="write a run's checkpoint as a LoRA adapter (diffusers format), the trained "
+                                       "weights, or with --merge a full pipeline directory; with a model card")
+    sp.add_argument("source", metavar="RUN_DIR|CHECKPOINT_DIR")
+    sp.add_argument("--out", required=True, help="output directory (new or empty)")
+    sp.add_argument("--merge", action="store_true",
+                    help="fuse the LoRA adapter into the base weights and write the whole pipeline (save_pretrained)")
+    sp.add_argument("overrides", nargs="*", help="config overrides, e.g. model.pretrained=PATH if the base moved")
+    sp.set_defaults(func=cmd_export)
     sp = sub.add_parser("print-config", help="print the resolved config as YAML")
     common(sp)
     sp.add_argument("--check-data", action="store_true",

@@ -208,6 +208,11 @@ class TrainConfig:
                                               "builtin:ocr/train); the metadata reaches the rewards")
     prompt_column: str = _f("prompt", doc="the field / column holding the prompt in train.prompts_file and "
                                           "eval.prompts_file (.jsonl, .csv, hf:)")
+    checkpoint_format: str = _f("auto", choices=("auto", "dcp", "files"),
+                                doc="dcp: sharded torch.distributed.checkpoint files, every rank writes its own shards "
+                                    "(no gather) and any number of processes can resume them; files: one "
+                                    "safetensors + optimizer file written by rank 0 (bitwise resume); auto: dcp "
+                                    "under dist.mode=fsdp2, else files")
 
 
 @dataclass
@@ -863,7 +868,7 @@ _SHARED = ("seed", "model.name", "model.device", "model.cache_dir", "pretrain.st
            "train.warmup_iterations", "train.weight_decay",
            "train.adam_beta1", "train.adam_beta2", "train.max_grad_norm", "train.num_inner_epochs", "train.save_every",
            "train.keep_checkpoints", "train.ema_decay", "train.max_bad_updates", "eval.every", "eval.seed", "log",
-           "dist")
+           "dist", "train.checkpoint_format")
 FAMILY_KEYS = {
     "flow": _SHARED + ("model.guidance_scale", "model.image_size", "model.patch_size", "model.num_layers",
                        "model.num_heads", "model.head_dim", "model.text_dim", "model.pretrained", "model.family",

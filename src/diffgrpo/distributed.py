@@ -20,6 +20,10 @@ RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT) :func:`init_from_env` creates the
   all_reduce_sum(t)       sum over ranks (not counted: statistics, not gradients)
   all_gather_object(o)    list of every rank's picklable object
   to_full(obj)            DTensor leaves (FSDP2 shards) of a nested state dict → full tensors (collective)
+  sharded_state(m, opt)   model + optimizer state as DCP sees it (``get_state_dict``): this rank's shards only
+  save_sharded(t, d)      ``dcp.save`` of a tensor tree into directory d: every rank writes its own shards
+  load_sharded(m, opt, …) ``dcp.load`` into this process's layout (any world size: DCP reshards), then
+                          ``set_state_dict``; ``load_sharded_model(m, d)`` the weights alone
   seed_for(seed, rank)    per-rank seed of a stream that must differ across ranks
 
 Gradient scale: DDP and FSDP2 both AVERAGE gradients over ranks, so a loss that must equal the one-process
@@ -30,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import warnings
 from typing import NamedTuple
 
 import torch
@@ -314,6 +319,96 @@ def to_full(obj):
     return obj
 
 
+def _tensor_tree(obj) -> bool:
+    """Whether a nested dict holds tensors only (what a safetensors-backed DCP checkpoint can store)."""
+    if isinstance(obj, dict):
+        return all(_tensor_tree(v) for v in obj.values())
+    return isinstance(obj, torch.Tensor)
+
+
+def _untied(msd: dict) -> dict:
+    """A model state dict with every tied weight once (the first name of tensors sharing memory, e.g. a masked
+    LM's input embedding and output projection): safetensors refuses shared memory, and loading the kept name
+    fills the tied one. Empty tensors (a rank holding no rows of a shard) are never taken for tied ones."""
+    out, seen = {}, set()
+    for k, v in msd.items():
+        local = v.to_local() if hasattr(v, "to_local") else v
+        key = (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape))
+        if local.numel() and key in seen:
+            continue
+        seen.add(key)
+        out[k] = v
+    return out
+
+
+def sharded_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, list[dict]]:
+    """The trainable state of ``module`` and ``optimizer`` as ``torch.distributed.checkpoint.state_dict.get_state_dict``
+    gives it: keyed by parameter name (FQN), frozen parameters left out, and under FSDP2 each tensor a DTensor
+    holding this rank's shard only (no gather), tied weights once. → (``{"model": {fqn: tensor}, "optim": {fqn: {"step",
+    "exp_avg", …}}}``, the optimizer's param_groups: plain numbers and names, stored as JSON)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    msd, osd = get_state_dict(module, optimizer, options=StateDictOptions(ignore_frozen_params=True))
+    tensors = {"model": _untied(msd), "optim": {k: dict(v) for k, v in osd["state"].items()}}
+    if not _tensor_tree(tensors):
+        raise TypeError("the optimizer state holds non-tensor values; sharded checkpoints store tensors only")
+    return tensors, [dict(g) for g in osd["param_groups"]]
+
+
+def save_sharded(tensors: dict, directory) -> None:
+    """``dcp.save`` of a nested dict of tensors (DTensor shards included) into ``directory`` as safetensors files,
+    one per rank, each holding the rank's shards and their offsets (a JSON header: nothing is pickled); replicated
+    tensors are written once. A collective under a process group; works in one process too."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    with warnings.catch_warnings():  # one process: DCP warns that it assumes one process
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to")
+        dcp.save(tensors, storage_writer=HuggingFaceStorageWriter(str(directory), save_distributed=True),
+                 no_dist=not is_initialized())
+
+
+def load_sharded(module: torch.nn.Module, optimizer: torch.optim.Optimizer, directory, param_groups: list[dict],
+                 extra: dict | None = None) -> None:
+    """Load a :func:`save_sharded` checkpoint of :func:`sharded_state` (plus ``extra``, a nested dict of tensors
+    loaded in place, e.g. the EMA) into ``module`` and ``optimizer`` as this process lays them out: FSDP2 shards of
+    any world size or plain tensors in one process (DCP reads the parts of the saved shards each local tensor
+    covers), then ``set_state_dict``. A collective under a process group."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    tensors, _ = sharded_state(module, optimizer)  # the layout to fill (initialises the optimizer's state)
+    if extra:
+        tensors.update(extra)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to")
+        dcp.load(tensors, storage_reader=HuggingFaceStorageReader(str(directory)), no_dist=not is_initialized())
+    groups = [dict(g) for g in param_groups]
+    for g in groups:  # JSON turned tuples (betas) into lists
+        g.update({k: tuple(v) for k, v in g.items() if isinstance(v, list) and k != "params"})
+    # strict=False: frozen weights (a LoRA run's base model) are not in the checkpoint; every trainable one is
+    # (dcp.load above raises on a key the checkpoint lacks)
+    set_state_dict(module, optimizer, model_state_dict=tensors["model"],
+                   optim_state_dict={"state": tensors["optim"], "param_groups": groups},
+                   options=StateDictOptions(ignore_frozen_params=True, strict=False))
+
+
+def load_sharded_model(module: torch.nn.Module, directory) -> None:
+    """The weights alone of a :func:`save_sharded` checkpoint into ``module`` (e.g. for an export: no optimizer is
+    built): ``dcp.load`` of the ``model`` entries into this process's layout, then ``set_model_state_dict``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+    opts = StateDictOptions(ignore_frozen_params=True)
+    tensors = {"model": _untied(get_model_state_dict(module, options=opts))}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to")
+        dcp.load(tensors, storage_reader=HuggingFaceStorageReader(str(directory)), no_dist=not is_initialized())
+    set_model_state_dict(module, tensors["model"], options=StateDictOptions(ignore_frozen_params=True, strict=False))
+
+
 def gather_groups(rewards: torch.Tensor, group_ids: torch.Tensor, *,
                   spread: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Every rank's rewards (B,) and group ids (B,) → (W·B,) each, in rank order, for group statistics over whole
@@ -342,4 +437,5 @@ __all__ = ["COUNTERS", "WorldInfo", "info", "init_from_env", "launched_world_siz
            "resolve_mode", "resolve_device", "all_gather", "gather_groups", "rank_rows",
            "all_gather_object", "all_reduce_mean_",
            "add_mean_grad_", "all_reduce_sum", "no_sync", "reshard", "sharded", "wrap", "wrap_ddp", "wrap_fsdp2",
-           "transformer_blocks", "to_full", "seed_for", "is_initialized"]
+           "transformer_blocks", "to_full", "seed_for", "is_initialized", "sharded_state", "save_sharded",
+           "load_sharded", "load_sharded_model"]

@@ -24,10 +24,11 @@ from pathlib import Path
 import torch
 from filelock import FileLock, Timeout
 from safetensors.torch import save_file
+from torch.distributed.checkpoint.api import CheckpointException
 from tqdm.auto import tqdm
 
 from . import distributed
-from .checkpoint import latest_complete, load_checkpoint, save_checkpoint
+from .checkpoint import latest_complete, load_checkpoint, save_checkpoint, save_sharded_checkpoint, states_equal
 from .config import MODEL_FAMILIES, RunConfig, validate
 from .dllm.family import DLLMFamily
 from .ema import EMA
@@ -256,9 +257,7 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
     def state(self) -> dict:
         """Everything needed to continue bit-for-bit: weights, optimizer, EMA, RNG states, counters."""
-        rng = {"torch": torch.get_rng_state(), "family": self.family.rng_state()}
-        if self.world.world_size > 1:  # a collective: every rank's streams, restored per rank on resume
-            rng["per_rank"] = distributed.all_gather_object(rng)
+        rng = self._rng_state()
         return distributed.to_full({  # FSDP2 shards → full tensors (a collective; identity otherwise)
             "trainable": dict(self.policy.state_dict()),
             "optimizer": {**self.optimizer.state_dict(), "lr_scheduler": self.scheduler.state_dict()},
@@ -269,24 +268,29 @@ class Trainer:
         })
 
     def load_state(self, ck: dict) -> None:
-        if self.cfg.dist.mode == "fsdp2" and self.world.world_size > 1:
-            raise TrainingError("resuming a dist.mode=fsdp2 run is not supported (checkpoints hold full tensors); "
-                                "resume it with dist.mode=ddp or in one process")
-        self.policy.load_state_dict(ck["trainable"])
-        opt = dict(ck["optimizer"])
-        sched = opt.pop("lr_scheduler", None)
-        self.optimizer.load_state_dict(opt)
+        if ck.get("sharded") is not None:  # DCP: into this process's layout, whatever the saving world size was
+            sched = self._load_sharded(ck)
+        else:
+            if self.dist_mode == "fsdp2" and self.world.world_size > 1:
+                raise TrainingError("this checkpoint holds full tensors (train.checkpoint_format=files), which "
+                                    "dist.mode=fsdp2 cannot load; resume it with dist.mode=ddp or in one process")
+            self.policy.load_state_dict(ck["trainable"])
+            opt = dict(ck["optimizer"])
+            sched = opt.pop("lr_scheduler", None)
+            self.optimizer.load_state_dict(opt)
         if sched is not None:
             self.scheduler.load_state_dict(sched)
         else:  # checkpoints before schedules: every update so far ran at a constant lr
             self.scheduler.last_epoch = int(ck["iteration"]) * self.cfg.train.num_inner_epochs
-        if self.ema is not None:
+        if self.ema is not None and ck.get("sharded") is None:
             if ck.get("ema") is None:
                 raise TrainingError("checkpoint has no EMA state but train.ema_decay > 0")
             self.ema.load_state_dict(ck["ema"])
         rng = ck["rng"]
         if len(rng.get("per_rank", [])) == self.world.world_size:
             rng = rng["per_rank"][self.world.rank]
+        elif self.world.world_size > 1 and "family" in rng:  # resharded onto another number of ranks
+            rng = self._resharded_rng(rng)
         # earlier versions kept the flow streams at the top level, and the dLLM's own under "family"
         self.family.set_rng_state({**{k: v for k, v in rng.items() if k not in ("torch", "family", "per_rank")},
                                    **rng.get("family", {})})
@@ -296,7 +300,73 @@ class Trainer:
         if self.grad_scaler is not None and "grad_scaler" in ck.get("extra", {}):
             self.grad_scaler.load_state_dict(ck["extra"]["grad_scaler"])
 
+    def sharded_checkpoints(self) -> bool:
+        """Whether checkpoints are DCP-sharded (``train.checkpoint_format``; auto: under dist.mode=fsdp2)."""
+        fmt = self.cfg.train.checkpoint_format
+        return fmt == "dcp" or (fmt == "auto" and self.dist_mode == "fsdp2")
+
+    def _rng_state(self) -> dict:
+        """torch's and the family's RNG states; with several ranks also every rank's (a collective)."""
+        rng = {"torch": torch.get_rng_state(), "family": self.family.rng_state()}
+        if self.world.world_size > 1:  # a collective: every rank's streams, restored per rank on resume
+            rng["per_rank"] = distributed.all_gather_object(rng)
+        return rng
+
+    def _save_sharded(self) -> Path:
+        """Every rank writes its own shards of the weights, the optimizer state and the EMA (``dcp.save``): no rank
+        gathers them. Only a LoRA adapter (small) is gathered, for the checkpoint's diffusers-format ``lora/``."""
+        tensors, groups = distributed.sharded_state(self.family.network(), self.optimizer)
+        if self.ema is not None:
+            tensors["ema"] = dict(self.ema.shadow)
+        rng = self._rng_state()
+        adapter = distributed.to_full(self.policy.state_dict()) if self.cfg.model.lora_rank > 0 else None
+        out = self.run_dir()
+        self._saved_at = self.iteration
+        return save_sharded_checkpoint(
+            out, self.iteration, write_shards=lambda d: distributed.save_sharded(tensors, d),
+            trainer_state={"param_groups": groups, "lr_scheduler": self.scheduler.state_dict(),
+                           "ema": self.ema is not None},
+            rng=rng, config=self.cfg.to_dict(), extra={"bad_updates": self.bad_updates},
+            keep_last=self.cfg.train.keep_checkpoints,
+            write_files=None if adapter is None else (lambda d: self.policy.save_checkpoint_files(d, adapter)))
+
+    def _load_sharded(self, ck: dict) -> dict | None:
+        """Weights, optimizer state and EMA of a sharded checkpoint (a collective). → the schedule's state."""
+        ts = ck["trainer_state"]
+        if self.ema is not None and not ts.get("ema"):
+            raise TrainingError("checkpoint has no EMA state but train.ema_decay > 0")
+        extra = {"ema": dict(self.ema.shadow)} if self.ema is not None else None  # loaded in place
+        try:
+            distributed.load_sharded(self.family.network(), self.optimizer, ck["sharded"], ts["param_groups"], extra)
+        except (KeyError, ValueError, RuntimeError, CheckpointException) as e:
+            raise TrainingError(f"cannot load the sharded checkpoint {ck['sharded'].parent} into this run (a "
+                                f"different model or trainable set?): {str(e).splitlines()[0] if str(e) else e!r}"
+                                ) from None
+        return ts.get("lr_scheduler")
+
+    def _resharded_rng(self, rng: dict) -> dict:
+        """This rank's streams when the checkpoint was written by another number of ranks (a collective). A stream
+        the fresh trainers seeded alike on every rank (e.g. a group's shared noise, torch's global state) is
+        shared: every rank continues saved rank 0's. A stream seeded per rank (e.g. sampling noise) continues
+        saved rank r's on rank r, and stays freshly seeded (``seed_for``) on a rank the saving run did not have,
+        so the ranks never draw the same noise."""
+        saved = rng.get("per_rank") or [rng]
+        mine = {"torch": torch.get_rng_state(), "family": self.family.rng_state()}
+        fresh = distributed.all_gather_object(mine)
+        r = self.world.rank
+
+        def pick(now, get):
+            if all(states_equal(get(f), now) for f in fresh):  # seeded alike on every rank: shared
+                return get(saved[0])
+            return get(saved[r]) if r < len(saved) else now
+
+        family = {k: pick(v, lambda d, k=k: d["family"][k]) if all(k in d["family"] for d in saved) else v
+                  for k, v in mine["family"].items()}
+        return {"torch": pick(mine["torch"], lambda d: d["torch"]), "family": family}
+
     def save_checkpoint(self) -> Path:
+        if self.sharded_checkpoints():
+            return self._save_sharded()
         st = self.state()  # on every rank (collectives); rank 0 writes
         self._saved_at = self.iteration
         if self.world.rank > 0:

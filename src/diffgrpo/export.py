@@ -1,0 +1,167 @@
+"""``diffgrpo export <run or checkpoint> --out DIR [--merge]``: a trained checkpoint as files other libraries load.
+
+  source            a run directory (its newest complete checkpoint) or one checkpoint directory
+                    (``<run>/checkpoints/iter_NNNNNN``, checked against its ``state.json`` first); either format,
+                    files or sharded (DCP: read by one process, whatever world size wrote it)
+  without --merge   LoRA runs: the adapter in diffusers format (``pytorch_lora_weights.safetensors``, for the
+                    pipeline's ``load_lora_weights``); full fine-tunes: the trained network as a ``from_pretrained``
+                    directory (the diffusers transformer, or the masked LM with its tokenizer)
+  with --merge      diffusers pipelines: the adapter fused into the base weights (``fuse_lora`` then
+                    ``unload_lora``) and the whole pipeline written with ``save_pretrained`` (a full fine-tune: the
+                    pipeline with its trained transformer), for ``<Pipeline>.from_pretrained``; masked LMs: the
+                    same directory as without (there is no adapter); the built-in tiny image model has no pipeline
+                    and is refused
+  README.md         a model card: base model, rewards, engine, iterations, the last held-out reward (metrics.jsonl)
+
+Only the policy is built (from ``model.pretrained``, as the run did; the rewards and the optimizer never are), and
+only when the checkpoint's own files do not suffice (a LoRA adapter without --merge is copied as it is). Code
+named by the saved config (reward functions, remote code) is ignored as ``diffgrpo sample`` ignores it. The output
+is written into a temporary directory renamed into place; an existing non-empty ``--out`` is refused.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+from . import distributed
+from .cache import save_dir_atomic
+from .checkpoint import is_complete, latest_complete, load_checkpoint
+from .cli import _distrust, _fresh_device
+from .config import RunConfig, from_dict
+from .errors import ConfigError
+from .models import POLICIES
+from .models.hf_masked_lm import build_tiny_mlm_policy
+from .models.tiny import build_tiny_policy
+from .runlog import read_metrics
+
+BUILT_IN = {"tiny": build_tiny_policy, "tiny_mlm": build_tiny_mlm_policy}
+
+
+def resolve_checkpoint(src: Path) -> tuple[Path, Path]:
+    """``src`` (a run or checkpoint directory) → (run directory, complete checkpoint directory)."""
+    if (src / "state.json").is_file():
+        if not is_complete(src):
+            raise ConfigError(f"export: checkpoint {str(src)!r} is incomplete or damaged (its files do not match "
+                              "state.json); export the run directory to use its newest complete checkpoint")
+        return src.parent.parent, src
+    if not src.is_dir() or not ((src / "config.yaml").is_file() or (src / "checkpoints").is_dir()):
+        raise ConfigError(f"export: {str(src)!r} is neither a run directory (config.yaml, checkpoints/) nor a "
+                          "checkpoint directory (state.json)")
+    ckpt = latest_complete(src, log=lambda *a: None)
+    if ckpt is None:
+        raise ConfigError(f"export: run {str(src)!r} has no complete checkpoint (train.save_every=0, or it stopped "
+                          "before its first one); resume it to write one")
+    return src, ckpt
+
+
+def last_held_out(rows: list[dict], iteration: int) -> dict | None:
+    """The last evaluation row (``eval/reward``) at or before ``iteration``, or None."""
+    evals = [r for r in rows if "eval/reward" in r and r.get("iteration", 0) <= iteration]
+    return evals[-1] if evals else None
+
+
+def model_card(config: dict, iteration: int, held_out: dict | None, kind: str) -> str:
+    """README.md of an export: what was trained from what, how, for how long, and how it scored held out."""
+    model, train = config.get("model", {}), config.get("train", {})
+    base = model.get("pretrained") or f"the built-in model (model.name={model.get('name')})"
+    weights = config.get("reward", {}).get("weights", {})
+    rewards = ", ".join(f"{k} (weight {v})" for k, v in weights.items()) if isinstance(weights, dict) else str(weights)
+    if held_out is None:
+        score = "n/a (no held-out evaluation logged)"
+    else:
+        parts = [f"{held_out['eval/reward']:.4f} at iteration {held_out.get('iteration')}"]
+        parts += [f"{k[len('eval/rewards/'):]} {v:.4f}" for k, v in held_out.items()
+                  if k.startswith("eval/rewards/") and isinstance(v, float)]
+        score = "; ".join(parts)
+    lora = int(model.get("lora_rank", 0) or 0)
+    meta = ["---", "library_name: " + ("transformers" if model.get("name") in ("tiny_mlm", "hf_masked_lm")
+                                       else "diffusers"),
+            *([f"base_model: {model['pretrained']}"] if model.get("pretrained") else []),
+            "tags:", "- diffgrpo", "- grpo", *(["- lora"] if lora and kind == "adapter" else []), "---", ""]
+    rows = [("base model", base), ("what this is", kind), ("rewards", rewards or "n/a"),
+            ("engine", config.get("engine", {}).get("name", "n/a")),
+            ("iterations", f"{iteration} (of train.num_iterations={train.get('num_iterations')})"),
+            ("trained weights", f"LoRA rank {lora}" if lora else "full fine-tune"),
+            ("held-out reward (eval/reward)", score)]
+    body = ["# GRPO post-trained with diffgrpo", "", "| | |", "|---|---|",
+            *[f"| {k} | {v} |" for k, v in rows], ""]
+    return "\n".join(meta + body)
+
+
+def _policy(cfg):
+    """The policy the run trained, built as the run built it (pretrained base weights; the built-in models at
+    random init: they are fully fine-tuned, so the checkpoint overwrites every weight)."""
+    quiet = lambda *a, **k: None
+    if cfg.model.name in BUILT_IN:  # no pretraining: the checkpoint holds every weight of a built-in model
+        return BUILT_IN[cfg.model.name](cfg, progress=False, log=quiet, pretrained=False)
+    return POLICIES[cfg.model.name](cfg, progress=False, log=quiet)
+
+
+def _network(policy):
+    """The module whose parameters the optimizer trained (what a sharded checkpoint's ``model`` entries name)."""
+    return policy.transformer if hasattr(policy, "transformer") else policy.model
+
+
+def _load_weights(policy, ck: dict) -> None:
+    if ck.get("sharded") is not None:
+        distributed.load_sharded_model(_network(policy), ck["sharded"])
+    else:
+        policy.load_state_dict(ck["trainable"])  # the files format: full tensors under the policy's names
+
+
+def _config(ckpt: Path, overrides: list[str]):
+    data = json.loads((ckpt / "state.json").read_text())["config"]
+    raw = json.loads(json.dumps(data))  # for the model card, before code-naming keys are dropped
+    data = _fresh_device(_distrust(data, overrides, path=ckpt / "state.json", command="export", strict=False),
+                         overrides)
+    if isinstance(data.get("log"), dict):
+        data["log"]["output_dir"] = ""
+    return raw, RunConfig.from_overrides([*overrides, "log.progress=false"], base=from_dict(RunConfig, data))
+
+
+def export(src: str | Path, out: str | Path, *, merge: bool = False, overrides: list[str] | None = None) -> Path:
+    """Write the export of ``src`` (see the module docstring) into ``out``. → ``out``."""
+    src, out = Path(src), Path(out)
+    run, ckpt = resolve_checkpoint(src)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"--out: {str(out)!r} exists and is not empty; choose a new directory")
+    raw, cfg = _config(ckpt, list(overrides or []))
+    ck = load_checkpoint(ckpt)
+    dllm = cfg.model.name in ("tiny_mlm", "hf_masked_lm")
+    if merge and cfg.model.name == "tiny":
+        raise ConfigError("--merge: model.name=tiny (the built-in image model) has no diffusers pipeline to merge "
+                          "into; export without --merge (the LoRA adapter or the transformer weights)")
+    lora = cfg.model.lora_rank > 0
+    kind = ("merged diffusers pipeline (from_pretrained)" if merge and not dllm else
+            "LoRA adapter, diffusers format (load_lora_weights)" if lora else
+            "trained weights (from_pretrained)")
+
+    def write(tmp: Path) -> None:
+        if lora and not merge and (ckpt / "lora").is_dir():  # the checkpoint carries the adapter already
+            shutil.copytree(ckpt / "lora", tmp, dirs_exist_ok=True)
+        else:
+            policy = _policy(cfg)
+            _load_weights(policy, ck)
+            if merge and not dllm:
+                if lora:
+                    policy.transformer.fuse_lora(lora_scale=1.0)
+                    policy.transformer.unload_lora()
+                policy.transformer.requires_grad_(False)
+                policy.pipeline.save_pretrained(str(tmp))
+            else:
+                with tempfile.TemporaryDirectory(dir=tmp) as scratch:
+                    written = policy.export(scratch)  # lora/, transformer/ or model/ in the library's formats
+                    for item in Path(written).iterdir():
+                        shutil.move(str(item), tmp / item.name)
+        rows = []
+        if (run / "metrics.jsonl").is_file():
+            rows = read_metrics(run / "metrics.jsonl", log=lambda *a: None)
+        (tmp / "README.md").write_text(model_card(raw, ck["iteration"], last_held_out(rows, ck["iteration"]), kind),
+                                       encoding="utf-8")
+
+    return save_dir_atomic(out, write)
+
+
+__all__ = ["export", "last_held_out", "model_card", "resolve_checkpoint"]
