@@ -108,3 +108,22 @@ def test_one_sample_per_prompt_logs_fid_only(make_trainer, monkeypatch):
     monkeypatch.setattr(image_rewards, "load_classifier", lambda image_size=16, *a, **k: (clf, 0.0))
     row, _ = make_trainer("eval.seeds_per_prompt=1").evaluate()
     assert "eval/diversity" not in row and np.isfinite(row["eval/fid"])
+
+
+def test_streamed_guards_equal_the_whole_set_computation(monkeypatch):
+    """GuardStats (fixed memory, chunk by chunk, chunks out of order) equals quality_from_features on the whole
+    feature set when every record's prompt is distinct."""
+    torch.manual_seed(0)
+    clf = image_rewards.DigitClassifier().eval().requires_grad_(False)
+    monkeypatch.setattr(image_rewards, "load_classifier", lambda image_size=16, *a, **k: (clf, 0.0))
+    feats = torch.randn(30, 64).relu()
+    prompts = [f"p{i // 3}" for i in range(30)]  # 10 records × 3 seeds
+    whole = quality.quality_from_features(feats, prompts, 16)
+    g = quality.GuardStats(16, 3)
+    for lo in (16, 0, 8, 24):  # chunks of 8 (the last 6), records split across chunks
+        idx = list(range(lo, min(lo + 8, 30)))
+        g.add(idx, feats[idx])
+    got = g.result()
+    assert got.keys() == whole.keys() == {"eval/fid", "eval/diversity"}
+    for k in got:
+        assert got[k] == pytest.approx(whole[k], rel=1e-9), k

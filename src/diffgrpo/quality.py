@@ -9,7 +9,9 @@
   fixed-size estimate, comparable across runs that evaluate the same number of samples.
 - Diversity, ``eval/diversity``: per prompt, the mean pairwise Euclidean distance between the features of that
   prompt's samples; averaged over prompts with at least two samples. A policy that collapses every seed of a
-  prompt onto one image scores 0.
+  prompt onto one image scores 0. Evaluation accumulates both in fixed memory (:class:`GuardStats`: running
+  moments, and each prompt record's seeds until the record is complete), so its peak memory does not grow with
+  the number of evaluation prompts.
 
 Cost: one classifier forward per evaluation image (the classifier is a few-kFLOP CNN); the test split's statistics
 are computed once per image size and kept in memory.
@@ -89,12 +91,17 @@ def reference_stats(image_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     return cached[1], cached[2]
 
 
-def digit_quality(images: torch.Tensor, prompts: list[str]) -> dict[str, float]:
-    """{"eval/fid", "eval/diversity"} of evaluation images (B, 1, S, S) in [0, 1] with their prompts (diversity
-    only when some prompt has two or more samples)."""
+def digit_features(images: torch.Tensor) -> torch.Tensor:
+    """Evaluation images (B, 1, S, S) in [0, 1] → (B, 64) penultimate features of the digit classifier; an
+    evaluation in chunks keeps these (256 bytes a sample) instead of its images."""
     clf, _ = image_rewards.load_classifier(images.shape[-1])
-    feats = penultimate_features(clf, images)
-    mu_r, cov_r = reference_stats(images.shape[-1])
+    return penultimate_features(clf, images)
+
+
+def quality_from_features(feats: torch.Tensor, prompts: list[str], image_size: int) -> dict[str, float]:
+    """{"eval/fid", "eval/diversity"} of evaluation features (N, 64) with their prompts (diversity only when some
+    prompt has two or more samples)."""
+    mu_r, cov_r = reference_stats(image_size)
     mu, cov = gaussian_stats(feats)
     out = {"eval/fid": frechet_distance(mu, cov, mu_r, cov_r)}
     div = per_prompt_diversity(feats, prompts)
@@ -103,15 +110,60 @@ def digit_quality(images: torch.Tensor, prompts: list[str]) -> dict[str, float]:
     return out
 
 
-def flow_eval_quality(cfg, images: torch.Tensor, prompts: list[str]) -> dict[str, float]:
-    """The guards for a flow family's evaluation: on the built-in task (tiny model, digit images, every evaluation
-    image at hand) the metrics of :func:`digit_quality`, else nothing."""
-    if cfg.model.name != "tiny" or images is None or len(images) != len(prompts) or len(images) < 2:
-        return {}
-    if images.dim() != 4 or images.shape[1] != 1:
-        return {}
-    return digit_quality(images, prompts)
+def digit_quality(images: torch.Tensor, prompts: list[str]) -> dict[str, float]:
+    """{"eval/fid", "eval/diversity"} of evaluation images (B, 1, S, S) in [0, 1] with their prompts."""
+    return quality_from_features(digit_features(images), prompts, images.shape[-1])
+
+
+def guards_apply(cfg, images: torch.Tensor) -> bool:
+    """Whether a flow evaluation's images get the guards: the built-in task's one-channel digit images."""
+    return cfg.model.name == "tiny" and images.dim() == 4 and images.shape[1] == 1
+
+
+class GuardStats:
+    """The guards of one evaluation accumulated chunk by chunk in fixed memory: running float64 sums of the
+    features and of their outer products (Gaussian statistics), and per record (``group_size`` consecutive
+    samples: one prompt's seeds) its features until the record is complete, then its mean pairwise distance.
+    With distinct prompts it equals :func:`quality_from_features` (up to float64 round-off)."""
+
+    def __init__(self, image_size: int, group_size: int):
+        self.image_size, self.group_size = image_size, group_size
+        self.n, self.s1, self.s2 = 0, None, None  # count, Σf (D,), Σ f fᵀ (D, D)
+        self.open: dict[int, dict[int, torch.Tensor]] = {}  # record → {sample index: features (D,)}
+        self.spreads: list[float] = []
+
+    def add(self, index: list[int], feats: torch.Tensor) -> None:
+        """Samples ``index`` (their evaluation order) with features (n, D)."""
+        f = feats.double()
+        if self.s1 is None:
+            self.s1, self.s2 = torch.zeros(f.shape[1], dtype=torch.float64), torch.zeros(f.shape[1], f.shape[1],
+                                                                                           dtype=torch.float64)
+        self.n += f.shape[0]
+        self.s1 += f.sum(0)
+        self.s2 += f.T @ f
+        if self.group_size < 2:
+            return
+        for j, i in enumerate(index):
+            rec = self.open.setdefault(i // self.group_size, {})
+            rec[i] = f[j]
+            if len(rec) == self.group_size:
+                g = torch.stack([rec[k] for k in sorted(rec)])  # (group, D)
+                self.spreads.append(float(torch.cdist(g, g).sum() / (len(g) * (len(g) - 1))))
+                del self.open[i // self.group_size]
+
+    def result(self) -> dict[str, float]:
+        """{"eval/fid", "eval/diversity"} (diversity when some record has two samples); {} below two samples."""
+        if self.n < 2:
+            return {}
+        mu = self.s1 / self.n
+        cov = (self.s2 - self.n * torch.outer(mu, mu)) / (self.n - 1)
+        mu_r, cov_r = reference_stats(self.image_size)
+        out = {"eval/fid": frechet_distance(mu, cov, mu_r, cov_r)}
+        if self.spreads:
+            out["eval/diversity"] = sum(self.spreads) / len(self.spreads)
+        return out
 
 
 __all__ = ["gaussian_stats", "frechet_distance", "per_prompt_diversity", "penultimate_features", "reference_stats",
-           "digit_quality", "flow_eval_quality"]
+           "digit_features", "quality_from_features", "digit_quality", "guards_apply",
+           "GuardStats"]

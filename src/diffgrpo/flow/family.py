@@ -25,13 +25,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from .. import distributed
+from .. import distributed, quality
 from ..data import digit_prompt, prompt_digit
 from ..data_sources import EpochSampler, load_prompts, prompt_metadata
 from ..engines import build_engine, select_steps
 from ..engines.base import EngineContext
 from ..errors import ConfigError
-from ..quality import flow_eval_quality
 from ..family import Sync
 from ..loss_weights import apply, grpo_loss_weights
 from ..media import SampleTable, grid_frames, to_uint8
@@ -305,8 +304,7 @@ class FlowFamily:
         want_media = table is not None or W > 1  # rank 0 alone knows whether it writes a table
         save_media = want_media and self.cfg.log.save_images
         rewards, comps, grid = torch.full((N,), float("nan")), {}, {}
-        keep = self.cfg.model.name == "tiny"  # the built-in task's fidelity/diversity guards need every (tiny) image
-        kept: dict[int, torch.Tensor] = {}
+        guards = quality.GuardStats(self.cfg.model.image_size, self.cfg.eval.seeds_per_prompt)  # built-in task
         for lo in range(0, share, n):
             idx = rows[lo:lo + n]
             im, r, c = self._eval_chunk([prompts[i] for i in idx], [seeds[i] for i in idx],
@@ -315,7 +313,7 @@ class FlowFamily:
             part = {"index": [idx[j] for j in real], "reward": r[real], "comps": {k: v[real] for k, v in c.items()},
                     "grid": {idx[j]: grid_frames(im[j:j + 1])[0].cpu() for j in real if idx[j] < EVAL_GRID_IMAGES},
                     "media": [to_uint8(im[j]) for j in real] if save_media else None,
-                    "images": im[real].cpu() if keep else None}
+                    "feats": quality.digit_features(im[real]) if quality.guards_apply(self.cfg, im) else None}
             del im
             for got in distributed.all_gather_object(part):
                 index = torch.tensor(got["index"], dtype=torch.long)
@@ -323,8 +321,8 @@ class FlowFamily:
                 for k, v in got["comps"].items():
                     comps.setdefault(k, torch.full((N,), float("nan")))[index] = v
                 grid.update(got["grid"])
-                if got["images"] is not None:
-                    kept.update({i: got["images"][j] for j, i in enumerate(got["index"])})
+                if got["feats"] is not None:
+                    guards.add(got["index"], got["feats"])
                 if table is not None:
                     for j, i in enumerate(got["index"]):
                         table.add_sample(i, prompts[i], metadata[i], {k: v[j] for k, v in got["comps"].items()},
@@ -332,8 +330,7 @@ class FlowFamily:
         row = {"eval/reward": float(rewards[torch.isfinite(rewards)].mean())}
         for name, v in comps.items():
             row[f"eval/rewards/{name}/mean"] = float(v[torch.isfinite(v)].mean())
-        images = torch.stack([kept[i] for i in range(N)]) if keep and len(kept) == N else None  # (N, 1, H, W)
-        row.update(flow_eval_quality(self.cfg, images, prompts))  # eval/fid, eval/diversity on the built-in task
+        row.update(guards.result())  # eval/fid, eval/diversity of the built-in task's digit images
         return row, torch.stack([grid[i] for i in sorted(grid)])
 
     def _eval_generator(self) -> torch.Generator:
