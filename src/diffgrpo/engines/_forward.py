@@ -146,6 +146,13 @@ def conditional_only(policy):
         policy.guidance_scale = scale
 
 
+def count_unit_backward(stats, samples: int) -> None:
+    """One backward call through ``samples`` network inputs: CFG-free forwards have one input per unit (unlike
+    ``base.count_backward``, which doubles under true CFG)."""
+    stats.backward_calls += 1
+    stats.sample_backwards += samples
+
+
 def clip_advantages(adv: torch.Tensor, clip: float) -> torch.Tensor:
     """A clipped to [−c, c] and divided by c → [−1, 1]. (n,) → (n,)."""
     return adv.clamp(-clip, clip) / clip

@@ -34,9 +34,9 @@ import torch
 
 from ..losses import aggregate, ppo_clip_loss
 from ..types import BatchPlan, EngineStats, Rollout
-from ._forward import (ForwardState, clip_advantages, conditional_only, noised, plan_units, stratified_grid_times,
+from ._forward import (count_unit_backward, ForwardState, clip_advantages, conditional_only, noised, plan_units, stratified_grid_times,
                        unit_batches)
-from .base import EngineContext, count_backward, engine_run, no_rollout_hooks, one_wave, take_cond, \
+from .base import EngineContext, engine_run, no_rollout_hooks, one_wave, take_cond, \
     unit_sample_weights
 
 AWM_UNITS = 6  # the released recipe's train_timesteps
@@ -125,7 +125,7 @@ class AWMEngine:
                         per = per + ctx.beta * kl
                     w = rollout.loss_weights[rows, cols]
                     aggregate(per, w).backward()
-                count_backward(ctx, stats, len(rows))
+                count_unit_backward(stats, len(rows))
                 tot["loss"] += float((per.detach() * w).sum())
                 tot["kl"] += float(kl.detach().sum())
                 tot["ratio"] += float(ratio.detach().sum())

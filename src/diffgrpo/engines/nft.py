@@ -41,9 +41,9 @@ import torch
 
 from ..losses import aggregate
 from ..types import BatchPlan, EngineStats, Rollout
-from ._forward import (ForwardState, OldPolicy, clip_advantages, conditional_only, grid_times, noised, plan_units,
+from ._forward import (count_unit_backward, ForwardState, OldPolicy, clip_advantages, conditional_only, grid_times, noised, plan_units,
                        unit_batches)
-from .base import EngineContext, count_backward, engine_run, no_rollout_hooks, take_cond, trainable_params, \
+from .base import EngineContext, engine_run, no_rollout_hooks, take_cond, trainable_params, \
     unit_sample_weights
 
 NFT_TIME_FRACTION = 0.99  # the released recipe's timestep_fraction: ⌊0.99·T⌋ grid times per sample
@@ -141,7 +141,7 @@ class NFTEngine:
                         per = per + ctx.beta * kl
                     w = rollout.loss_weights[rows, cols]
                     aggregate(per, w).backward()
-                count_backward(ctx, stats, len(rows))
+                count_unit_backward(stats, len(rows))
                 totals["loss"] += float((per.detach() * w).sum())
                 totals["kl"] += float(kl.detach().sum())
                 totals["r"] += float(r.sum())
