@@ -129,6 +129,12 @@ class LossConfig:
     beta: float = _f(0.0, lo=0.0, doc="KL coefficient")
     kl_flowgrpo_compat: bool = _f(False, doc="FlowGRPO's KL scaling (omits Δ)")
     aggregation: str = _f("mean", choices=("mean", "sample_mean", "sum"))
+    trust_region: str = _f("clip", choices=("clip", "kl_mask"),
+                           doc="flow: PPO ratio clip, or Flow-DPPO's mask on the exact per-step Gaussian KL to the "
+                               "rollout policy (a step is dropped when KL >= kl_mask_bound and it moves away)")
+    kl_mask_bound: float = _f(1e-5, lo=0.0, doc="flow, trust_region=kl_mask: the KL bound (mean-reduced over "
+                                                 "latent elements with sampler.logprob_reduce=mean)")
+    ratio_norm: bool = _f(False, doc="flow: GRPO-Guard's ratio normalisation, r = exp(s·(log r + KL)) under the clip")
 
 
 @dataclass
@@ -739,6 +745,7 @@ FAMILY_KEYS = {
                        "model.negative_prompt", "model.max_sequence_length", "model.lora_rank", "model.lora_alpha",
                        "model.lora_target_modules", "model.gradient_checkpointing", "pretrain.cond_dropout",
                        "sampler", "reward", "loss.clip_range", "loss.kl_flowgrpo_compat", "steps", "engine",
+                       "loss.trust_region", "loss.kl_mask_bound", "loss.ratio_norm",
                        "train.digits", "train.prompts_file", "train.prompt_column", "eval"),
     "dllm": _SHARED + ("pretrain.answer_noise", "dllm", "daca"),
 }
@@ -880,6 +887,7 @@ def _validate_engine(cfg: RunConfig) -> None:
                               f"(steps.mode={cfg.steps.mode}, sampler.num_steps={cfg.sampler.num_steps}); "
                               f"choose 2 <= W <= {n}")
     _validate_forward_engine(cfg)
+    _validate_loss_options(cfg)
     if e.wave_size and cfg.advantage.std_mode == "global":
         raise ConfigError("engine.wave_size: rollout waves need per-group advantages; advantage.std_mode=global "
                           "couples every group, so use engine.wave_size=0 (whole batch) or std_mode=group")
@@ -892,7 +900,8 @@ def _validate_forward_engine(cfg: RunConfig) -> None:
         return
     default = RunConfig()
     for key in _changed_keys(cfg.steps, default.steps, "steps.") + [
-            k for k in ("loss.clip_range", "loss.kl_flowgrpo_compat")
+            k for k in ("loss.clip_range", "loss.kl_flowgrpo_compat", "loss.trust_region", "loss.kl_mask_bound",
+                        "loss.ratio_norm")
             if getattr(cfg.loss, k.split(".")[1]) != getattr(default.loss, k.split(".")[1])]:
         alt = {"loss.clip_range": "; awm's ratio clip is engine.awm_clip_range"}.get(key, "")
         raise ConfigError(f"{key}: does not apply to engine.name={e.name} (a forward-process engine trains "
@@ -901,3 +910,22 @@ def _validate_forward_engine(cfg: RunConfig) -> None:
     if e.forward_timesteps > T:
         raise ConfigError(f"engine.forward_timesteps: value {e.forward_timesteps} is out of range; at most one unit "
                           f"per grid time: must be <= sampler.num_steps={T} (0 = the paper's recipe)")
+
+
+def _validate_loss_options(cfg: RunConfig) -> None:
+    """The trust-region options of the flow step loss (losses.policy_loss): which combinations make sense."""
+    lo, d = cfg.loss, LossConfig()
+    if lo.trust_region == "clip" and lo.kl_mask_bound != d.kl_mask_bound:
+        raise ConfigError("loss.kl_mask_bound: applies only with loss.trust_region=kl_mask; set it or remove the bound")
+    if lo.trust_region == "kl_mask" and lo.ratio_norm:
+        raise ConfigError("loss.ratio_norm: normalises the ratio the PPO clip acts on; it does not combine with "
+                          "loss.trust_region=kl_mask (use one of them)")
+    if lo.trust_region == "kl_mask" and lo.clip_range != d.clip_range:
+        raise ConfigError("loss.clip_range: does not apply with loss.trust_region=kl_mask (the KL mask replaces the "
+                          "clip); remove it or set loss.trust_region=clip")
+    if (lo.trust_region != "clip" or lo.ratio_norm) and cfg.sampler.cps_flowgrpo_compat:
+        raise ConfigError("loss.trust_region / loss.ratio_norm: need a Gaussian log-density; "
+                          "sampler.cps_flowgrpo_compat=true scores with FlowGRPO's pseudo log-prob (set it to false)")
+    if lo.ratio_norm and cfg.engine.name == "reweight":
+        raise ConfigError("loss.ratio_norm: engine.name=reweight forms the first update from r = 1 without the step "
+                          "loss; use recompute, retain, jagg or single_step with the normalised ratio")
