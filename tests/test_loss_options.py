@@ -8,7 +8,7 @@ import torch
 from diffgrpo import RunConfig
 from diffgrpo.config import ConfigError, validate
 from diffgrpo.engines.base import EngineContext, step_loss
-from diffgrpo.losses import (gaussian_step_kl, kl_mask_loss, normalized_log_ratio, policy_loss, ppo_clip_loss)
+from diffgrpo.losses import gaussian_step_kl, kl_mask_loss, normalized_log_ratio, policy_loss, ppo_clip_loss
 from diffgrpo.samplers import flow_sde
 from tests.conftest import flat_grad, perturb, rel_err
 
@@ -16,7 +16,8 @@ from tests.conftest import flat_grad, perturb, rel_err
 def _gauss_logp(x, mu, s):
     """Mean-reduced Gaussian log-density written out: mean(−(x−μ)²/(2s²) − log s − log √(2π))."""
     s = s.view(-1, *([1] * (x.dim() - 1)))
-    return (-(x - mu) ** 2 / (2 * s ** 2) - torch.log(s) - 0.5 * torch.log(torch.tensor(2 * torch.pi))).flatten(1).mean(1)
+    log_2pi = torch.log(torch.tensor(2 * torch.pi))
+    return (-(x - mu) ** 2 / (2 * s ** 2) - torch.log(s) - 0.5 * log_2pi).flatten(1).mean(1)
 
 
 def test_gaussian_step_kl_is_the_exact_kl():
@@ -69,7 +70,8 @@ def test_normalized_log_ratio_centres_and_rescales_the_log_ratio():
 
 def test_policy_loss_defaults_are_ppo_clip_bit_for_bit():
     g = torch.Generator().manual_seed(2)
-    lp, lp_old, adv = torch.randn(16, generator=g) * 1e-3, torch.randn(16, generator=g) * 1e-3, torch.randn(16, generator=g)
+    lp, lp_old = torch.randn(16, generator=g) * 1e-3, torch.randn(16, generator=g) * 1e-3
+    adv = torch.randn(16, generator=g)
     for a, b in zip(policy_loss(lp, lp_old, adv, 1e-4), ppo_clip_loss(lp, lp_old, adv, 1e-4)):
         assert torch.equal(a, b)
     ctx = EngineContext(policy=None, kernel={})
@@ -107,7 +109,8 @@ def _hand_pairs(tr, ro, grad=False):
             continue
         sig, nxt = ro.traj.sigmas[k], ro.traj.sigmas[k + 1]
         with torch.set_grad_enabled(grad):
-            v = tr.policy.velocity(ro.traj.xs[idx, k], sig.expand(len(idx)), {c: t[idx] for c, t in ro.traj.cond.items()})
+            cond = {c: t[idx] for c, t in ro.traj.cond.items()}
+            v = tr.policy.velocity(ro.traj.xs[idx, k], sig.expand(len(idx)), cond)
             out = flow_sde.step(v, sig, nxt, ro.traj.xs[idx, k], prev_sample=ro.traj.xs[idx, k + 1], **kern)
         mu_old = flow_sde.step(ro.traj.velocities[idx, k], sig, nxt, ro.traj.xs[idx, k],
                                prev_sample=ro.traj.xs[idx, k + 1], **kern).mean
@@ -180,7 +183,8 @@ def test_loss_option_config_errors():
              ("loss.trust_region=kl_mask", "loss.clip_range=0.2"): "loss.clip_range",
              ("loss.trust_region=trust",): "loss.trust_region",
              ("loss.ratio_norm=true", "engine.name=reweight"): "engine.name=reweight",
-             ("loss.ratio_norm=true", "sampler.sde_type=cps", "sampler.cps_flowgrpo_compat=true"): "cps_flowgrpo_compat",
+             ("loss.ratio_norm=true", "sampler.sde_type=cps", "sampler.cps_flowgrpo_compat=true"):
+                 "cps_flowgrpo_compat",
              ("engine.name=nft", "loss.ratio_norm=true"): "loss.ratio_norm: does not apply",
              ("model.name=tiny_mlm", "loss.trust_region=kl_mask"): "loss.trust_region: does not apply"}
     for ov, msg in cases.items():

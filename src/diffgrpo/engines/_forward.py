@@ -58,8 +58,8 @@ def noised(x0: torch.Tensor, eps: torch.Tensor, t: torch.Tensor) -> tuple[torch.
 
 
 def plan_units(plan: BatchPlan, times: torch.Tensor, *, ode: bool, generator: torch.Generator) -> None:
-    """Train K units per sample (columns 0 … K−1 of ``plan.selected``), with the given grid indices (B, K) and noise drawn
-    from ``generator``; ``ode``: every sampling step deterministic (the papers' ODE rollouts)."""
+    """Train K units per sample (columns 0 … K−1 of ``plan.selected``), with the given grid indices (B, K) and
+    noise drawn from ``generator``; ``ode``: every sampling step deterministic (the papers' ODE rollouts)."""
     B, T = plan.selected.shape
     K = times.shape[1]
     dev = plan.selected.device

@@ -34,10 +34,17 @@ import torch
 
 from ..losses import aggregate, ppo_clip_loss
 from ..types import BatchPlan, EngineStats, Rollout
-from ._forward import (count_unit_backward, ForwardState, clip_advantages, conditional_only, noised, plan_units, stratified_grid_times,
-                       unit_batches)
-from .base import EngineContext, engine_run, no_rollout_hooks, one_wave, take_cond, \
-    unit_sample_weights
+from ._forward import (
+    ForwardState,
+    clip_advantages,
+    conditional_only,
+    count_unit_backward,
+    noised,
+    plan_units,
+    stratified_grid_times,
+    unit_batches,
+)
+from .base import EngineContext, engine_run, no_rollout_hooks, one_wave, take_cond, unit_sample_weights
 
 AWM_UNITS = 6  # the released recipe's train_timesteps
 AWM_TIME_FRACTION = 0.9  # the released recipe's timestep_fraction: times from grid indices 1 … ⌊0.9·T⌋

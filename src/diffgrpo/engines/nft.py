@@ -41,10 +41,18 @@ import torch
 
 from ..losses import aggregate
 from ..types import BatchPlan, EngineStats, Rollout
-from ._forward import (count_unit_backward, ForwardState, OldPolicy, clip_advantages, conditional_only, grid_times, noised, plan_units,
-                       unit_batches)
-from .base import EngineContext, engine_run, no_rollout_hooks, take_cond, trainable_params, \
-    unit_sample_weights
+from ._forward import (
+    ForwardState,
+    OldPolicy,
+    clip_advantages,
+    conditional_only,
+    count_unit_backward,
+    grid_times,
+    noised,
+    plan_units,
+    unit_batches,
+)
+from .base import EngineContext, engine_run, no_rollout_hooks, take_cond, trainable_params, unit_sample_weights
 
 NFT_TIME_FRACTION = 0.99  # the released recipe's timestep_fraction: ⌊0.99·T⌋ grid times per sample
 
