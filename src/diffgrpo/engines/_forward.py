@@ -73,12 +73,14 @@ def plan_units(plan: BatchPlan, times: torch.Tensor, *, ode: bool, generator: to
 
 
 def unit_batches(selected: torch.Tensor, k: int, size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The selected units (i, j), j < K, in chunks of at most ``size`` (0: one chunk) → [(rows (n,), cols (n,))]."""
-    rows, cols = selected[:, :k].nonzero(as_tuple=True)
+    """The selected units (i, j), j < K, in chunks → [(rows (n,), cols (n,))]. ``size`` > 0: chunks of at most
+    ``size`` units; 0: one chunk per unit index j (the batch's samples, as ``recompute`` takes one chunk per step),
+    so peak activation memory does not grow with K."""
+    rows, cols = selected[:, :k].T.nonzero(as_tuple=True)[::-1]  # column-major: unit j of every sample together
     if rows.numel() == 0:
         return []
     if size <= 0:
-        return [(rows, cols)]
+        return [(rows[cols == j], cols[cols == j]) for j in cols.unique().tolist()]
     return list(zip(rows.split(size), cols.split(size)))
 
 

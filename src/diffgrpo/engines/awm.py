@@ -25,6 +25,8 @@ Exact with respect to: not ``recompute``'s objective (no transition density); th
 identical under any chunking, world size or LoRA.
 Cost per sample: K forwards with grad + K sample-backwards (+ K no-grad reference forwards when β_KL > 0); on top of
 T no-grad rollout forwards. No θ_old forward: on the first update ℓ_old is the detached ℓ_θ.
+Units run one index j at a time (the batch's B samples per chunk, like ``recompute``'s one step at a time) or in
+chunks of ``engine.micro_batch_size``, so peak activation memory is one chunk's forward.
 """
 from __future__ import annotations
 

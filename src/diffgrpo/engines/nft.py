@@ -32,6 +32,8 @@ in the sense that matters for the engine contract: the gradient of the stated lo
 Cost per sample: K forwards with grad + K sample-backwards, + K no-grad forwards of θ_old once θ_old ≠ θ
 (none on the first iteration, when θ_old = θ bit for bit, or while d = 0), + K no-grad reference forwards when
 β_KL > 0; on top of T no-grad rollout forwards (of θ_old). No per-step trajectory is used beyond x_0.
+Units run one index j at a time (the batch's B samples per chunk, like ``recompute``'s one step at a time) or in
+chunks of ``engine.micro_batch_size``, so peak activation memory is one chunk's forward.
 """
 from __future__ import annotations
 
