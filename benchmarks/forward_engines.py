@@ -4,8 +4,10 @@ Every variant starts from the same built-in pretrained model with the default co
 arguments) and only ``engine.name`` changed, seed 0; the variants take their iterations interleaved (alternating
 order) in one process on one thread, so machine noise hits all alike. Recorded per variant: the held-out reward
 (``trainer.evaluate()``: fixed prompts and seeds, ODE sampling; not timed) every ``--eval-every`` iterations and at
-the end, cumulative wall time of the iterations (rollout + update), and the counted cost (sample-forwards with and
-without grad, rollout included, + 2 × sample-backwards).
+the end, cumulative wall time of the iterations (rollout + update), the counted cost (sample-forwards with and
+without grad, rollout included, + 2 × sample-backwards), and a per-prompt diversity guard: the mean pairwise RMS
+pixel distance between the evaluation images of one prompt (its ``eval.seeds_per_prompt`` seeds), averaged over
+prompts — a variant that buys reward by collapsing every seed onto one digit image shows it falling.
 
     python benchmarks/forward_engines.py --iters 40 --out benchmarks/results/forward_engines
 """
@@ -22,6 +24,14 @@ from diffgrpo import RunConfig, Trainer
 
 VARIANTS = {"recompute": ["engine.name=recompute"], "nft": ["engine.name=nft"], "awm": ["engine.name=awm"]}
 EVAL_KEY = "eval/reward"
+
+
+def prompt_diversity(images: torch.Tensor, per_prompt: int) -> float:
+    """Mean over prompts of the mean pairwise RMS distance between that prompt's images. images (P·S, C, H, W)."""
+    x = images.flatten(1).double().reshape(-1, per_prompt, images[0].numel())  # (P, S, D)
+    d = torch.cdist(x, x) / x.shape[-1] ** 0.5  # (P, S, S) RMS distances
+    S = per_prompt
+    return float(d.sum((1, 2)).mean() / (S * (S - 1)))
 
 
 def main() -> None:
@@ -42,11 +52,13 @@ def main() -> None:
         runs[name] = {"seconds": 0.0, "cost": 0.0, "curve": []}
 
     def record(name: str, it: int) -> None:
-        row, _ = trainers[name].evaluate()
+        row, images = trainers[name].evaluate()
         r = runs[name]
-        r["curve"].append({"iteration": it, "seconds": r["seconds"], "cost": r["cost"], "reward": row[EVAL_KEY]})
-        print(f"{name:10s} it={it:3d} eval_reward={row[EVAL_KEY]:.4f} seconds={r['seconds']:.1f} cost={r['cost']:.0f}",
-              flush=True)
+        div = prompt_diversity(images, trainers[name].cfg.eval.seeds_per_prompt)
+        r["curve"].append({"iteration": it, "seconds": r["seconds"], "cost": r["cost"], "reward": row[EVAL_KEY],
+                           "diversity": div})
+        print(f"{name:10s} it={it:3d} eval_reward={row[EVAL_KEY]:.4f} diversity={div:.4f} seconds={r['seconds']:.1f} "
+              f"cost={r['cost']:.0f}", flush=True)
 
     for name in trainers:
         record(name, 0)
@@ -64,11 +76,12 @@ def main() -> None:
             if it % a.eval_every == 0 or it == a.iters:
                 record(name, it)
     base = runs.get("recompute")
-    lines = ["| variant | final held-out reward | start | wall s (iterations) | counted cost | s / iteration |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| variant | final held-out reward | start | per-prompt diversity (start → end) | wall s (iterations) | "
+             "counted cost | s / iteration |", "|---|---|---|---|---|---|---|"]
     for name, r in runs.items():
-        lines.append(f"| {name} | {r['curve'][-1]['reward']:.4f} | {r['curve'][0]['reward']:.4f} | "
-                     f"{r['seconds']:.1f} | {r['cost']:.0f} | {r['seconds'] / a.iters:.2f} |")
+        c0, c1 = r["curve"][0], r["curve"][-1]
+        lines.append(f"| {name} | {c1['reward']:.4f} | {c0['reward']:.4f} | {c0['diversity']:.4f} → "
+                     f"{c1['diversity']:.4f} | {r['seconds']:.1f} | {r['cost']:.0f} | {r['seconds'] / a.iters:.2f} |")
     if base:
         lines.append("")
         for name, r in runs.items():
