@@ -44,7 +44,7 @@ def test_dict_entry_override():
     (["train.group_size=2.5"], "train.group_size: value 2.5 is not a valid int"),
     (["log.progress=maybe"], "log.progress: value 'maybe' is not a valid bool"),
     (["engine.name=fast"], "engine.name: value 'fast' is not a registered engine"),
-    (["reward.weights={aesthetic: 1.0}"], "reward.weights: unknown reward 'aesthetic'"),
+    (["reward.weights={hpsv3: 1.0}"], "reward.weights: unknown reward 'hpsv3'"),
     (["reward.weights={}"], "reward.weights: at least one reward is required"),
     (["reward.weights={digit_alignment: high}"], "reward.weights.digit_alignment: weight 'high' must be a number"),
     (["train.digits=[3, 12]"], "train.digits: value [3, 12] must be a non-empty list of digits 0..9"),

@@ -249,3 +249,54 @@ def test_dllm_data_file_errors_name_the_key(tmp_path):
     txt = tmp_path / "d.txt"
     txt.write_text("1+1=\n", encoding="utf-8")
     assert "is not a .jsonl file" in _error(RunConfig.from_overrides, ["model.name=tiny_mlm", f"dllm.data_file={txt}"])
+
+
+# ------------------------------------------------------------------------------------------- shipped prompt sets
+def test_shipped_prompt_sets_load_by_name_with_their_metadata():
+    from diffgrpo.data_sources import builtin_sets
+
+    assert builtin_sets() == ["geneval/test", "geneval/train", "ocr/test", "ocr/train", "preference/test",
+                              "preference/train"]
+    sets = {n: load_prompts(f"builtin:{n}") for n in builtin_sets()}
+    for name in ("geneval", "ocr", "preference"):  # train and test never share a prompt
+        assert not {r["prompt"] for r in sets[f"{name}/train"]} & {r["prompt"] for r in sets[f"{name}/test"]}
+    pref = sets["preference/train"] + sets["preference/test"]
+    assert len(pref) >= 200 and len({r["prompt"] for r in pref}) == len(pref)
+    assert all(set(r) == {"prompt"} for r in pref)
+    for r in sets["ocr/train"] + sets["ocr/test"]:  # the target text is metadata and appears quoted in the prompt
+        assert set(r) == {"prompt", "text"} and f'"{r["text"]}"' in r["prompt"]
+    tags = {"single_object", "two_object", "counting", "colors", "color_attr", "position"}
+    for split in ("train", "test"):
+        recs = sets[f"geneval/{split}"]
+        assert {r["tag"] for r in recs} == tags
+        for r in recs:  # GenEval's metadata format
+            assert r["include"] and all(isinstance(o["class"], str) and o["count"] >= 1 for o in r["include"])
+            assert all(o["class"] in r["prompt"] for o in r["include"])
+            if r["tag"] == "counting":
+                assert r["exclude"] == [{"class": r["include"][0]["class"], "count": r["include"][0]["count"] + 1}]
+            if r["tag"] in ("colors", "color_attr"):
+                assert all(o["color"] in r["prompt"] for o in r["include"])
+            if r["tag"] == "position":
+                rel, ref = r["include"][1]["position"]
+                assert ref == 0 and f" {rel} " in r["prompt"]
+
+
+def test_unknown_shipped_set_is_one_line_listing_the_sets():
+    with pytest.raises(ConfigError) as e:
+        load_prompts("builtin:ocr/validation", key="eval.prompts_file")
+    msg = str(e.value)
+    assert msg.startswith("eval.prompts_file: 'builtin:ocr/validation'") and "builtin:ocr/test" in msg
+    assert "\n" not in msg
+
+
+def test_shipped_prompt_files_are_package_data():
+    """Every shipped prompt file matches a package-data pattern of pyproject.toml, so a wheel carries it."""
+    import fnmatch
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["diffgrpo"]
+    pkg = root / "src" / "diffgrpo"
+    files = [f.relative_to(pkg).as_posix() for f in (pkg / "prompts").rglob("*") if f.suffix in (".txt", ".jsonl", ".md")]
+    assert len(files) == 7 and all(any(fnmatch.fnmatch(f, p) for p in patterns) for f in files)

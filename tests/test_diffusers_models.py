@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import string
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -227,7 +228,10 @@ def test_config_errors_name_the_field(sd3_dir, tmp_path):
         RunConfig.from_overrides(["model.family=sdxl"])
     with pytest.raises(ConfigError, match="model.pretrained: path .* does not exist"):  # refused on reading
         RunConfig.from_overrides(["model.name=diffusers", f"model.pretrained={tmp_path / 'nope'}"])
-    cfg = RunConfig.from_overrides(["model.name=diffusers", f"model.pretrained={sd3_dir}", "model.resolution=18"])
+    with pytest.raises(ConfigError, match=r"^reward\.weights: 'digit_alignment' scores .* RGB"):  # the default reward
+        RunConfig.from_overrides(["model.name=diffusers", f"model.pretrained={sd3_dir}"])
+    cfg = RunConfig.from_overrides(["model.name=diffusers", f"model.pretrained={sd3_dir}", "model.resolution=18",
+                                    "reward.weights={jpeg_incompressibility: 1.0}"])
     with pytest.raises(ConfigError, match="model.resolution"):
         Trainer(cfg, log=lambda *a: None)
 
@@ -337,18 +341,42 @@ def test_gradient_checkpointing_is_exact_and_bf16_autocast_is_close():
     assert lora_grads[0].abs().sum() > 0 and rel_err(lora_grads[1], lora_grads[0]) < 1e-5
 
 
-@pytest.mark.parametrize("name", ["sd35_medium_pickscore", "flux_dev_pickscore", "wan21_t2v_1.3b_pickscore",
-                                  "qwen_image_pickscore"])
-def test_real_model_configs_validate(name, tmp_path, monkeypatch):
-    from pathlib import Path
+CONFIGS = sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
 
-    root = Path(__file__).resolve().parents[1]
-    monkeypatch.syspath_prepend(str(root / "examples"))  # the launch commands set PYTHONPATH=examples
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the configs name a GPU this machine may lack
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    (tmp_path / "p.txt").write_text("a photo of a cat\n")
-    cfg = RunConfig.from_yaml(root / "configs" / f"{name}.yaml",
-                              [f"train.prompts_file={tmp_path / 'p.txt'}", f"eval.prompts_file={tmp_path / 'p.txt'}"])
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_real_model_configs_validate(name, tmp_path, monkeypatch, capsys):
+    """Every shipped config resolves on a fresh checkout: registry rewards, shipped prompt sets, no PYTHONPATH;
+    its header names the one command that trains it."""
+    from diffgrpo.cli import main
+    from diffgrpo.rewards import REWARDS
+
+    path = Path(__file__).resolve().parents[1] / "configs" / f"{name}.yaml"
+    monkeypatch.chdir(tmp_path)  # nothing relative to the checkout
+    for flags in ([], ["--check-data"]):
+        assert main(["print-config", *flags, "--config", str(path)]) == 0, capsys.readouterr().err
+    cfg = RunConfig.from_yaml(path)
     assert cfg.model.name == "diffusers" and cfg.model.pretrained and cfg.model.lora_rank > 0
-    assert "PYTHONPATH=examples diffgrpo train --config configs/" + name + ".yaml" in \
-        (root / "configs" / f"{name}.yaml").read_text()
+    assert cfg.train.prompts_file.startswith("builtin:") and cfg.eval.prompts_file.startswith("builtin:")
+    assert all(":" not in r and r in REWARDS for r in cfg.reward.weights)
+    assert f"diffgrpo train --config configs/{name}.yaml" in path.read_text()
+    assert "PYTHONPATH" not in path.read_text()
+
+
+def test_print_config_checks_data_only_when_asked(tmp_path, capsys):
+    """print-config resolves a config whose prompt files are elsewhere; --check-data and train check them, and
+    train refuses before any model loads (the hub id below is never fetched)."""
+    from diffgrpo.cli import main
+
+    args = ["--config", str(Path(__file__).resolve().parents[1] / "configs" / "sd35_medium_ocr.yaml"),
+            f"train.prompts_file={tmp_path / 'missing.jsonl'}", f"log.output_dir={tmp_path / 'run'}"]
+    assert main(["print-config", *args]) == 0
+    capsys.readouterr()
+    assert main(["print-config", "--check-data", *args]) == 2
+    assert "train.prompts_file" in capsys.readouterr().err
+    assert main(["train", *args]) == 2
+    err = capsys.readouterr().err
+    assert "train.prompts_file" in err and "does not exist" in err and len(err.strip().splitlines()) == 1
+    assert main(["print-config", *args[:2], "eval.prompts_file=builtin:ocr/nope"]) == 2
+    err = capsys.readouterr().err
+    assert "builtin:ocr/test" in err and "builtin:geneval/train" in err

@@ -41,9 +41,26 @@ def parse_variant(spec: str) -> tuple[str, list[str]]:
     return spec, overrides
 
 
-def _grads(params) -> torch.Tensor:
-    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().flatten().double()
-                      for p in params])
+def _grads(params) -> list[torch.Tensor | None]:
+    """A copy of every parameter's gradient in its own dtype (None where there is none): one extra gradient's
+    memory, not a float64 vector of every parameter (which at 12B parameters would not fit)."""
+    return [None if p.grad is None else p.grad.detach().clone() for p in params]
+
+
+def _compare(a: list, b: list) -> tuple[float, float]:
+    """Cosine and relative error ‖a − b‖/‖b‖ of two gradients given as per-parameter lists, accumulated in float64
+    parameter by parameter."""
+    dot = na = nb = nd = torch.zeros((), dtype=torch.float64)
+    for x, y in zip(a, b):
+        if x is None and y is None:
+            continue
+        x = torch.zeros_like(y) if x is None else x
+        y = torch.zeros_like(x) if y is None else y
+        xd, yd = x.double(), y.double()
+        dot, na, nb = dot + (xd * yd).sum().cpu(), na + (xd * xd).sum().cpu(), nb + (yd * yd).sum().cpu()
+        nd = nd + ((xd - yd) ** 2).sum().cpu()
+    cos = float(dot / (na.sqrt() * nb.sqrt()).clamp(min=1e-300))
+    return cos, float(nd.sqrt() / nb.sqrt().clamp(min=1e-30))
 
 
 def _cost(c: dict) -> float:
@@ -76,14 +93,17 @@ def _run_variant(trainer: Trainer, base_state: dict, rng_state: dict) -> dict:
 
 
 def bench_engines(cfg: RunConfig, variants: list[str], *, repeats: int = 3, out_dir: str | Path | None = None,
-                  log=print) -> dict:
+                  log=print, policy=None, command: str | None = None, keep_going: bool = False) -> dict:
     """Run every variant side by side; write ``engines.json`` and ``engines.md`` (headed by the command line that
-    produced them) to ``out_dir``."""
+    produced them) to ``out_dir``. ``policy``: a policy built by the caller (e.g. a transformer at a real size with
+    random weights, benchmarks/gpu/) instead of the one ``cfg.model`` names; ``command``: the command line to
+    record (default: this process's); ``keep_going``: a variant other than ``recompute`` that raises (out of memory)
+    is left out of the rows and listed in ``report["errors"]`` instead of ending the benchmark."""
     if MODEL_FAMILIES[cfg.model.name] != "flow":
         raise ConfigError(f"bench engines: gradient engines are the flow family's; model.name={cfg.model.name} is a "
                           "masked diffusion LM (compare its methods with benchmarks/dllm_train.py)")
     cfg = RunConfig.from_overrides(["log.progress=false"], base=cfg)
-    base = Trainer(RunConfig.from_overrides(["engine.name=recompute"], base=cfg), log=log)
+    base = Trainer(RunConfig.from_overrides(["engine.name=recompute"], base=cfg), policy=policy, log=log)
     base_state = {k: v.clone() for k, v in base.policy.state_dict().items()}
     rng_state = base.family.rng_state()  # every variant replays the same prompts, noise and steps
     trainers = {}
@@ -93,27 +113,38 @@ def bench_engines(cfg: RunConfig, variants: list[str], *, repeats: int = 3, out_
         t = Trainer(vcfg, policy=base.policy, log=log)
         trainers[label] = t
     results = {label: [] for label in trainers}
-    ref_grads = {}
+    errors: dict[str, str] = {}  # keep_going: variants that raised, with the first line of their error
     for r in range(repeats + 1):  # first round is warm-up
         order = list(trainers) if r % 2 == 0 else list(reversed(trainers))
         for label in order:
-            res = _run_variant(trainers[label], base_state, rng_state)
-            if r == 0:
-                # exact reference: recompute on this variant's own rollout (same selected steps)
-                ro = res["ro"]
-                base.optimizer.zero_grad(set_to_none=True)
-                RecomputeEngine().backward(trainers[label].family.ctx, ro, 0)
-                ref_grads[label] = _grads(base.params)
-                res["ref_cos"] = float(torch.nn.functional.cosine_similarity(res["grad"], ref_grads[label], dim=0))
-                res["ref_relerr"] = float((res["grad"] - ref_grads[label]).norm() / ref_grads[label].norm().clamp(min=1e-30))
-                results[label].append(res)
-            else:
-                results[label].append(res)
+            if label in errors:
+                continue
+            try:
+                res = _run_variant(trainers[label], base_state, rng_state)
+                if r == 0:
+                    # exact reference: recompute on this variant's own rollout (same selected steps)
+                    ro = res["ro"]
+                    base.optimizer.zero_grad(set_to_none=True)
+                    RecomputeEngine().backward(trainers[label].family.ctx, ro, 0)
+                    res["ref_cos"], res["ref_relerr"] = _compare(res["grad"], [p.grad for p in base.params])
+                    base.optimizer.zero_grad(set_to_none=True)
+            except Exception as e:  # e.g. out of memory at a real size: drop this variant, keep the others
+                if not keep_going or label == "recompute":
+                    raise
+                errors[label] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+                res = None
+                for t in (trainers[label], base):
+                    t.optimizer.zero_grad(set_to_none=True)
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                log(f"bench engines: {label} failed ({errors[label]}); the other variants go on")
+                continue
+            results[label].append(res)
             res.pop("ro", None)
             res.pop("grad", None)
     base.policy.load_state_dict(base_state)
     rows = []
-    labels = list(trainers)
+    labels = [lab for lab in trainers if lab not in errors]
     base_label = next((lab for lab in labels if lab == "recompute"), None)
     for label in labels:
         runs = results[label]
@@ -146,8 +177,8 @@ def bench_engines(cfg: RunConfig, variants: list[str], *, repeats: int = 3, out_
     report = {
         "config": cfg.to_dict(), "repeats": repeats, "device": str(base.device),
         "torch_threads": torch.get_num_threads(), "batch": cfg.train.prompts_per_batch * cfg.train.group_size,
-        "command": "diffgrpo " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
-        "num_steps": cfg.sampler.num_steps, "rows": rows,
+        "command": command or "diffgrpo " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+        "num_steps": cfg.sampler.num_steps, "rows": rows, "errors": errors,
     }
     md = to_markdown(report)
     if out_dir:

@@ -285,7 +285,15 @@ def cmd_report(args) -> int:
 
 
 def cmd_print_config(args) -> int:
-    print(_load_cfg(args).to_yaml(), end="")
+    """The resolved config; prompt files are checked (exist, parse, hold prompts) only with ``--check-data``
+    (``diffgrpo train`` always checks them before any model loads)."""
+    import contextlib
+
+    from .data_sources import skip_data_checks
+
+    with contextlib.nullcontext() if args.check_data else skip_data_checks():
+        cfg = _load_cfg(args)
+    print(cfg.to_yaml(), end="")
     return 0
 
 
@@ -331,6 +339,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(func=cmd_report)
     sp = sub.add_parser("print-config", help="print the resolved config as YAML")
     common(sp)
+    sp.add_argument("--check-data", action="store_true",
+                    help="also check that train.prompts_file / eval.prompts_file exist and parse")
     sp.set_defaults(func=cmd_print_config)
     return p
 

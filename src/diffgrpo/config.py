@@ -24,12 +24,12 @@ from typing import Any
 import torch
 import yaml
 
-from .data_sources import load_prompts, read_utf8
+from .data_sources import check_prompts, read_utf8
 from .distributed import launched_world_size
-from .dllm.tasks import VOCAB, examples_from_file, get_task
+from .dllm.tasks import FILE_TASKS, TASKS, VOCAB, examples_from_file, get_task
 from .engines import ENGINES, FORWARD_ENGINES
 from .errors import ConfigError, suggest
-from .rewards import REWARDS, resolve_reward
+from .rewards import REWARDS, check_rewards, resolve_reward
 from .samplers.masked import schedule
 
 # Plausibility bound: samples drawn per iteration (train.prompts_per_batch × train.group_size, all ranks together).
@@ -71,7 +71,8 @@ class ModelConfig:
     family: str = _f("auto", choices=("auto", "sd3", "flux", "wan", "qwenimage"),
                      doc="diffusers: model family; auto = from the transformer class")
     dtype: str = _f("float32", choices=("float32", "bfloat16", "float16"), doc="diffusers: weight dtype of the pipeline")
-    mixed_precision: str = _f("no", choices=("no", "bf16", "fp16"), doc="diffusers: autocast of the transformer forward")
+    mixed_precision: str = _f("no", choices=("no", "bf16", "fp16"),
+                              doc="tiny, diffusers: autocast of the transformer forward")
     resolution: int = _f(512, lo=16, doc="diffusers: image side in pixels")
     num_frames: int = _f(33, lo=1, doc="diffusers (wan): video frames")
     negative_prompt: str = _f("", doc="diffusers: negative prompt of true CFG")
@@ -81,7 +82,10 @@ class ModelConfig:
     lora_alpha: float = _f(0.0, lo=0.0, doc="tiny, diffusers: LoRA alpha; 0 = lora_rank")
     lora_target_modules: str = _f("", doc="tiny, diffusers: comma-separated LoRA targets; empty = the attention "
                                           "projections (the family's defaults; tiny: SD3's)")
-    gradient_checkpointing: bool = _f(False, doc="diffusers: activation checkpointing in the transformer")
+    gradient_checkpointing: bool = _f(False, doc="tiny, diffusers: activation checkpointing in the transformer")
+    offload_text_encoders: bool = _f(True, doc="diffusers: keep the text encoders on the CPU and move them to the "
+                                               "device only to encode prompts not yet cached (each prompt is "
+                                               "encoded once)")
 
 
 @dataclass
@@ -107,11 +111,23 @@ class SamplerConfig:
     share_noise_in_group: bool = _f(False, doc="same initial noise for every sample of a prompt group")
     batch_size: int = _f(0, lo=0, doc="rollout trajectories per network call (whole rows, every step); 0 = the whole "
                                       "batch. Bounds sampling activations; the noise draws do not change")
+    shared_prefix: bool = _f(False, doc="rollout savings: a group shares its initial noise and runs its deterministic ODE "
+                                        "prefix (up to its first stochastic step) once: k + G(T-k) forwards, exact")
+    tail_solver: str = _f("full", choices=("full", "euler", "heun"),
+                          doc="rollout savings: after a sample's last stochastic / trained step, carry it to x0 with "
+                              "sampler.tail_steps steps of this solver (full = every grid step; not exact otherwise)")
+    tail_steps: int = _f(1, lo=1, doc="rollout savings: steps of the cheap tail (sampler.tail_solver)")
 
 
 @dataclass
 class RewardConfig:
     weights: dict = _f({"digit_alignment": 1.0}, doc="reward name (or module:function) -> weight")
+    options: dict[str, dict] = _f({}, doc="per-reward options, e.g. {pickscore: {model: <hub id or path>, dtype: "
+                                          "bfloat16, batch_size: 16, device: cuda:1}} (see README, Rewards)")
+    background: bool = _f(False, doc="score each sampling micro-batch (sampler.batch_size) in a worker thread while "
+                                     "the next one samples (FlowGRPO's overlap); the samples and rewards equal "
+                                     "background=false's. Needs sampler.batch_size > 0; engines that keep rollout "
+                                     "graphs (retain, reweight, evaluation=retain) score after sampling")
 
 
 @dataclass
@@ -144,6 +160,12 @@ class StepsConfig:
     fraction: float = _f(1.0, lo=0.0, hi=1.0, doc="first_fraction / random: share of trainable steps")
     window_start: int = _f(-1, lo=-1, doc="window: first step, -1 = random per sample")
     window_size: int = _f(4, lo=1)
+    window_shift_every: int = _f(0, lo=0, doc="window (MixGRPO sliding window): move the window by "
+                                               "steps.window_shift_stride every N iterations; 0 = fixed window")
+    window_shift_stride: int = _f(1, lo=1, doc="window: steps the sliding window moves per shift")
+    window_roll_back: bool = _f(True, doc="window: a sliding window past the last trainable step restarts at "
+                                          "steps.window_start (else it stays at the end)")
+    ode_outside: bool = _f(False, doc="SDE kernel only on the selected (trained) steps, ODE elsewhere (MixGRPO)")
 
 
 @dataclass
@@ -202,8 +224,9 @@ class TrainConfig:
                                               "sampler: a UTF-8 text file (one prompt per line), a .jsonl file (a "
                                               "prompt field + metadata fields) or a .csv file (a prompt column + "
                                               "metadata columns), or hf:<path or hub id>[:<split>] (datasets."
-                                              "load_dataset; hf:json:<file> for a local JSON file); the metadata "
-                                              "reaches the rewards")
+                                              "load_dataset; hf:json:<file> for a local JSON file), or "
+                                              "builtin:<set>/<split> (a prompt set shipped with the package, e.g. "
+                                              "builtin:ocr/train); the metadata reaches the rewards")
     prompt_column: str = _f("prompt", doc="the field / column holding the prompt in train.prompts_file and "
                                           "eval.prompts_file (.jsonl, .csv, hf:)")
 
@@ -213,8 +236,9 @@ class DLLMConfig:
     """Masked diffusion LMs (model.name=tiny_mlm / hf_masked_lm). TRL names: num_generations = train.group_size,
     beta = loss.beta, epsilon = dllm.clip_range, num_iterations = train.num_inner_epochs,
     scale_rewards = advantage.std_mode (when method_defaults is false)."""
-    task: str = _f("arithmetic", choices=("arithmetic", "sudoku", "countdown", "json_schema"),
-                   doc="task with a verifiable reward (diffgrpo.dllm.tasks)")
+    task: str = _f("arithmetic", choices=("arithmetic", "sudoku", "countdown", "json_schema", "gsm8k"),
+                   doc="task with a verifiable reward (diffgrpo.dllm.tasks); gsm8k: numeric answers, instances from "
+                       "dllm.data_file")
     method: str = _f("diffu_grpo", choices=("diffu_grpo", "coupled_grpo", "random_mask"),
                      doc="base method: likelihood estimator + advantage baseline")
     method_defaults: bool = _f(True, doc="use the method's advantage baseline/std (else the advantage section)")
@@ -241,6 +265,27 @@ class DLLMConfig:
                                            "(LLaDA checkpoints without one: 126336)")
     logits_shift: str = _f("auto", choices=("auto", "true", "false"),
                            doc="hf_masked_lm: true = position j scores token j+1 (Dream); auto by model type")
+    # at scale (diffgrpo.models.hf_masked_lm, diffgrpo.rewards.verifiers)
+    dtype: str = _f("float32", choices=("float32", "bfloat16", "float16"),
+                    doc="weight dtype of the masked LM (LoRA weights train in float32; logits are scored in float32)")
+    gradient_checkpointing: bool = _f(False, doc="activation checkpointing in the masked LM's blocks")
+    lora_rank: int = _f(0, lo=0, doc="LoRA rank (train a peft adapter only; the KL reference is the adapter "
+                                     "disabled); 0 = full fine-tune. d1 trains LLaDA-8B with rank 128")
+    lora_alpha: float = _f(0.0, lo=0.0, doc="LoRA alpha; 0 = lora_rank (d1: 64 at rank 128)")
+    lora_target_modules: str = _f("", doc="comma-separated LoRA targets; empty = the model's attention projections "
+                                          "(LLaDA / Dream: q_proj, k_proj, v_proj as d1; BERT: query, key, value)")
+    chat_template: str = _f("auto", choices=("auto", "true", "false"),
+                            doc="hf_masked_lm: wrap prompts with tokenizer.apply_chat_template (user turn + the "
+                                "generation prompt); auto = when the tokenizer has a template")
+    system_prompt: str = _f("", doc="hf_masked_lm with a chat template: system message before every prompt")
+    prompt_length: int = _f(0, lo=0, doc="prompt tokens (left-padded; longer prompts keep their last tokens); "
+                                         "0 = the task's default")
+    prompt_field: str = _f("prompt", doc="dllm.data_file / eval_file: the field holding the prompt (GSM8K: question)")
+    answer_field: str = _f("answer", doc="dllm.data_file / eval_file: the field holding the reference answer")
+    eval_file: str = _f("", path=True, doc="held-out prompts and answers (same formats as dllm.data_file); empty = "
+                                           "the task's test split (gsm8k: dllm.data_file itself)")
+    format_reward: float = _f(0.0, lo=0.0, doc="weight of d1's format rewards (strict + soft XML format + tag "
+                                               "count, at most 1.5) added to the task reward; 0 = off")
 
 
 @dataclass
@@ -295,6 +340,12 @@ class DistConfig:
     backend: str = _f("", doc="process-group backend; empty = nccl with CUDA, gloo otherwise")
     timeout: float = _f(1800.0, gt=0.0, doc="timeout of collectives; a stalled rank fails the job after this many "
                                             "seconds")
+    fsdp_param_dtype: str = _f("float32", choices=("float32", "bfloat16"),
+                               doc="fsdp2: dtype the sharded parameters are all-gathered and computed in "
+                                   "(MixedPrecisionPolicy; gradients are reduced in float32, the optimizer keeps "
+                                   "float32 shards)")
+    fsdp_cpu_offload: bool = _f(False, doc="fsdp2: keep parameter, gradient and optimizer shards on the CPU "
+                                           "(CPUOffloadPolicy); the optimizer step runs on the CPU")
 
 
 @dataclass
@@ -453,6 +504,14 @@ def _coerce(key: str, value, tp, meta):
                     value = os.path.expanduser(value)
                 except (ValueError, OSError):  # e.g. an embedded NUL byte: refused by the path checks
                     pass
+        elif origin is dict and typing.get_args(tp)[1:] == (dict,):  # {name: {option: value}}: reward.options
+            if not isinstance(value, dict):
+                raise TypeError
+            value = {str(k): v for k, v in value.items()}
+            for k, v in value.items():
+                if not isinstance(v, dict):
+                    raise ConfigError(f"{_show_key(f'{key}.{k}')}: value {v!r} must be a mapping of options, "
+                                      "e.g. {batch_size: 8}")
         elif origin is dict:
             if not isinstance(value, dict):
                 raise TypeError
@@ -572,15 +631,32 @@ def validate(cfg: RunConfig) -> None:
     for key in ("train.prompts_file", "eval.prompts_file"):
         sec, name = key.split(".")
         spec = getattr(getattr(cfg, sec), name)
-        if spec:  # exists, is UTF-8, parses, has the prompt column and at least one prompt
-            load_prompts(spec, key=key, column=t.prompt_column)
+        if spec:  # exists, is UTF-8, parses, has the prompt column and at least one prompt (see check_prompts)
+            check_prompts(spec, key=key, column=t.prompt_column)
     _validate_device(cfg.model.device)
     _validate_dist(cfg.dist.mode)
     _validate_logging(cfg.log)
     if family == "flow":
         _validate_flow(cfg)
+        check_rewards(cfg.reward.weights, cfg.reward.options, model_name=cfg.model.name)
     else:
         _validate_dllm(cfg)
+    _validate_memory(cfg)
+
+
+def _validate_memory(cfg: RunConfig) -> None:
+    """Mixed precision and FSDP2 memory options that cannot work together."""
+    m, d = cfg.model, cfg.dist
+    if m.mixed_precision == "fp16" and m.dtype == "float16":
+        raise ConfigError("model.mixed_precision: value 'fp16' needs float32 weights (model.dtype=float32): the "
+                          "gradient scaler cannot unscale float16 gradients; or use model.mixed_precision=bf16")
+    if m.mixed_precision == "fp16" and d.mode == "fsdp2":
+        raise ConfigError("model.mixed_precision: value 'fp16' is not supported with dist.mode=fsdp2 (the gradient "
+                          "scaler's inf check is per rank); use dist.fsdp_param_dtype=bfloat16")
+    for key in ("fsdp_param_dtype", "fsdp_cpu_offload"):
+        if getattr(d, key) != getattr(DistConfig(), key) and d.mode != "fsdp2":
+            raise ConfigError(f"dist.{key}: applies only to dist.mode=fsdp2 (dist.mode={d.mode}); set "
+                              f"dist.mode=fsdp2 or remove it")
 
 
 def _validate_dist(mode: str) -> None:
@@ -687,8 +763,9 @@ def _validate_dllm(cfg: RunConfig) -> None:
     if cfg.model.name == "hf_masked_lm" and not d.model_path:
         raise ConfigError("dllm.model_path: required for model.name=hf_masked_lm (a local model directory or hub id)")
     task = get_task(d.task)
+    _validate_dllm_scale(cfg, task)
     if d.data_file:
-        examples = examples_from_file(d.data_file, task)
+        examples = examples_from_file(d.data_file, task, prompt_field=d.prompt_field, answer_field=d.answer_field)
         if cfg.model.name == "tiny_mlm":  # the built-in character vocabulary and its prompt positions
             for i, ex in enumerate(examples, 1):
                 try:
@@ -730,6 +807,36 @@ def _validate_dllm(cfg: RunConfig) -> None:
         raise ConfigError(f"dllm.diffusion_steps: value {steps} is not usable ({e})") from None
 
 
+def _validate_dllm_scale(cfg: RunConfig, task) -> None:
+    """File tasks, held-out files, chat templates and the LoRA / dtype / sharding combinations of masked LMs."""
+    d = cfg.dllm
+    if d.task in FILE_TASKS:
+        if not d.data_file:
+            raise ConfigError(f"dllm.data_file: required for dllm.task={d.task} (it has no generator): a .jsonl file "
+                              f"or hf:<dataset>[:<split>] with fields {d.prompt_field!r} and {d.answer_field!r}")
+        if cfg.model.name != "hf_masked_lm":
+            raise ConfigError(f"dllm.task: value {d.task!r} needs model.name=hf_masked_lm (the built-in tiny_mlm "
+                              f"only knows {sorted(TASKS)})")
+    if d.eval_file:
+        examples_from_file(d.eval_file, task, key="dllm.eval_file", prompt_field=d.prompt_field,
+                           answer_field=d.answer_field)
+    if cfg.model.name == "tiny_mlm":
+        if d.chat_template == "true" or d.system_prompt:
+            key = "dllm.chat_template" if d.chat_template == "true" else "dllm.system_prompt"
+            raise ConfigError(f"{key}: the built-in tiny_mlm has a character vocabulary and no chat template; it "
+                              f"applies to model.name=hf_masked_lm")
+        if d.prompt_length and d.prompt_length != task.prompt_length:
+            raise ConfigError(f"dllm.prompt_length: value {d.prompt_length} does not fit the built-in tiny_mlm for "
+                              f"dllm.task={d.task}, which reads {task.prompt_length} prompt tokens; use 0")
+    if d.lora_target_modules and not d.lora_rank:
+        raise ConfigError("dllm.lora_target_modules: set only with dllm.lora_rank > 0 (LoRA is off at rank 0)")
+    if cfg.dist.mode == "fsdp2" and d.lora_rank and d.dtype != "float32":
+        raise ConfigError(f"dllm.dtype: value {d.dtype!r} with dllm.lora_rank={d.lora_rank} under dist.mode=fsdp2 is "
+                          f"not supported (FSDP2 shards each block in one dtype and the adapter trains in float32); "
+                          f"choose dllm.dtype=float32 (with dist.fsdp_param_dtype=bfloat16 to compute in bf16) or "
+                          f"dist.mode=ddp")
+
+
 # Keys each family reads (a section name covers all its keys); any other key set to a non-default value is refused.
 _SHARED = ("seed", "model.name", "model.device", "model.cache_dir", "pretrain.steps", "pretrain.batch_size",
            "pretrain.lr", "pretrain.seed", "advantage", "loss.beta", "loss.aggregation", "engine.micro_batch_size",
@@ -746,7 +853,8 @@ FAMILY_KEYS = {
                        "model.lora_target_modules", "model.gradient_checkpointing", "pretrain.cond_dropout",
                        "sampler", "reward", "loss.clip_range", "loss.kl_flowgrpo_compat", "steps", "engine",
                        "loss.trust_region", "loss.kl_mask_bound", "loss.ratio_norm",
-                       "train.digits", "train.prompts_file", "train.prompt_column", "eval"),
+                       "train.digits", "train.prompts_file", "train.prompt_column", "eval",
+                       "model.offload_text_encoders"),
     "dllm": _SHARED + ("pretrain.answer_noise", "dllm", "daca"),
 }
 # engine keys that only some engines read
@@ -861,6 +969,19 @@ def _validate_flow(cfg: RunConfig) -> None:
                           "embedding, one forward); negative prompts and true CFG do not apply")
     if cfg.model.image_size % cfg.model.patch_size:
         raise ConfigError(f"model.patch_size: {cfg.model.patch_size} must divide model.image_size={cfg.model.image_size}")
+    _validate_rollout_savings(cfg)
+    if cfg.reward.background and cfg.sampler.batch_size == 0:
+        raise ConfigError("reward.background: value True needs sampling micro-batches to overlap with; set "
+                          "sampler.batch_size > 0 (e.g. a quarter of the batch), or reward.background=false")
+
+
+def _validate_rollout_savings(cfg: RunConfig) -> None:
+    """The sliding SDE window needs a fixed window to slide (steps.mode=window, steps.window_start >= 0)."""
+    s = cfg.steps
+    if s.window_shift_every > 0 and (s.mode != "window" or s.window_start < 0):
+        raise ConfigError(f"steps.window_shift_every: value {s.window_shift_every} needs steps.mode=window with "
+                          f"steps.window_start >= 0 (got steps.mode={s.mode}, window_start={s.window_start}); "
+                          "or set it to 0")
 
 
 def selected_per_trajectory(cfg: RunConfig) -> int:

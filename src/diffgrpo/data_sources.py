@@ -6,6 +6,8 @@ A prompt source (``train.prompts_file``, ``eval.prompts_file``) is one of:
 - a ``.jsonl`` file: one JSON object per line with a prompt field (``train.prompt_column``, default ``prompt``);
   every other field is that prompt's metadata;
 - a ``.csv`` file: a header row naming a prompt column plus metadata columns (values stay strings);
+- ``builtin:<set>/<split>``: a prompt set shipped inside the package (``src/diffgrpo/prompts``, e.g.
+  ``builtin:ocr/train``; :func:`builtin_sets` lists them);
 - ``hf:<path or hub id>[:<split>]``: a ``datasets.load_dataset`` spec (needs the ``datasets`` package; split
   ``train`` by default). ``hf:json:<file>`` / ``hf:csv:<file>`` / ``hf:parquet:<file>`` load local files with that
   builder (``load_dataset("json", data_files=<file>)``).
@@ -18,6 +20,8 @@ samples, so a sample's metadata travels with it and nothing is gathered for the 
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import csv
 import importlib.util
 import io
@@ -30,6 +34,9 @@ import numpy as np
 from .errors import ConfigError
 
 HF_PREFIX = "hf:"
+BUILTIN_PREFIX = "builtin:"
+BUILTIN_DIR = Path(__file__).resolve().parent / "prompts"
+_CHECK_DATA = contextvars.ContextVar("diffgrpo_check_data", default=True)
 _HF_BUILDERS = ("json", "csv", "parquet", "text")
 _SPLIT_RE = re.compile(r"^[A-Za-z_][\w-]*$")
 
@@ -124,13 +131,51 @@ def _load_hf(spec: str, column: str, key: str) -> list[dict]:
     return [_record(dict(row), column, f"row {i}", spec, key) for i, row in enumerate(ds)]
 
 
+def builtin_sets() -> list[str]:
+    """The shipped prompt sets as ``<set>/<split>`` names (``builtin:<name>`` in a config)."""
+    return sorted(f"{f.parent.name}/{f.stem}" for f in BUILTIN_DIR.glob("*/*")
+                  if f.suffix in (".txt", ".jsonl") and f.stem in ("train", "test"))
+
+
+def resolve_builtin(spec: str, key: str = "train.prompts_file") -> Path:
+    """``builtin:<set>/<split>`` → the shipped file; an unknown name is a one-line ConfigError listing the sets."""
+    name = spec[len(BUILTIN_PREFIX):].strip().strip("/")
+    for suffix in (".jsonl", ".txt"):
+        f = BUILTIN_DIR / f"{name}{suffix}"
+        if name in builtin_sets() and f.is_file():
+            return f
+    raise ConfigError(f"{key}: {spec!r} is not a shipped prompt set; choose one of "
+                      f"{[BUILTIN_PREFIX + n for n in builtin_sets()]}")
+
+
+@contextlib.contextmanager
+def skip_data_checks():
+    """Within this context :func:`check_prompts` checks only the form of a prompt source (a shipped set's name),
+    not that its file exists and parses (``diffgrpo print-config`` without ``--check-data``)."""
+    token = _CHECK_DATA.set(False)
+    try:
+        yield
+    finally:
+        _CHECK_DATA.reset(token)
+
+
+def check_prompts(spec: str, *, key: str, column: str = "prompt") -> None:
+    """Validation of a prompt source: it loads (exists, is UTF-8, parses, has the prompt column and a prompt), or,
+    inside :func:`skip_data_checks`, only a ``builtin:`` name is checked."""
+    if not _CHECK_DATA.get():
+        if spec.startswith(BUILTIN_PREFIX):
+            resolve_builtin(spec, key)
+        return
+    load_prompts(spec, key=key, column=column)
+
+
 def load_prompts(spec: str, *, key: str = "train.prompts_file", column: str = "prompt") -> list[dict]:
     """The prompt records ``[{"prompt": str, **metadata}]`` of ``spec`` (see the module doc); ``key`` names the
     config key in errors. Raises ConfigError for a missing, unreadable, malformed or empty source."""
     if spec.startswith(HF_PREFIX):
         records = _load_hf(spec, column, key)
     else:
-        p = Path(spec).expanduser()
+        p = resolve_builtin(spec, key) if spec.startswith(BUILTIN_PREFIX) else Path(spec).expanduser()
         try:
             is_file = p.is_file()
         except (OSError, ValueError):  # a name too long, an embedded NUL byte
@@ -189,4 +234,5 @@ class EpochSampler:
         self._order = self._permutation(self.epoch)
 
 
-__all__ = ["EpochSampler", "load_prompts", "prompt_metadata", "read_utf8", "split_hf_spec"]
+__all__ = ["EpochSampler", "builtin_sets", "check_prompts", "load_prompts", "prompt_metadata", "read_utf8",
+           "resolve_builtin", "skip_data_checks", "split_hf_spec"]

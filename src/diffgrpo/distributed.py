@@ -158,7 +158,8 @@ def add_mean_grad_(params: list[torch.Tensor], flat: torch.Tensor) -> None:
         parts = _reduce_scatter_mean(params, flat)
     else:
         all_reduce_mean_(flat)
-        parts = [g.view_as(p).clone() for p, g in zip(params, flat.split([p.numel() for p in params]))]
+        parts = [g.view_as(p).to(p.dtype, copy=True)  # a bf16 model's gradient in bf16
+                 for p, g in zip(params, flat.split([p.numel() for p in params]))]
     for p, g in zip(params, parts):
         p.grad = g if p.grad is None else p.grad + g
 
@@ -188,7 +189,7 @@ def _reduce_scatter_mean(params: list[torch.Tensor], flat: torch.Tensor) -> list
     out = []
     for p, seg, c in zip(params, mine.split([s.shape[1] for s in segments]), rows):
         local = seg.view(c, *p.shape[1:])[:p.to_local().shape[0]]  # drop this rank's padding rows
-        out.append(DTensor.from_local(local.contiguous(), p.device_mesh, p.placements, run_check=False,
+        out.append(DTensor.from_local(local.to(p.dtype).contiguous(), p.device_mesh, p.placements, run_check=False,
                                       shape=p.shape, stride=p.stride()))
     return out
 
@@ -252,17 +253,29 @@ def transformer_blocks(module: torch.nn.Module) -> list[torch.nn.Module]:
     return out
 
 
-def wrap_fsdp2(module: torch.nn.Module, **kw) -> torch.nn.Module:
+def wrap_fsdp2(module: torch.nn.Module, *, param_dtype: torch.dtype | str | None = None,
+               cpu_offload: bool = False, **kw) -> torch.nn.Module:
     """FSDP2 in place: ``fully_shard`` on each transformer block (one all-gather per block in forward and
     backward, one reduce-scatter per block), then on the root for the remaining parameters. Returns
     ``module`` (now an ``FSDPModule``: parameters are sharded DTensors, ``set_requires_gradient_sync`` exists).
-    Build optimizers AFTER wrapping. No-op at world size 1."""
+    Build optimizers AFTER wrapping. No-op at world size 1.
+
+    ``param_dtype`` (e.g. ``torch.bfloat16`` or ``"bfloat16"``): a ``MixedPrecisionPolicy`` that all-gathers and
+    computes in that dtype and reduce-scatters gradients in float32; the sharded parameters, their gradients and
+    the optimizer state stay float32. ``cpu_offload``: a ``CPUOffloadPolicy`` (shards, gradients and optimizer state on the CPU; each
+    block's parameters are copied to the device for its all-gather)."""
     if not is_initialized() or dist.get_world_size() == 1:
         return module
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    if isinstance(param_dtype, str):  # dist.fsdp_param_dtype
+        param_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[param_dtype]
+    if param_dtype is not None and param_dtype != torch.float32:
+        kw.setdefault("mp_policy", MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32))
+    device_type = "cuda" if "nccl" in str(dist.get_backend()) else "cpu"  # also "cpu:gloo,cuda:nccl"
+    if cpu_offload:  # pinned host memory for the copies to the GPU (there is none to pin for on a CPU run)
+        kw.setdefault("offload_policy", CPUOffloadPolicy(pin_memory=device_type == "cuda"))
     mesh = init_device_mesh(device_type, (dist.get_world_size(),))
     for block in transformer_blocks(module):
         fully_shard(block, mesh=mesh, **kw)

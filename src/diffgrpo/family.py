@@ -65,8 +65,9 @@ class Family(Protocol):
         """Accumulate ∇ Σ w·L of ``rollout`` into ``.grad`` (zeroed by the caller); epoch 0 = first update."""
         ...
 
-    def evaluate(self) -> tuple[dict[str, float], torch.Tensor | None]:
-        """Held-out metrics ({"eval/…": value}) and images to save (or None), under the current weights."""
+    def evaluate(self, table=None) -> tuple[dict[str, float], torch.Tensor | None]:
+        """Held-out metrics ({"eval/…": value}) and images to save (or None), under the current weights; ``table``
+        (a ``media.SampleTable``, on rank 0 only, or None) receives one row per evaluation sample."""
         ...
 
     def rng_state(self) -> dict:

@@ -1,7 +1,8 @@
 """Run outputs: metrics.jsonl mirrored to the trackers (TensorBoard, W&B), sample grids and the reward-curve plot.
 
 The trackers (TensorBoard through ``torch.utils.tensorboard``, W&B through ``wandb``) sit behind the small
-``Tracker`` protocol: scalars at a step, an image grid with a caption, finish. (``accelerate.tracking``'s classes
+``Tracker`` protocol: scalars at a step, an image grid with a caption, a per-sample table (``media.SampleTable``
+rows: a W&B Table with the images, TensorBoard text), finish. (``accelerate.tracking``'s classes
 are not used: they log through accelerate's process state, which this trainer does not create.) ``MetricsWriter`` appends every row to
 ``metrics.jsonl`` and sends its finite scalars to each tracker; it is a context manager whose ``close`` (after the
 run's last write, the end evaluation) finishes every tracker once, however the run ends.
@@ -19,6 +20,7 @@ import numpy as np
 import torch
 
 from .fileio import append_line, atomic_write, read_jsonl
+from .media import captioned_grid, grid_frames, table_columns
 
 
 class Tracker(Protocol):
@@ -28,6 +30,10 @@ class Tracker(Protocol):
 
     def log_image(self, key: str, image: np.ndarray, step: int, caption: str) -> None:
         """``image``: (H, W, 3) uint8."""
+
+    def log_table(self, key: str, columns: list[str], rows: list[list], step: int, run_dir: Path) -> None:
+        """A per-sample table: ``columns`` names, ``rows`` values; an ``image`` / ``video`` column holds paths
+        relative to ``run_dir``."""
 
     def finish(self) -> None: ...
 
@@ -49,6 +55,17 @@ class TensorBoardTracker:
     def log_image(self, key: str, image: np.ndarray, step: int, caption: str) -> None:
         self._w.add_image(key, image, step, dataformats="HWC")
         self._w.add_text(f"{key}/caption", caption, step)
+        self._w.flush()
+
+    def log_table(self, key: str, columns: list[str], rows: list[list], step: int, run_dir: Path) -> None:
+        """As a Markdown table in the text tab."""
+        def cell(v) -> str:
+            text = f"{v:.4f}" if isinstance(v, float) else "" if v is None else str(v)
+            return text.replace("|", "\\|").replace("\n", " ")
+
+        lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+        lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+        self._w.add_text(key, "\n".join(lines), step)
         self._w.flush()
 
     def finish(self) -> None:
@@ -75,6 +92,15 @@ class WandBTracker:
         import wandb
 
         self._run.log({key: wandb.Image(image, caption=caption)}, step=step)
+
+    def log_table(self, key: str, columns: list[str], rows: list[list], step: int, run_dir: Path) -> None:
+        """A ``wandb.Table``; image paths become ``wandb.Image`` cells, video paths ``wandb.Video`` cells."""
+        import wandb
+
+        kinds = {"image": wandb.Image, "video": wandb.Video}
+        data = [[kinds[c](str(Path(run_dir) / v)) if c in kinds and v else v for c, v in zip(columns, row)]
+                for row in rows]
+        self._run.log({key: wandb.Table(columns=columns, data=data)}, step=step)
 
     def finish(self) -> None:
         self._run.finish()
@@ -124,6 +150,15 @@ class MetricsWriter:
         for t in self.trackers:
             t.log_image(key, grid, step=int(step), caption=caption)
 
+    def log_table(self, rows: list[dict], step: int, key: str = "eval/samples_table") -> None:
+        """An evaluation's per-sample rows (``media.SampleTable.close()``) to every tracker."""
+        if not self.trackers or not rows:
+            return
+        columns, data = table_columns(rows)
+        for t in self.trackers:
+            if hasattr(t, "log_table"):  # a tracker written before tables were part of the protocol
+                t.log_table(key, columns, data, step=int(step), run_dir=self.path.parent)
+
     def close(self) -> None:
         """Finish every tracker once (the first error is raised after all were tried)."""
         trackers, self.trackers, self.closed = self.trackers, [], True
@@ -150,7 +185,8 @@ def read_metrics(path: Path, log=print) -> list[dict]:
 
 def grid_array(images: torch.Tensor, nrow: int, scale: int = 4) -> np.ndarray:
     """images (N, C, H, W) in [0, 1] → one uint8 grid, ``nrow`` images per row, upscaled ``scale``× (nearest):
-    (H', W') for one channel, (H', W', C) otherwise."""
+    (H', W') for one channel, (H', W', C) otherwise. Videos (N, C, F, H, W) show their first frames."""
+    images = grid_frames(images)
     n, c, h, w = images.shape
     ncol = nrow
     nr = math.ceil(n / ncol)
@@ -164,11 +200,13 @@ def grid_array(images: torch.Tensor, nrow: int, scale: int = 4) -> np.ndarray:
     return arr.repeat(scale, axis=0).repeat(scale, axis=1) if scale > 1 else arr
 
 
-def save_grid(images: torch.Tensor, path: Path, nrow: int, scale: int = 4) -> None:
-    """images (N, C, H, W) in [0, 1] → one PNG, ``nrow`` images per row, upscaled ``scale``× (nearest)."""
+def save_grid(images: torch.Tensor, path: Path, nrow: int, scale: int = 4, captions: list[str] | None = None) -> None:
+    """images (N, C, H, W) in [0, 1] → one PNG, ``nrow`` images per row, upscaled ``scale``× (nearest); with
+    ``captions`` (one per image, e.g. prompt and reward), tiles 128 px wide with the caption below each."""
     from PIL import Image
 
-    img = Image.fromarray(np.ascontiguousarray(grid_array(images, nrow, scale)))
+    arr = grid_array(images, nrow, scale) if captions is None else captioned_grid(images, captions, nrow)
+    img = Image.fromarray(np.ascontiguousarray(arr))
     fmt = {".jpg": "JPEG", ".jpeg": "JPEG"}.get(Path(path).suffix.lower(), "PNG")
     atomic_write(path, lambda tmp: img.save(tmp, format=fmt))
 

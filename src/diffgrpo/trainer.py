@@ -35,6 +35,7 @@ from .errors import ConfigError, TrainingError
 from .family import Family, Sync
 from .fileio import atomic_write
 from .flow.family import FlowFamily
+from .media import SampleTable, caption_of, side_by_side
 from .models import POLICIES
 from .runlog import MetricsWriter, plot_curves, read_metrics, save_grid
 from .types import EngineStats, Rollout
@@ -71,7 +72,10 @@ class Trainer:
         self.family: Family = family_cls(cfg, self.policy, self.world, log=lambda *a: self.log(*a))
         self.dp_module = None  # the DDP / FSDP2 wrapper the policy's forwards go through (None in one process)
         if self.world.world_size > 1:  # FSDP2 shards in place: build the optimizer after
-            self.dp_module = distributed.wrap(self.family.network(), self.dist_mode)
+            self.dp_module = (distributed.wrap_fsdp2(  # mixed precision / CPU offload: dist.fsdp_*
+                self.family.network(), param_dtype=cfg.dist.fsdp_param_dtype,
+                cpu_offload=cfg.dist.fsdp_cpu_offload) if self.dist_mode == "fsdp2"
+                else distributed.wrap(self.family.network(), self.dist_mode))
             self.policy.forward_module = self.dp_module
         self.params = list(self.policy.trainable_parameters())
         t = cfg.train
@@ -87,6 +91,10 @@ class Trainer:
             sync.all_reduce = distributed.all_reduce_sum
         self.family.connect(sync)
         self.ema = EMA(self.policy.named_trainable_parameters(), t.ema_decay) if t.ema_decay > 0 else None
+        # fp16: a loss scaler; the flow policy scales the gradient at the transformer's output (every engine)
+        self.grad_scaler = torch.amp.GradScaler(self.device.type) if cfg.model.mixed_precision == "fp16" else None
+        if self.grad_scaler is not None:
+            self.policy.grad_scaler = self.grad_scaler
         self.iteration = 0
         self.bad_updates = 0  # consecutive skipped updates (non-finite gradient, or nothing to train)
         self._stop_signal = None
@@ -115,11 +123,15 @@ class Trainer:
         for epoch in range(self.cfg.train.num_inner_epochs):
             stats = first_stats if (epoch == 0 and first_stats is not None) else self.backward(rollout, epoch)
             total.engine = stats.engine
+            if self.grad_scaler is not None and trains:
+                self.grad_scaler.unscale_(self.optimizer)  # before the norm and the clip
             norm = self._grad_norm()
             total.merge(stats)
             info["grad_norm"] = norm
             if epoch == 0:
                 info.update({f"first_epoch/{k}": v for k, v in stats.metrics.items()})
+            if trains and not math.isfinite(norm) and self._scaler_overflow(info):
+                continue  # fp16 overflow: the scaler lowered the scale; not a bad update
             if not trains or not torch.isfinite(torch.tensor(norm)):
                 why = ("no sample could be trained (every reward non-finite, or every group filtered out)"
                        if not trains else "non-finite loss/gradient")
@@ -130,7 +142,12 @@ class Trainer:
             self.bad_updates = 0
             if self.cfg.train.max_grad_norm > 0:
                 torch.nn.utils.clip_grad_norm_(self.params, self.cfg.train.max_grad_norm)
-            self.optimizer.step()
+            if self.grad_scaler is not None:
+                self.grad_scaler.step(self.optimizer)  # unscaled already; steps (the gradient is finite)
+                self.grad_scaler.update()
+                info["loss_scale"] = self.grad_scaler.get_scale()
+            else:
+                self.optimizer.step()
             self.scheduler.step()
             if not self._weights_finite():
                 raise TrainingError(f"stopping: the weights are non-finite after the update of iteration "
@@ -139,6 +156,22 @@ class Trainer:
             if self.ema is not None:
                 self.ema.update()
         return total, info
+
+    def _scaler_overflow(self, info: dict) -> bool:
+        """fp16: a non-finite gradient is an overflow of the loss scale while the scale is still >= 1: the scaler
+        halves it, the update is skipped and it does not count as a bad update. Below 1 the gradient is non-finite
+        by itself, and the update counts as bad (False)."""
+        if self.grad_scaler is None:
+            return False
+        self.grad_scaler.update()  # found inf in unscale_: scale × backoff
+        scale = self.grad_scaler.get_scale()
+        info["loss_scale"] = scale
+        if scale < 1.0:
+            return False
+        info["skipped_updates"] += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        self.log(f"fp16: gradient overflow at iteration {self.iteration + 1}; update skipped, loss scale now {scale:g}")
+        return True
 
     def _skip(self, why: str, info: dict) -> None:
         """Count a skipped update; ``train.max_bad_updates`` in a row stop the run."""
@@ -186,12 +219,13 @@ class Trainer:
                 "time/reward": ro.timings["reward"], "time/train": stats.seconds.get("train", 0.0),
                 "time/iteration": time.perf_counter() - t0}
 
-    def evaluate(self) -> tuple[dict[str, float], torch.Tensor | None]:
-        """Held-out evaluation by the family, with the EMA weights when ``train.ema_decay`` > 0."""
+    def evaluate(self, table=None) -> tuple[dict[str, float], torch.Tensor | None]:
+        """Held-out evaluation by the family, with the EMA weights when ``train.ema_decay`` > 0; ``table`` (a
+        ``media.SampleTable``, rank 0) receives one row per sample."""
         if self.ema is None:
-            return self.family.evaluate()
+            return self.family.evaluate(table)
         with self.ema.swapped_in():
-            return self.family.evaluate()
+            return self.family.evaluate(table)
 
     # ------------------------------------------------------------------ checkpoints and the whole job
     def run_dir(self) -> Path:
@@ -230,7 +264,8 @@ class Trainer:
             "optimizer": {**self.optimizer.state_dict(), "lr_scheduler": self.scheduler.state_dict()},
             "ema": self.ema.state_dict() if self.ema is not None else None,
             "rng": rng,
-            "extra": {"bad_updates": self.bad_updates},
+            "extra": {"bad_updates": self.bad_updates,  # fp16: the loss scale and its growth tracker (json)
+                      **({"grad_scaler": self.grad_scaler.state_dict()} if self.grad_scaler is not None else {})},
         })
 
     def load_state(self, ck: dict) -> None:
@@ -258,6 +293,8 @@ class Trainer:
         torch.set_rng_state(rng["torch"])
         self.iteration = int(ck["iteration"])
         self.bad_updates = int(ck.get("extra", {}).get("bad_updates", 0))
+        if self.grad_scaler is not None and "grad_scaler" in ck.get("extra", {}):
+            self.grad_scaler.load_state_dict(ck["extra"]["grad_scaler"])
 
     def save_checkpoint(self) -> Path:
         st = self.state()  # on every rank (collectives); rank 0 writes
@@ -378,16 +415,22 @@ class Trainer:
         lead = self.world.rank == 0
 
         def do_eval(tag: str) -> dict:
-            row, images = self.evaluate()
+            table = SampleTable(out, self.iteration, save_media=cfg.log.save_images) if lead else None
+            row, images = self.evaluate(table)
             row["iteration"] = self.iteration
             writer.write(row)
+            samples = table.close() if table is not None else []  # samples/eval_<iteration>.jsonl
+            writer.log_table(samples, self.iteration)
             if images is not None:
                 reward = row.get("eval/reward")
                 caption = (f"iteration {self.iteration}{f' ({tag})' if tag in ('start', 'end') else ''}: "
                            f"mean held-out reward {'n/a' if reward is None else f'{reward:.4f}'}")
                 writer.log_images(images, self.iteration, nrow=cfg.eval.seeds_per_prompt * 2, caption=caption)
                 if lead and cfg.log.save_images:
-                    save_grid(images, out / f"samples_{tag}.png", nrow=cfg.eval.seeds_per_prompt * 2)
+                    save_grid(images, out / f"samples_{tag}.png", nrow=cfg.eval.seeds_per_prompt * 2,
+                              captions=[caption_of(r) for r in samples[:len(images)]])
+                    if tag == "end":
+                        side_by_side(out / "samples_start.png", out / "samples_end.png", out / "samples_start_end.png")
             return row
 
         rows = read_metrics(out / "metrics.jsonl", log=self.log) if resumed else []
@@ -470,6 +513,9 @@ class _NullWriter:
         pass
 
     def log_images(self, images: torch.Tensor, step: int, nrow: int, caption: str) -> None:
+        pass
+
+    def log_table(self, rows: list, step: int) -> None:
         pass
 
     def close(self) -> None:

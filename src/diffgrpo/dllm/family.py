@@ -14,7 +14,9 @@ One iteration of this family, top to bottom:
 
 Data parallel (``dist.mode=ddp``): each rank samples its share with its own sampling and mask streams; rewards
 and group ids are all-gathered for the advantages and the token-mean normaliser counts every rank's trained
-tokens (× W, as DDP averages), so W ranks take the one-process step on the union of their samples.
+tokens (× W, as DDP averages), so W ranks take the one-process step on the union of their samples. FSDP2
+(``dist.mode=fsdp2``, ``hf_masked_lm`` only) shards the model's blocks before the trainer shards the root; every
+rank makes the same forwards (the sampler's steps and the estimator's rows do not depend on the samples).
 """
 from __future__ import annotations
 
@@ -27,6 +29,8 @@ from ..engines.base import EngineContext
 from ..errors import ConfigError
 from ..family import Sync
 from ..loss_weights import apply, grpo_loss_weights
+from ..models.hf_masked_lm import shard_blocks
+from ..rewards.verifiers import d1_format_components
 from ..samplers import masked
 from ..types import EngineStats, Rollout, TokenTrajectory
 from . import credit
@@ -49,7 +53,16 @@ class DLLMFamily:
         self.vocab = policy.vocab
         self.task = get_task(self.d.task)
         # dllm.data_file replaces the task's generated train split (drawn the same way: uniformly, seeded)
-        self.train_pool = examples_from_file(self.d.data_file, self.task) if self.d.data_file else None
+        fields = {"prompt_field": self.d.prompt_field, "answer_field": self.d.answer_field}
+        self.train_pool = examples_from_file(self.d.data_file, self.task, **fields) if self.d.data_file else None
+        self.eval_pool = eval_pool(self.d, self.task, self.train_pool, fields, log)
+        self.prompt_length = self.d.prompt_length or self.task.prompt_length
+        if hasattr(self.vocab, "prompt_ids"):  # a transformers tokenizer (chat template): prompts may not fit
+            warn_long_prompts(self.vocab, (self.train_pool or self.task.instances("train")) + self.eval_pool,
+                              self.prompt_length, log)
+        if world.world_size > 1 and cfg.dist.mode == "fsdp2":  # blocks below the root, before the trainer's wrap
+            shard_blocks(policy.model, param_dtype=cfg.dist.fsdp_param_dtype,
+                         cpu_offload=cfg.dist.fsdp_cpu_offload)
         self.gen_length = self.d.gen_length or self.task.gen_length
         self.block_length = self.d.block_length or self.gen_length
         self.steps = self.d.diffusion_steps or self.gen_length
@@ -70,9 +83,9 @@ class DLLMFamily:
     # ------------------------------------------------------------------ the family protocol
     @staticmethod
     def check_world(cfg, world) -> None:
-        if world.world_size > 1 and cfg.dist.mode == "fsdp2":
-            raise ConfigError(f"dist.mode=fsdp2 is implemented for flow-matching models; masked diffusion LMs "
-                              f"(model.name={cfg.model.name}) train data parallel with dist.mode=ddp")
+        if world.world_size > 1 and cfg.dist.mode == "fsdp2" and cfg.model.name != "hf_masked_lm":
+            raise ConfigError(f"dist.mode=fsdp2 for masked diffusion LMs shards the blocks of model.name=hf_masked_lm; "
+                              f"the built-in {cfg.model.name} trains data parallel with dist.mode=ddp")
 
     def network(self) -> torch.nn.Module:
         return self.policy.model
@@ -101,7 +114,7 @@ class DLLMFamily:
 
     # ------------------------------------------------------------------ pieces
     def generate(self, examples: list[Example], *, temperature: float, generator=None) -> masked.MaskedSample:
-        ids = self.vocab.encode_prompts([e.prompt for e in examples], self.task.prompt_length).to(self.device)
+        ids = self.vocab.encode_prompts([e.prompt for e in examples], self.prompt_length).to(self.device)
         return masked.sample(self.policy, ids, mask_id=self.vocab.mask_id, gen_length=self.gen_length,
                              block_length=self.block_length, steps=self.steps, temperature=temperature,
                              remasking=self.d.remasking, generator=generator)
@@ -123,9 +136,19 @@ class DLLMFamily:
                 ex, gids = [ex[i] for i in rows.tolist()], gids[rows]
             return ex, gids
         lookup = {e.prompt: e for s in ("train", "test") for e in self.task.instances(s)}
-        lookup.update({e.prompt: e for e in self.train_pool or []})
+        lookup.update({e.prompt: e for e in (self.train_pool or []) + self.eval_pool})
         ex = [p if isinstance(p, Example) else lookup[p] for p in prompts]
         return ex, torch.arange(len(ex)) // t.group_size
+
+    def rewards(self, texts: list[str], examples: list[Example]) -> dict[str, torch.Tensor]:
+        """The task's reward components, plus d1's format rewards × ``dllm.format_reward`` when it is > 0 (added
+        to "reward"; "correct" stays the verifier's)."""
+        scored = self.task.rewards(texts, examples)
+        if self.d.format_reward > 0:
+            fmt = {k: torch.tensor([d1_format_components(t)[k] for t in texts]) for k in D1_FORMAT_KEYS}
+            scored["reward"] = scored["reward"] + self.d.format_reward * sum(fmt.values())
+            scored.update(fmt)
+        return scored
 
     # ------------------------------------------------------------------ rollout
     def rollout(self, prompts: list | None = None, group_ids: torch.Tensor | None = None) -> Rollout:
@@ -137,7 +160,7 @@ class DLLMFamily:
         t_sample = time.perf_counter() - t0
         t1 = time.perf_counter()
         texts = [self.vocab.decode(c) for c in smp.completions]
-        scored = self.task.rewards(texts, examples)
+        scored = self.rewards(texts, examples)
         rewards = scored.pop("reward")
         t_reward = time.perf_counter() - t1
         L = self.gen_length
@@ -167,7 +190,7 @@ class DLLMFamily:
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
     def score(self, examples: list[Example], *, temperature: float, samples: int = 1, seed: int = 0,
-              prefix: str = "eval/") -> dict[str, float]:
+              prefix: str = "eval/", table=None) -> dict[str, float]:
         """Decode ``samples`` completions per example (seeded, batches of 256) and average the task's reward
         components: → {prefix+"reward", prefix+"accuracy", prefix+"rewards/<k>/mean"}. Not counted as cost."""
         ex = [e for e in examples for _ in range(samples)]
@@ -178,19 +201,51 @@ class DLLMFamily:
             smp = self.generate(ex[i:i + 256], temperature=temperature, generator=g)
             outs += [self.vocab.decode(c) for c in smp.completions]
         self.policy.counters.update(saved)  # evaluation is not training cost
-        scored = self.task.rewards(outs, ex)
+        scored = self.rewards(outs, ex)
+        if table is not None:  # the completions table (media.SampleTable): prompt, answer, components, completion
+            for i, (e, text) in enumerate(zip(ex, outs)):
+                table.add_completion(i, e.prompt, {"answer": e.answer}, {k: v[i] for k, v in scored.items()
+                                                                          if k != "reward"},
+                                     scored["reward"][i], text)
         row = {f"{prefix}reward": float(scored["reward"].mean()), f"{prefix}accuracy": float(scored["correct"].mean())}
         for k, v in scored.items():
             row[f"{prefix}rewards/{k}/mean"] = float(v.mean())
         return row
 
-    def evaluate(self) -> tuple[dict[str, float], None]:
+    def evaluate(self, table=None) -> tuple[dict[str, float], None]:
         """Held-out test split (first ``dllm.eval_size`` instances), ``dllm.eval_samples`` completions each at
-        ``dllm.eval_temperature``."""
-        pool = self.task.instances("test")
+        ``dllm.eval_temperature``; ``table`` (a ``media.SampleTable``) gets each completion with its rewards."""
+        pool = self.eval_pool
         ex = pool[: self.d.eval_size] if self.d.eval_size else pool
         return self.score(ex, temperature=self.d.eval_temperature, samples=self.d.eval_samples,
-                          seed=self.cfg.eval.seed), None
+                          seed=self.cfg.eval.seed, table=table), None
 
 
-__all__ = ["DLLMFamily", "SAMPLER_RECORDS"]
+D1_FORMAT_KEYS = ("format_strict", "format_soft", "format_xmlcount")
+
+
+def warn_long_prompts(vocab, examples: list[Example], length: int, log, limit: int = 10000) -> int:
+    """Log how many of (the first ``limit``) prompts, chat template included, exceed ``length`` tokens (they keep
+    their last ``length`` tokens). → that count."""
+    sizes = [len(vocab.prompt_ids(e.prompt)) for e in examples[:limit]]
+    long = [n for n in sizes if n > length]
+    if long:
+        log(f"warning: {len(long)} of {len(sizes)} prompts are longer than dllm.prompt_length={length} tokens "
+            f"(longest {max(long)}, chat template included); they keep their last {length} tokens")
+    return len(long)
+
+
+def eval_pool(d, task, train_pool, fields: dict, log) -> list[Example]:
+    """Held-out examples: ``dllm.eval_file``, else the task's test split; a task without a generator (gsm8k) and
+    no eval file evaluates on ``dllm.data_file`` itself (said in the log: that is training-set accuracy)."""
+    if d.eval_file:
+        return examples_from_file(d.eval_file, task, key="dllm.eval_file", **fields)
+    pool = task.instances("test")
+    if not pool and train_pool:
+        log(f"dllm.eval_file is not set and dllm.task={d.task} has no test split: evaluating on dllm.data_file "
+            f"(training prompts)")
+        return list(train_pool)
+    return pool
+
+
+__all__ = ["DLLMFamily", "SAMPLER_RECORDS", "eval_pool", "warn_long_prompts"]

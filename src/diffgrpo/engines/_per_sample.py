@@ -131,6 +131,7 @@ class PerSampleGrads:
 def _layer_grads(mod: nn.Module, a: torch.Tensor, d: torch.Tensor):
     """Per-row weight and bias gradients of one layer call. a: layer input, d: ∂/∂output (same batch N)."""
     N = d.shape[0]
+    a, d = a.float(), d.float()  # under autocast the input and the output gradient may differ in dtype
     if isinstance(mod, nn.Linear):
         a2 = a.reshape(N, -1, a.shape[-1])  # (N, L, in)
         d2 = d.reshape(N, -1, d.shape[-1])  # (N, L, out)

@@ -21,6 +21,7 @@ noise (shared x_0 in the spread layout). A prompt record's metadata travels with
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -30,10 +31,13 @@ from ..data_sources import EpochSampler, load_prompts, prompt_metadata
 from ..engines import build_engine, select_steps
 from ..engines.base import EngineContext
 from ..errors import ConfigError
+from ..quality import flow_eval_quality
 from ..family import Sync
 from ..loss_weights import apply, grpo_loss_weights
-from ..rewards import compute_rewards
+from ..media import SampleTable, grid_frames, to_uint8
+from ..rewards import compute_rewards, make_rewards
 from ..samplers import flow_sde
+from ..samplers import options as rollout_options
 from ..samplers.rollout import sample_trajectories
 from ..types import BatchPlan, EngineStats, FlowTrajectory, Rollout
 
@@ -67,6 +71,9 @@ class FlowFamily:
         # prompt files: records {"prompt", **metadata} in a seeded epoch order, the same on every rank
         self.records = load_prompts(t.prompts_file, column=t.prompt_column) if t.prompts_file else []
         self.sampler = EpochSampler(len(self.records), cfg.seed) if self.records else None
+        # reward callables on the policy's device with reward.options bound (models load on first use)
+        self.reward_fns = make_rewards(cfg.reward.weights, cfg.reward.options, self.device)
+        self.plans_made = 0  # training batches planned (the sliding SDE window's clock)
 
     # ------------------------------------------------------------------ the family protocol
     @staticmethod
@@ -108,6 +115,8 @@ class FlowFamily:
                  "steps": self.gen_steps.get_state(), "group_noise": self.gen_group_noise.get_state()}
         if self.sampler is not None:
             state["prompt_sampler"] = self.sampler.state()
+        if self.cfg.steps.window_shift_every > 0:  # the sliding SDE window's clock
+            state["plans_made"] = torch.tensor(self.plans_made)
         return state
 
     def set_rng_state(self, state: dict) -> None:
@@ -118,6 +127,7 @@ class FlowFamily:
             self.gen_group_noise.set_state(state["group_noise"])
         if self.sampler is not None and "prompt_sampler" in state:
             self.sampler.set_state(state["prompt_sampler"])
+        self.plans_made = int(state.get("plans_made", 0))
 
     # ------------------------------------------------------------------ planning
     def sample_prompts(self) -> tuple[list[str], torch.Tensor, list[dict]]:
@@ -147,7 +157,7 @@ class FlowFamily:
     def initial_noise(self, group_ids: torch.Tensor) -> torch.Tensor:
         """x_0 (B, *S); one draw per group when ``sampler.share_noise_in_group``."""
         shape = self.policy.latent_shape
-        if self.cfg.sampler.share_noise_in_group:  # spread: a group's ranks must draw the same x_0
+        if self.cfg.sampler.share_noise_in_group or self.cfg.sampler.shared_prefix:  # spread: a group's ranks must draw the same x_0
             n = int(group_ids.max()) + 1
             gen = self.gen_group_noise if self.spread else self.gen_noise
             z = torch.randn(n, *shape, generator=gen, device=self.device)
@@ -173,8 +183,10 @@ class FlowFamily:
             prompts, group_ids = [prompts[i] for i in rows.tolist()], group_ids[rows]
             metadata = [metadata[i] for i in rows.tolist()]
             selected = selected[rows.to(self.device)]
+        selected, sde_mask = rollout_options.plan_steps(s, selected, self.plans_made)  # sliding window, ODE outside
+        self.plans_made += 1
         plan = BatchPlan(prompts=list(prompts), group_ids=group_ids, selected=selected,
-                         x0=self.initial_noise(group_ids), metadata=metadata)
+                         x0=self.initial_noise(group_ids), metadata=metadata, sde_mask=sde_mask)
         self.engine.plan(plan, self.gen_steps)
         return plan
 
@@ -187,16 +199,24 @@ class FlowFamily:
         distributed.reshard(self.policy.forward_module)
         hooks = self.engine.rollout_hooks(self.ctx, plan)
         cond = self.policy.encode(plan.prompts)
-        out = sample_trajectories(self.policy, cond, plan.x0, self.sigmas, kernel=self.kernel,
-                                  generator=self.gen_noise, sde_mask=plan.sde_mask,
-                                  grad_mask=None if hooks is None else hooks.grad_mask,
-                                  on_grad_step=None if hooks is None else hooks.on_grad_step,
-                                  batch_size=self.cfg.sampler.batch_size)
-        t_sample = time.perf_counter() - t0
-        t1 = time.perf_counter()
-        images = self.policy.decode(out["xs"][:, -1])
-        rewards, comps = compute_rewards(self.cfg.reward.weights, images, plan.prompts, plan.metadata, log=self.log)
-        t_reward = time.perf_counter() - t1
+        n = self.cfg.sampler.batch_size
+        extra = rollout_options.sampler_kwargs(self.cfg.sampler, plan, self.sigmas)
+        if self.cfg.reward.background and hooks is None and 0 < n < len(plan.prompts):
+            out, images, rewards, comps, t_reward = self._sample_scoring_behind(plan, cond, n, extra)
+            t_sample = time.perf_counter() - t0 - t_reward
+        else:
+            out = sample_trajectories(self.policy, cond, plan.x0, self.sigmas, kernel=self.kernel,
+                                      generator=self.gen_noise, sde_mask=plan.sde_mask,
+                                      grad_mask=None if hooks is None else hooks.grad_mask,
+                                      on_grad_step=None if hooks is None else hooks.on_grad_step,
+                                      batch_size=n, **extra)
+            t_sample = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            images = self.policy.decode(out["xs"][:, -1])
+            rewards, comps = compute_rewards(self.cfg.reward.weights, images, plan.prompts, plan.metadata,
+                                             log=self.log, rewards=self.reward_fns)
+            t_reward = time.perf_counter() - t1
+        rollout_options.count_saved(self.policy, out["saved_forwards"])
         traj = FlowTrajectory(cond=cond, sigmas=self.sigmas, xs=out["xs"], velocities=out["velocities"],
                               log_probs=out["log_probs"], noise=out["noise"], images=images,
                               engine_state=plan.engine_state)
@@ -206,6 +226,45 @@ class FlowFamily:
         self.weigh(ro, wave=plan.wave)
         ro.timings["rollout"] = time.perf_counter() - t0
         return ro
+
+    def _sample_scoring_behind(self, plan: BatchPlan, cond: dict, n: int, extra: dict):
+        """``reward.background``: sample micro-batch after micro-batch of ``n`` whole trajectories, each decoded and
+        handed to one worker thread that scores it while the next one samples (FlowGRPO's overlap).
+
+        The step noise is drawn first, step by step for the whole batch, exactly as the interleaved sampler draws
+        it, and every network call sees the same rows, so trajectories, images and rewards equal
+        ``background=false``'s. A reward's errors surface here as ``compute_rewards`` raises them (retry once,
+        then one RewardError); non-finite scores stay NaN. → (trajectory records, images, rewards (B,),
+        components, seconds spent waiting for scores after the last micro-batch). ``extra``: the rollout savings'
+        per-row arguments (``samplers.options.sampler_kwargs``), sliced with the rows (a group split across
+        micro-batches shares its prefix within each part)."""
+        B, T = plan.x0.shape[0], self.sigmas.shape[0] - 1
+        noise = torch.stack([torch.randn(plan.x0.shape, generator=self.gen_noise, device=self.device)
+                             for _ in range(T)], 1)  # (B, T, *S): the interleaved sampler's draws
+        outs, images, futures = [], [], []
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="diffgrpo-reward") as pool:
+            for lo in range(0, B, n):
+                failed = next((f for f in futures if f.done() and f.exception() is not None), None)
+                if failed is not None:  # stop sampling at once: the run ends with this micro-batch's error
+                    raise failed.exception()
+                rows = slice(lo, min(lo + n, B))
+                part = {k: v[rows] if torch.is_tensor(v) else v for k, v in extra.items()}
+                o = sample_trajectories(self.policy, {k: v[rows] for k, v in cond.items()}, plan.x0[rows],
+                                        self.sigmas, kernel=self.kernel, step_noise=noise[rows],
+                                        sde_mask=None if plan.sde_mask is None else plan.sde_mask[rows], **part)
+                im = self.policy.decode(o["xs"][:, -1])
+                futures.append(pool.submit(compute_rewards, self.cfg.reward.weights, im, plan.prompts[rows],
+                                           plan.metadata[rows], log=self.log, rewards=self.reward_fns))
+                outs.append(o)
+                images.append(im)
+            t_wait = time.perf_counter()
+            scored = [f.result() for f in futures]  # the first failing micro-batch's RewardError, as is
+            t_wait = time.perf_counter() - t_wait
+        out = {k: torch.cat([o[k] for o in outs]) if torch.is_tensor(outs[0][k]) else sum(o[k] for o in outs)
+               for k in outs[0]}
+        rewards = torch.cat([r for r, _ in scored])
+        comps = {name: torch.cat([c[name] for _, c in scored]) for name in scored[0][1]}
+        return out, torch.cat(images), rewards, comps, t_wait
 
     def weigh(self, ro: Rollout, wave: tuple | None = None) -> None:
         """Advantages, trained steps and loss weights of a scored rollout (``ro.selected`` = the planned steps),
@@ -226,30 +285,57 @@ class FlowFamily:
         return [r["prompt"] for r in recs], seeds, [prompt_metadata(r, prompt_digit(r["prompt"])) for r in recs]
 
     @torch.no_grad()
-    def evaluate(self) -> tuple[dict[str, float], torch.Tensor]:
+    def evaluate(self, table: SampleTable | None = None) -> tuple[dict[str, float], torch.Tensor]:
         """Held-out evaluation: fixed prompts and seeds, ``eval.sde_type`` sampling (ODE by default). Not counted
-        as training cost. ``eval.batch_size`` > 0 samples, decodes and scores that many at a time, keeping only
-        the rewards and the first :data:`EVAL_GRID_IMAGES` images, so memory does not grow with the prompts (each
-        chunk continues the SDE noise stream: with eval.sde_type=ode the samples are those of one batch)."""
+        as training cost. → (metrics, the first :data:`EVAL_GRID_IMAGES` samples for the grid (first frames of
+        videos)).
+
+        Sharded over ranks: rank r takes the r-th contiguous share of the samples (shares padded to one length, so
+        every rank makes the same network calls), in chunks of ``eval.batch_size`` (0 = its whole share); each
+        chunk's rewards (and, for the grid and ``table``, its samples as uint8) are gathered, so memory does not
+        grow with the prompts. Every sample starts from the noise of its own seed, so with eval.sde_type=ode the
+        metrics equal one process's; SDE evaluation draws its noise per rank and chunk. ``table`` (rank 0) gets
+        one row per sample: prompt, metadata, reward components, total, its PNG / MP4."""
         prompts, seeds, metadata = self.eval_prompts()
-        n = self.cfg.eval.batch_size
-        if n <= 0 or n >= len(prompts):
-            images, rewards, comps = self._eval_chunk(prompts, seeds, metadata, self._eval_generator())
-        else:
-            g, kept, parts = self._eval_generator(), [], []
-            for lo in range(0, len(prompts), n):
-                im, r, c = self._eval_chunk(prompts[lo:lo + n], seeds[lo:lo + n], metadata[lo:lo + n], g)
-                if sum(len(i) for i in kept) < EVAL_GRID_IMAGES:
-                    kept.append(im[:EVAL_GRID_IMAGES - sum(len(i) for i in kept)])
-                parts.append((r, c))
-                del im
-            images = torch.cat(kept)
-            rewards = torch.cat([r for r, _ in parts])
-            comps = {name: torch.cat([c[name] for _, c in parts]) for name in parts[0][1]}
+        N, W, rank = len(prompts), self.world.world_size, self.world.rank
+        share = -(-N // W)
+        mine = list(range(rank * share, min((rank + 1) * share, N)))
+        rows = mine + [N - 1] * (share - len(mine))  # padding rows: sampled like the others, dropped when gathered
+        n = self.cfg.eval.batch_size if self.cfg.eval.batch_size > 0 else share
+        g = self._eval_generator()
+        want_media = table is not None or W > 1  # rank 0 alone knows whether it writes a table
+        save_media = want_media and self.cfg.log.save_images
+        rewards, comps, grid = torch.full((N,), float("nan")), {}, {}
+        keep = self.cfg.model.name == "tiny"  # the built-in task's fidelity/diversity guards need every (tiny) image
+        kept: dict[int, torch.Tensor] = {}
+        for lo in range(0, share, n):
+            idx = rows[lo:lo + n]
+            im, r, c = self._eval_chunk([prompts[i] for i in idx], [seeds[i] for i in idx],
+                                        [metadata[i] for i in idx], g)
+            real = [j for j, i in enumerate(idx) if lo + j < len(mine)]
+            part = {"index": [idx[j] for j in real], "reward": r[real], "comps": {k: v[real] for k, v in c.items()},
+                    "grid": {idx[j]: grid_frames(im[j:j + 1])[0].cpu() for j in real if idx[j] < EVAL_GRID_IMAGES},
+                    "media": [to_uint8(im[j]) for j in real] if save_media else None,
+                    "images": im[real].cpu() if keep else None}
+            del im
+            for got in distributed.all_gather_object(part):
+                index = torch.tensor(got["index"], dtype=torch.long)
+                rewards[index] = got["reward"]
+                for k, v in got["comps"].items():
+                    comps.setdefault(k, torch.full((N,), float("nan")))[index] = v
+                grid.update(got["grid"])
+                if got["images"] is not None:
+                    kept.update({i: got["images"][j] for j, i in enumerate(got["index"])})
+                if table is not None:
+                    for j, i in enumerate(got["index"]):
+                        table.add_sample(i, prompts[i], metadata[i], {k: v[j] for k, v in got["comps"].items()},
+                                         got["reward"][j], got["media"][j] if got["media"] is not None else None)
         row = {"eval/reward": float(rewards[torch.isfinite(rewards)].mean())}
         for name, v in comps.items():
             row[f"eval/rewards/{name}/mean"] = float(v[torch.isfinite(v)].mean())
-        return row, images
+        images = torch.stack([kept[i] for i in range(N)]) if keep and len(kept) == N else None  # (N, 1, H, W)
+        row.update(flow_eval_quality(self.cfg, images, prompts))  # eval/fid, eval/diversity on the built-in task
+        return row, torch.stack([grid[i] for i in sorted(grid)])
 
     def _eval_generator(self) -> torch.Generator:
         return torch.Generator(device=self.device).manual_seed(self.cfg.eval.seed)
@@ -264,10 +350,10 @@ class FlowFamily:
         self.policy.counters.update(saved)
         images = self.policy.decode(out["xs"][:, -1])
         del out
-        rewards, comps = compute_rewards(self.cfg.reward.weights, images, prompts, metadata)
+        rewards, comps = compute_rewards(self.cfg.reward.weights, images, prompts, metadata, rewards=self.reward_fns)
         return images, rewards, comps
 
 
-EVAL_GRID_IMAGES = 64  # images kept for the sample grid when evaluation runs in chunks (eval.batch_size > 0)
+EVAL_GRID_IMAGES = 64  # samples kept for the evaluation grid (the first in prompt order); the table has them all
 
 __all__ = ["FlowFamily"]

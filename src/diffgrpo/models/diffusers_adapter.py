@@ -18,7 +18,17 @@ under autocast (``mixed_precision``) while all step math stays float32.
 
 Reference policy (KL): with LoRA the base model with the adapter disabled (no second copy of the weights);
 without LoRA a frozen copy of the initial transformer, made only when requested (``keep_reference``).
-Prompt encodings come from the pipeline's own ``encode_prompt`` and are cached per prompt.
+Prompt encodings come from the pipeline's own ``encode_prompt`` and are cached per prompt (an LRU of
+``cache_size`` prompts), so each distinct prompt is encoded once. With ``offload_text_encoders`` the text encoders
+(T5-XXL, CLIP, Qwen2.5-VL, UMT5: up to ~10 GB in bf16) live on the CPU and visit the accelerator only while a
+batch of not-yet-cached prompts is encoded (all of a batch's new prompts in one call), so between encodings the
+accelerator holds the transformer alone. Cost: one host↔device copy of the encoders per batch that brings new
+prompts (none once every prompt of the set is cached).
+
+fp16 (``mixed_precision="fp16"``): a ``torch.amp.GradScaler`` attached as ``grad_scaler`` multiplies the gradient
+that reaches the transformer's output by the loss scale (an identity in the forward). Every engine's loss depends
+on the weights only through the velocities, so this scales every engine's backward without touching the engines;
+the trainer unscales before clipping and skips the step on inf.
 """
 from __future__ import annotations
 
@@ -217,6 +227,73 @@ def vae_decode(vae, family: str, z: torch.Tensor) -> torch.Tensor:
     return (out.float() / 2 + 0.5).clamp(0, 1)
 
 
+# ------------------------------------------------------------------------------------------- memory helpers
+
+
+class TextEncoderOffload:
+    """Where the text encoders live. ``offload`` True: on ``home`` (the CPU) except inside :meth:`active`, which
+    moves them to the compute ``device`` for one encoding and back. ``location`` is "home" or "device"; ``moves``
+    records every change of it as (location, bytes moved), also where both are the CPU (so the logic is testable
+    without an accelerator). ``offload`` False: they stay on ``device``."""
+
+    def __init__(self, modules: list[nn.Module], device: torch.device, offload: bool, home: str = "cpu"):
+        self.modules = [m for m in modules if m is not None]
+        self.device, self.offload, self.home = torch.device(device), bool(offload), torch.device(home)
+        self.moves: list[tuple[str, int]] = []
+        self.location = ""
+        self._move("home" if self.offload else "device")
+
+    def nbytes(self) -> int:
+        return sum(p.numel() * p.element_size() for m in self.modules for p in m.parameters())
+
+    def _move(self, where: str) -> None:
+        if where == self.location:
+            return
+        for m in self.modules:
+            m.to(self.home if where == "home" else self.device)
+        if self.location:  # the initial placement is not a move
+            self.moves.append((where, self.nbytes()))
+        self.location = where
+
+    @contextlib.contextmanager
+    def active(self):
+        """The encoders on the compute device inside the block; back on ``home`` after it when offloading."""
+        self._move("device")
+        try:
+            yield
+        finally:
+            if self.offload:
+                self._move("home")
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity in the forward; multiplies the incoming gradient by ``scale`` (a 0-d tensor) in the backward."""
+
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.save_for_backward(scale)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        (scale,) = ctx.saved_tensors
+        return g * scale.to(g.dtype), None
+
+
+TEXT_ENCODER_NAMES = ("text_encoder", "text_encoder_2", "text_encoder_3")
+
+
+def weight_dtype(module: nn.Module) -> torch.dtype:
+    """The dtype holding most of ``module``'s floating-point weights: the one its inputs must have. Not the first
+    parameter's: diffusers keeps some small modules in float32 in a bf16 model (Wan's ``scale_shift_table``, its
+    time embedder and norms: ``_keep_in_fp32_modules``)."""
+    count: dict[torch.dtype, int] = {}
+    for p in module.parameters():
+        if p.is_floating_point():
+            count[p.dtype] = count.get(p.dtype, 0) + p.numel()
+    return max(count, key=count.get) if count else torch.float32
+
+
 # ------------------------------------------------------------------------------------------- the adapter
 
 
@@ -233,7 +310,8 @@ class DiffusersFlowPolicy:
                  guidance_scale: float = 1.0, negative_prompt: str = "", max_sequence_length: int = 0,
                  device="cpu", mixed_precision: str = "no", lora_rank: int = 0, lora_alpha: float = 0.0,
                  lora_target_modules: str | tuple | list = "", gradient_checkpointing: bool = False,
-                 keep_reference: bool = False, decode_batch_size: int = 8, cache_size: int = 512):
+                 keep_reference: bool = False, decode_batch_size: int = 8, cache_size: int = 512,
+                 offload_text_encoders: bool = False, text_encoders: list[nn.Module] | None = None):
         fam_key = detect_family(transformer) if family in ("", "auto") else family
         if fam_key not in FAMILIES:
             raise ValueError(f"unknown family {family!r}; choose one of {sorted(FAMILIES)}")
@@ -255,11 +333,16 @@ class DiffusersFlowPolicy:
             def decoder(z):
                 return torch.cat([vae_decode(vae, fam_key, c) for c in z.split(decode_batch_size)])
         self._encoder, self._decoder = encoder, decoder
+        if text_encoders is None:  # the pipeline's own; an explicit encoder function brings its modules itself
+            text_encoders = [getattr(pipeline, n, None) for n in TEXT_ENCODER_NAMES] if pipeline is not None else []
+        self.text_encoders = TextEncoderOffload(text_encoders, self.device, offload_text_encoders)
+        self.grad_scaler = None  # torch.amp.GradScaler under fp16 (set by the trainer): scales the backward
         self._cache: OrderedDict[str, dict[str, torch.Tensor]] = OrderedDict()  # LRU of prompt encodings
         self.cache_size = cache_size
         self.amp_dtype = {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16}[mixed_precision]
         self.counters = {"forwards_grad": 0, "forwards_nograd": 0}
 
+        self.weight_dtype = weight_dtype(self.transformer)  # what the inputs are cast to (before LoRA's fp32 layers)
         self.lora_rank = int(lora_rank)
         if self.lora_rank > 0:
             add_lora(self.transformer, self.lora_rank, lora_alpha, lora_target_modules,
@@ -293,7 +376,8 @@ class DiffusersFlowPolicy:
         missing = list(dict.fromkeys(p for p in prompts if p not in self._cache))
         fresh = {}
         if missing:
-            enc = self._encoder(missing)
+            with self.text_encoders.active():  # on the accelerator only for this call when offloading
+                enc = self._encoder(missing)
             fresh = {p: {k: v[i:i + 1].detach().to(self.device) for k, v in enc.items()} for i, p in enumerate(missing)}
         items = [fresh[p] if p in fresh else self._cache[p] for p in prompts]
         for p in dict.fromkeys(prompts):  # refresh recency; evict the least recently used beyond cache_size
@@ -341,13 +425,15 @@ class DiffusersFlowPolicy:
                     pos, neg = _pad_seq(pos, L), _pad_seq(neg, L)
                 c[k] = torch.cat([pos, neg])
         H, W = x.shape[-2:]
-        wdtype = next(tr.parameters()).dtype
+        wdtype = self.weight_dtype
         h = pack_2x2(x) if fam.packed else x  # (N, H/2·W/2, 4C) or (N, *latent_shape)
         h = h.to(wdtype)
         c = {k: (v.to(wdtype) if v.is_floating_point() else v) for k, v in c.items()}
         with torch.autocast(self.device.type, dtype=self.amp_dtype or torch.float32, enabled=self.amp_dtype is not None):
             out = _forward(fam, tr, h, sigma, c, latent_hw=(H, W), guidance=self.guidance_scale)
         out = out.float()
+        if self.grad_scaler is not None and out.requires_grad:  # fp16 loss scaling of every engine's backward
+            out = _ScaleGrad.apply(out, self.grad_scaler.scale(torch.ones((), device=out.device)))
         if cfg:
             v_c, v_u = out.chunk(2)
             out = cfg_combine(v_c, v_u, self.guidance_scale, fam.cfg_renorm)
@@ -458,10 +544,12 @@ def build_diffusers_policy(cfg, *, progress: bool = True, log=print) -> Diffuser
         log("warning: this pipeline has a second (low-noise) transformer; only `transformer` is trained and used")
     pipe.set_progress_bar_config(disable=True)
     device = resolve_device(m.device, launched_local_rank())  # the Trainer passes it resolved already
-    for name in ("text_encoder", "text_encoder_2", "text_encoder_3", "vae"):
+    for name in TEXT_ENCODER_NAMES + ("vae",):  # text encoders offloaded: placed by the policy (CPU)
         mod = getattr(pipe, name, None)
         if mod is not None:
-            mod.requires_grad_(False).eval().to(device)
+            mod.requires_grad_(False).eval()
+            if name == "vae" or not m.offload_text_encoders:
+                mod.to(device)
     shape = latent_shape_for(pipe, family, m.resolution, m.num_frames)
     log(f"loaded {type(pipe).__name__} from {m.pretrained} (family {family}, latents {shape}, "
         f"{'LoRA rank ' + str(m.lora_rank) if m.lora_rank else 'full fine-tune'})")
@@ -470,8 +558,8 @@ def build_diffusers_policy(cfg, *, progress: bool = True, log=print) -> Diffuser
         negative_prompt=m.negative_prompt, max_sequence_length=m.max_sequence_length, device=device,
         mixed_precision=m.mixed_precision, lora_rank=m.lora_rank, lora_alpha=m.lora_alpha,
         lora_target_modules=m.lora_target_modules, gradient_checkpointing=m.gradient_checkpointing,
-        keep_reference=cfg.loss.beta > 0)
+        keep_reference=cfg.loss.beta > 0, offload_text_encoders=m.offload_text_encoders)
 
 
 __all__ = ["DiffusersFlowPolicy", "FAMILIES", "Family", "build_diffusers_policy", "detect_family", "pack_2x2",
-           "unpack_2x2", "cfg_combine", "vae_decode", "pipeline_encoder"]
+           "unpack_2x2", "cfg_combine", "vae_decode", "pipeline_encoder", "TextEncoderOffload"]

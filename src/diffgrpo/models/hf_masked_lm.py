@@ -8,6 +8,13 @@ Logit conventions are explicit: ``logits_shift=False`` (BERT, LLaDA): position j
 ``logits_shift=True`` (Dream, initialised from an autoregressive LM): position j scores token j+1, so the
 adapter returns ``cat([logits[:, :1], logits[:, :-1]])`` and every caller sees "position j scores token j".
 
+At scale (:func:`configure_model`, ``dllm.*`` keys): weights at ``dllm.dtype`` (bf16: half the memory of float32;
+logits always scored in float32), activation checkpointing of the blocks (transformers' switch), and a peft LoRA
+adapter (:func:`add_lora`; the adapter trains in float32, the base is frozen, the KL reference is the adapter
+disabled: no weight copy). Prompts go through the tokenizer's chat template when it has one
+(:class:`HFTokenizerVocab`). Under FSDP2 :func:`shard_blocks` shards every transformer block found below the
+root (LLaDA's ``transformer.blocks``, Dream's ``layers``), peft's wrapper included.
+
 Built-in model (``model.name=tiny_mlm``): a real ``transformers.BertForMaskedLM`` at a tiny config with the
 character vocabulary of :mod:`diffgrpo.dllm.tasks`, pretrained on generated task data (train split) with
 the masked-diffusion objective (LLaDA): t ~ U(0, 1), every completion token masked with probability t,
@@ -16,6 +23,7 @@ the prompt never masked. Weights are cached per task/architecture/recipe under t
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import json
@@ -25,7 +33,8 @@ import torch
 import torch.nn as nn
 
 from ..cache import cache_lock, cache_root, save_dir_atomic
-from ..distributed import launched_local_rank, resolve_device
+from ..distributed import is_initialized, launched_local_rank, resolve_device, sharded
+from ..distributed import transformer_blocks as root_blocks
 from ..dllm.tasks import VOCAB, get_task, pad_right
 from ..errors import ConfigError
 from .pretraining import pretrain_step
@@ -47,8 +56,16 @@ class MaskedLMPolicy:
         self.mask_id, self.pad_id, self.eos_id = vocab.mask_id, vocab.pad_id, vocab.eos_id
         self.logits_shift = logits_shift
         self.use_attention_mask = use_attention_mask
+        self.lora = is_lora(self.model)  # a peft model: the reference is the adapter disabled, no copy
+        if any(getattr(m, "gradient_checkpointing", False) is True for m in self.model.modules()):
+            # transformers checkpoints only in train mode: train mode with every dropout off (the likelihood
+            # ratios need the deterministic forward the sampler used)
+            for m in self.model.modules():
+                if isinstance(m, nn.Dropout):
+                    m.p = 0.0
+            self.model.train(True)
         self._ref = None
-        if keep_reference:
+        if keep_reference and not self.lora:
             self._ref = copy.deepcopy(self.model).requires_grad_(False)
         self._use_ref = False
         self.counters = {"forwards_grad": 0, "forwards_nograd": 0}
@@ -71,30 +88,76 @@ class MaskedLMPolicy:
         return {n: p for n, p in self.model.named_parameters() if p.requires_grad}
 
     def export(self, run_dir) -> Path:
-        """Save the trained model as a ``from_pretrained`` directory ``<run_dir>/model`` (with its tokenizer when
-        it has a transformers one)."""
+        """Save the trained model into ``run_dir``: a LoRA as a peft adapter directory ``<run_dir>/lora``
+        (``PeftModel.from_pretrained(base, <run_dir>/lora)``), a full fine-tune as a ``from_pretrained`` directory
+        ``<run_dir>/model``; with the tokenizer when it has a transformers one. Under FSDP2 (sharded weights, only
+        rank 0 exports) the full weights come from the run's ``weights.safetensors``."""
+        from safetensors.torch import load_file, save_file
+
+        full = None
+        if sharded(self.trainable_parameters()):
+            full = load_file(str(Path(run_dir) / "weights.safetensors"))
+
         def write(d: Path) -> None:
-            self.model.save_pretrained(str(d))
+            if self.lora:
+                self.model.peft_config["default"].save_pretrained(str(d))  # adapter_config.json
+                save_file(full if full is not None else self.state_dict(), str(d / "adapter_model.safetensors"))
+            elif full is not None:
+                with own_class(self.model):
+                    self.model.save_pretrained(str(d), state_dict=full)
+            else:
+                self.model.save_pretrained(str(d))
             if isinstance(self.vocab, HFTokenizerVocab):
                 self.vocab.tok.save_pretrained(str(d))
 
-        return save_dir_atomic(Path(run_dir) / "model", write)  # a temporary directory renamed into place
+        # a temporary directory renamed into place
+        return save_dir_atomic(Path(run_dir) / ("lora" if self.lora else "model"), write)
 
     def save_checkpoint_files(self, directory, trainable) -> None:
-        """Nothing beside the trainable weights (the whole model: ``trainable.safetensors``)."""
+        """Nothing beside the trainable weights (``trainable.safetensors``: the whole model, or the adapter)."""
 
     def reference(self):
-        """Inside the block ``logits`` uses the frozen initial weights."""
-        return frozen_reference(self)
+        """Inside the block ``logits`` uses the reference: the adapter disabled (LoRA) or the frozen initial
+        weights."""
+        return self.model.disable_adapter() if self.lora else frozen_reference(self)
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
 
     def state_dict(self) -> dict[str, torch.Tensor]:
+        """The trainable weights: the whole model, or the LoRA adapter under peft's saved names."""
+        if self.lora:
+            from peft.utils import get_peft_model_state_dict
+
+            return {k: v.detach().contiguous() for k, v in get_peft_model_state_dict(self.model).items()}
         return untied_state_dict(self.model)
 
     def load_state_dict(self, sd):
+        if self.lora:
+            from peft.utils import set_peft_model_state_dict
+
+            res = set_peft_model_state_dict(self.model, sd)
+            if getattr(res, "unexpected_keys", None):
+                raise KeyError(f"unexpected LoRA keys: {res.unexpected_keys[:5]}")
+            return
         self.model.load_state_dict(sd)
+
+
+@contextlib.contextmanager
+def own_class(module: nn.Module):
+    """Inside the block an FSDP2-sharded ``module`` has its own class again. ``fully_shard`` gives it the class
+    ``FSDP<Cls>(FSDPModule, Cls)``, defined in torch; ``save_pretrained`` copies a remote-code model's source files
+    by its class's module, so saving under the FSDP class would copy torch's files instead of the model's."""
+    cls = type(module)
+    index = getattr(cls, "_orig_cls_mro_index", None)  # FSDPModule: where the original class sits in the MRO
+    if index is None:
+        yield
+        return
+    module.__class__ = cls.__mro__[index]
+    try:
+        yield
+    finally:
+        module.__class__ = cls
 
 
 def untied_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -107,6 +170,100 @@ def shift_logits(logits: torch.Tensor) -> torch.Tensor:
 
     Position 0 has no scorer and reuses position 0's logits (it is always a prompt token)."""
     return torch.cat([logits[:, :1], logits[:, :-1]], 1)
+
+
+# ---------------------------------------------------------------------------------------------- at scale
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# default LoRA targets, the first candidate set the model has: LLaDA / Dream / Llama-style attention (d1's choice),
+# BERT-style attention
+LORA_TARGETS = (("q_proj", "k_proj", "v_proj"), ("query", "key", "value"), ("Wqkv",))
+BLOCK_NAMES = ("blocks", "layers", "layer", "h")  # LLaDA: transformer.blocks; Dream/Qwen: layers; BERT: encoder.layer
+
+
+def is_lora(model: nn.Module) -> bool:
+    """Whether ``model`` is a peft model (a LoRA adapter on a frozen base)."""
+    return hasattr(model, "peft_config") and hasattr(model, "disable_adapter")
+
+
+def default_lora_targets(model: nn.Module) -> list[str]:
+    """The first of ``LORA_TARGETS`` whose module names all occur in ``model`` (ValueError if none does)."""
+    leaves = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
+    for names in LORA_TARGETS:
+        if set(names) <= leaves:
+            return list(names)
+    raise ValueError("no default LoRA targets found (looked for " + "; ".join(", ".join(t) for t in LORA_TARGETS)
+                     + "); set dllm.lora_target_modules")
+
+
+def add_lora(model: nn.Module, rank: int, alpha: float = 0.0, targets: str = "") -> nn.Module:
+    """Freeze ``model`` and wrap it in a peft LoRA model (rank ``rank``, alpha 0 = rank; ``targets`` comma-separated,
+    empty = :func:`default_lora_targets`). The adapter starts at B = 0 (the model is unchanged) and trains in
+    float32 whatever the base dtype."""
+    from peft import LoraConfig, get_peft_model
+
+    names = [t.strip() for t in targets.split(",") if t.strip()] or default_lora_targets(model)
+    model.requires_grad_(False)
+    peft_model = get_peft_model(model, LoraConfig(r=int(rank), lora_alpha=float(alpha or rank), lora_dropout=0.0,
+                                                  target_modules=names, init_lora_weights=True))
+    for n, p in peft_model.named_parameters():  # trainable adapter weights in float32
+        if "lora_" in n:
+            p.data = p.data.float()
+            p.requires_grad_(True)
+    return peft_model
+
+
+def configure_model(model: nn.Module, *, dtype: str = "float32", gradient_checkpointing: bool = False,
+                    lora_rank: int = 0, lora_alpha: float = 0.0, lora_targets: str = "") -> nn.Module:
+    """The masked LM at ``dtype``, with activation checkpointing and a LoRA adapter when asked (→ the module the
+    policy trains: ``model`` or its peft wrapper)."""
+    model = model.to(DTYPES[dtype])
+    if gradient_checkpointing:
+        if not getattr(model, "supports_gradient_checkpointing", False):
+            raise ConfigError(f"dllm.gradient_checkpointing: {type(model).__name__} does not support gradient "
+                              f"checkpointing (transformers' gradient_checkpointing_enable); set it to false")
+        # non-reentrant: gradients reach the adapter even though the frozen embeddings' output needs none
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5 (the old name is deprecated)
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if lora_rank > 0:
+        model = add_lora(model, lora_rank, lora_alpha, lora_targets)
+    return model
+
+
+def transformer_blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks of a masked LM (the first non-empty ``nn.ModuleList`` named in ``BLOCK_NAMES``, searched
+    through the module tree, peft wrappers included): what FSDP2 shards one by one."""
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.ModuleList) and len(mod) and name.rsplit(".", 1)[-1] in BLOCK_NAMES:
+            return list(mod)
+    return []
+
+
+def shard_blocks(model: nn.Module, *, param_dtype: str = "float32", cpu_offload: bool = False) -> int:
+    """FSDP2: ``fully_shard`` every block :func:`transformer_blocks` finds that the trainer's root wrap
+    (``distributed.wrap_fsdp2``, which looks only at the root's own block lists) would not shard itself, with the
+    root's policies (``dist.fsdp_param_dtype``: all-gather and compute in that dtype, reduce in float32;
+    ``dist.fsdp_cpu_offload``); the trainer then shards the root. → the number of blocks sharded here. No-op at
+    world size 1."""
+    import torch.distributed as dist
+
+    if not is_initialized() or dist.get_world_size() == 1 or root_blocks(model):
+        return 0
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    device_type = "cuda" if "nccl" in str(dist.get_backend()) else "cpu"
+    kw = {}
+    if DTYPES[param_dtype] != torch.float32:
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=torch.float32)
+    if cpu_offload:
+        kw["offload_policy"] = CPUOffloadPolicy(pin_memory=device_type == "cuda")
+    mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+    blocks = transformer_blocks(model)
+    for block in blocks:
+        fully_shard(block, mesh=mesh, **kw)
+    return len(blocks)
 
 
 # ---------------------------------------------------------------------------------------------- tiny model
@@ -217,8 +374,9 @@ def load_or_pretrain_mlm(task, pcfg, *, cache_dir: str = "", progress: bool = Tr
 class HFTokenizerVocab:
     """A transformers tokenizer behind the vocabulary interface the dLLM code uses (encode/decode, ids)."""
 
-    def __init__(self, tok, mask_id: int | None = None):
+    def __init__(self, tok, mask_id: int | None = None, *, chat_template: bool = False, system_prompt: str = ""):
         self.tok = tok
+        self.chat_template, self.system_prompt = chat_template, system_prompt
         self.mask_id = mask_id if mask_id is not None else tok.mask_token_id
         if self.mask_id is None:
             raise ConfigError("dllm.mask_token_id: the tokenizer has no mask token; set the id of the model's mask "
@@ -238,10 +396,21 @@ class HFTokenizerVocab:
             ids = ids[: ids.index(self.eos_id)]
         return self.tok.decode([i for i in ids if i not in (self.pad_id, self.eos_id)])
 
+    def prompt_ids(self, prompt: str) -> list[int]:
+        """A prompt's ids: with a chat template, the system message (if any), the prompt as the user's turn and
+        the generation prompt (the template's own special tokens included); else the plain encoding."""
+        if not self.chat_template:
+            return self.encode(prompt)
+        msgs = ([{"role": "system", "content": self.system_prompt}] if self.system_prompt else [])
+        text = self.tok.apply_chat_template(msgs + [{"role": "user", "content": prompt}], tokenize=False,
+                                            add_generation_prompt=True)
+        return self.tok.encode(text, add_special_tokens=False)
+
     def encode_prompts(self, prompts, length):
+        """Left-padded prompt ids (B, length) long; a longer prompt keeps its last ``length`` tokens."""
         out = torch.full((len(prompts), length), self.pad_id, dtype=torch.long)
         for b, p in enumerate(prompts):
-            ids = self.encode(p)[-length:]
+            ids = self.prompt_ids(p)[-length:]
             out[b, length - len(ids):] = torch.tensor(ids)
         return out
 
@@ -249,26 +418,51 @@ class HFTokenizerVocab:
         return pad_right([self.encode(c) for c in completions], length, self.eos_id)
 
 
+def _dtype_kwarg() -> str:
+    """``from_pretrained``'s dtype argument: ``dtype`` since transformers 4.56, ``torch_dtype`` before."""
+    import transformers
+
+    major, minor = (int(v) for v in transformers.__version__.split(".")[:2])
+    return "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
+
+
 def load_hf_masked_lm(path: str, *, trust_remote_code: bool = False, logits_shift: bool | None = None,
-                      device="cpu", keep_reference=False, mask_token_id: int | None = None) -> MaskedLMPolicy:
+                      device="cpu", keep_reference=False, mask_token_id: int | None = None, dtype: str = "float32",
+                      gradient_checkpointing: bool = False, lora_rank: int = 0, lora_alpha: float = 0.0,
+                      lora_targets: str = "", chat_template: str = "auto", system_prompt: str = "") -> MaskedLMPolicy:
     """A local/hub checkpoint → policy. ``logits_shift`` defaults to True for Dream-type configs, else False.
 
-    LLaDA/Dream ship custom code: it only runs with ``trust_remote_code=True`` set by the user."""
+    LLaDA/Dream ship custom code: it only runs with ``trust_remote_code=True`` set by the user. Loaded at ``dtype``
+    (``from_pretrained(dtype=...)``: no float32 copy of a bf16 checkpoint is made), then :func:`configure_model`.
+    ``chat_template``: "auto" (when the tokenizer has one), "true", "false"."""
     from transformers import AutoConfig, AutoModel, AutoModelForMaskedLM, AutoTokenizer
 
     cfg = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     mtype = getattr(cfg, "model_type", "").lower()
     if logits_shift is None:
         logits_shift = "dream" in mtype
+    kw = {"trust_remote_code": trust_remote_code, _dtype_kwarg(): DTYPES[dtype]}
     try:
-        model = AutoModelForMaskedLM.from_pretrained(path, trust_remote_code=trust_remote_code)
+        model = AutoModelForMaskedLM.from_pretrained(path, **kw)
     except ValueError:
-        model = AutoModel.from_pretrained(path, trust_remote_code=trust_remote_code)
+        model = AutoModel.from_pretrained(path, **kw)
+    model = configure_model(model, dtype=dtype, gradient_checkpointing=gradient_checkpointing, lora_rank=lora_rank,
+                            lora_alpha=lora_alpha, lora_targets=lora_targets)
     tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     if mask_token_id is None and tok.mask_token_id is None and "llada" in mtype:
         mask_token_id = 126336  # LLaDA's [MASK]
-    return MaskedLMPolicy(model, vocab=HFTokenizerVocab(tok, mask_token_id), logits_shift=logits_shift,
-                          device=device, keep_reference=keep_reference)
+    has_template = bool(getattr(tok, "chat_template", None))
+    if chat_template == "true" and not has_template:
+        raise ConfigError(f"dllm.chat_template: value 'true' but the tokenizer of {path!r} has no chat template; "
+                          f"use auto or false")
+    use_template = chat_template == "true" or (chat_template == "auto" and has_template)
+    vocab = HFTokenizerVocab(tok, mask_token_id, chat_template=use_template, system_prompt=system_prompt)
+    size = getattr(cfg, "vocab_size", None) or len(tok)
+    if not 0 <= vocab.mask_id < size:
+        raise ConfigError(f"dllm.mask_token_id: the mask id {vocab.mask_id} is outside the vocabulary of {path!r} "
+                          f"({size} tokens); set the id of the model's mask token")
+    return MaskedLMPolicy(model, vocab=vocab, logits_shift=logits_shift, device=device,
+                          keep_reference=keep_reference)
 
 
 def build_tiny_mlm_policy(cfg, *, progress=True, log=print, pretrained=True) -> MaskedLMPolicy:
@@ -279,6 +473,9 @@ def build_tiny_mlm_policy(cfg, *, progress=True, log=print, pretrained=True) -> 
         net = load_or_pretrain_mlm(task, cfg.pretrain, cache_dir=cfg.model.cache_dir, progress=progress, log=log)
     else:
         net = tiny_bert(len(VOCAB), max_positions=task.prompt_length + task.gen_length)
+    d = cfg.dllm
+    net = configure_model(net, dtype=d.dtype, gradient_checkpointing=d.gradient_checkpointing, lora_rank=d.lora_rank,
+                          lora_alpha=d.lora_alpha, lora_targets=d.lora_target_modules)
     device = resolve_device(cfg.model.device, launched_local_rank())  # the Trainer passes it resolved already
     return MaskedLMPolicy(net, vocab=VOCAB, device=device, keep_reference=cfg.loss.beta > 0)
 
@@ -292,9 +489,13 @@ def build_hf_masked_lm_policy(cfg, *, progress=True, log=print) -> MaskedLMPolic
     device = resolve_device(cfg.model.device, launched_local_rank())  # the Trainer passes it resolved already
     return load_hf_masked_lm(d.model_path, trust_remote_code=d.trust_remote_code, logits_shift=shift,
                              device=device, keep_reference=cfg.loss.beta > 0,
-                             mask_token_id=d.mask_token_id if d.mask_token_id >= 0 else None)
+                             mask_token_id=d.mask_token_id if d.mask_token_id >= 0 else None, dtype=d.dtype,
+                             gradient_checkpointing=d.gradient_checkpointing, lora_rank=d.lora_rank,
+                             lora_alpha=d.lora_alpha, lora_targets=d.lora_target_modules,
+                             chat_template=d.chat_template, system_prompt=d.system_prompt)
 
 
 __all__ = ["MaskedLMPolicy", "shift_logits", "untied_state_dict", "tiny_bert", "masked_diffusion_loss", "pretrain_tiny_mlm",
            "load_or_pretrain_mlm", "load_hf_masked_lm", "build_tiny_mlm_policy", "build_hf_masked_lm_policy",
-           "HFTokenizerVocab"]
+           "HFTokenizerVocab", "DTYPES", "LORA_TARGETS", "add_lora", "configure_model", "default_lora_targets",
+           "is_lora", "own_class", "shard_blocks", "transformer_blocks"]

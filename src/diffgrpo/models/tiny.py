@@ -184,7 +184,8 @@ def build_tiny_policy(cfg, *, progress=True, log=print, pretrained=True) -> Diff
         net.transformer, latent_shape=(1, net.image_size, net.image_size), family="sd3", encoder=text.encode,
         decoder=decode_pixels, guidance_scale=m.guidance_scale, negative_prompt="", device=device,
         lora_rank=m.lora_rank, lora_alpha=m.lora_alpha, lora_target_modules=m.lora_target_modules,
-        keep_reference=cfg.loss.beta > 0)
+        keep_reference=cfg.loss.beta > 0, mixed_precision=m.mixed_precision,
+        gradient_checkpointing=m.gradient_checkpointing)
 
 
 __all__ = ["TinyFlowNet", "PromptEncoder", "build_tiny_policy", "decode_pixels", "load_or_pretrain", "pretrain",

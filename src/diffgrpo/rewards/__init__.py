@@ -6,16 +6,28 @@ the run with a :class:`RewardError` naming it; one that returns anything but B r
 dict, the wrong shape) or calls ``sys.exit`` stops it at once with a one-line RewardError naming it (only
 KeyboardInterrupt passes through). NaN/inf values mark that sample invalid, so it is excluded from the group
 statistics and the loss instead of being averaged in.
+
+Model-based rewards (``pickscore``, ``clip_score``, ``aesthetic``, ``ocr``, ``geneval``; :data:`MODEL_REWARDS`) are
+built by :func:`make_rewards` for a device (the policy's by default) with per-reward options from
+``reward.options`` (hub ids, dtype, batch size, ...); their models load lazily, once per process, under a lock
+(``rewards.loading``), so scoring may run in a worker thread. Their registry entries in :data:`REWARDS` use the
+default options on the default device. :func:`check_rewards` refuses, before anything loads, options a reward does
+not take, a reward whose optional package is missing, and a reward that cannot apply to the model.
 """
 from __future__ import annotations
 
 import importlib
-from typing import Callable
+import importlib.util
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
 
 import torch
 
 from ..errors import ConfigError, RewardError, suggest
+from . import clip_models, geneval, ocr, verifiers
 from .image import digit_alignment, jpeg_compressibility, jpeg_incompressibility
+from .loading import DTYPES
 
 RewardFn = Callable[..., object]
 
@@ -23,7 +35,51 @@ REWARDS: dict[str, RewardFn] = {
     "digit_alignment": digit_alignment,
     "jpeg_compressibility": jpeg_compressibility,
     "jpeg_incompressibility": jpeg_incompressibility,
+    # text verifiers (completions are strings; the reference is read from the prompt and metadata["answer"])
+    "verify_gsm8k": verifiers.verify_gsm8k,
+    "verify_countdown": verifiers.verify_countdown,
+    "verify_sudoku": verifiers.verify_sudoku,
+    "verify_json_schema": verifiers.verify_json_schema,
+    "d1_format": verifiers.d1_format,
 }
+
+
+@dataclass(frozen=True)
+class ModelReward:
+    """A registry reward backed by a model: ``build(device, **options) → fn(images, prompts, metadata) → (B,)``;
+    ``options``: option name → type (what ``reward.options.<name>`` may set); ``requires``: importable module →
+    pip package (the ``rewards`` extra)."""
+    build: Callable[..., RewardFn]
+    options: dict = field(default_factory=dict)
+    requires: dict = field(default_factory=dict)
+
+
+_CLIP_OPTS = {"model": str, "processor": str, "dtype": str, "batch_size": int, "device": str}
+MODEL_REWARDS: dict[str, ModelReward] = {
+    "pickscore": ModelReward(clip_models.pickscore, {**_CLIP_OPTS, "divide_by": float}),
+    "clip_score": ModelReward(clip_models.clip_score, dict(_CLIP_OPTS)),
+    "aesthetic": ModelReward(clip_models.aesthetic, {**_CLIP_OPTS, "head": str}),
+    "ocr": ModelReward(ocr.ocr, {"min_confidence": float, "det_limit_side_len": int},
+                       requires={"rapidocr_onnxruntime": "rapidocr-onnxruntime"}),
+    "geneval": ModelReward(geneval.geneval,
+                           {"detector": str, "clip": str, "dtype": str, "batch_size": int, "device": str,
+                            "threshold": float, "nms_iou": float, "strict": bool}),
+}
+
+
+def _default_model_reward(name: str) -> RewardFn:
+    """``REWARDS[name]`` of a model reward: default options on the default device, built on first call."""
+    built: list[RewardFn] = []
+
+    def fn(images, prompts, metadata=None):
+        if not built:
+            built.append(MODEL_REWARDS[name].build(None))
+        return built[0](images, prompts, metadata)
+    fn.__name__ = fn.__qualname__ = name
+    return fn
+
+
+REWARDS.update({name: _default_model_reward(name) for name in MODEL_REWARDS})
 
 
 def resolve_reward(name: str) -> RewardFn:
@@ -104,16 +160,133 @@ def _as_scores(name: str, val, B: int) -> torch.Tensor:
 
 
 def compute_rewards(weights: dict[str, float], images: torch.Tensor, prompts: list[str],
-                    metadata: list[dict], log=print) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                    metadata: list[dict], log=print, *, rewards: Mapping[str, RewardFn] | None = None
+                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Weighted sum of the configured rewards. → (total (B,) with NaN where any component is not finite,
     components {name: (B,)}). A reward that raises is retried once, then stops the run with RewardError; one that
-    returns something other than B numbers, or calls ``sys.exit``, stops it at once with a one-line RewardError."""
+    returns something other than B numbers, or calls ``sys.exit``, stops it at once with a one-line RewardError.
+    ``rewards``: name → callable built by :func:`make_rewards` (device and options bound); names it lacks resolve
+    through the registry. Thread-safe: model rewards load under a lock."""
     B = len(prompts)
     total = torch.zeros(B)
     comps: dict[str, torch.Tensor] = {}
     for name, w in weights.items():
-        val = _as_scores(name, _call_with_retry(name, resolve_reward(name), images, prompts, metadata, log), B)
+        fn = rewards[name] if rewards is not None and name in rewards else resolve_reward(name)
+        val = _as_scores(name, _call_with_retry(name, fn, images, prompts, metadata, log), B)
         comps[name] = val
         total = total + float(w) * val
     total = torch.where(torch.isfinite(total), total, torch.full_like(total, float("nan")))
     return total, comps
+
+
+def make_rewards(weights: Mapping[str, float], options: Mapping[str, Mapping] | None = None, device=None
+                 ) -> dict[str, RewardFn]:
+    """name → reward callable for ``compute_rewards(..., rewards=...)``: model rewards built for ``device`` (the
+    policy's; ``reward.options.<name>.device`` overrides it) with their ``reward.options``; other names resolved
+    through the registry. Nothing loads here: models load on the first call, once per process."""
+    options = options or {}
+    out: dict[str, RewardFn] = {}
+    for name in weights:
+        if name in MODEL_REWARDS:
+            opts = dict(options.get(name) or {})
+            dev = opts.pop("device", "") or device
+            out[name] = MODEL_REWARDS[name].build(None if dev is None else str(dev), **opts)
+        else:
+            out[name] = resolve_reward(name)
+    return out
+
+
+_DTYPES = tuple(DTYPES)  # float32, bfloat16, float16
+
+
+def _check_option(key: str, value, tp) -> object:
+    """One ``reward.options.<name>.<option>`` value against its type and range → the coerced value."""
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: value {value!r} must be true or false")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: value {value!r} must be an integer")
+        if value < 1:
+            raise ConfigError(f"{key}: value {value!r} is out of range; must be >= 1")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ConfigError(f"{key}: value {value!r} must be a finite number")
+        name = key.rsplit(".", 1)[-1]
+        if name in ("threshold", "nms_iou", "min_confidence") and not 0.0 <= value <= 1.0:
+            raise ConfigError(f"{key}: value {value!r} is out of range; must be in [0, 1]")
+        if name == "divide_by" and not value > 0:
+            raise ConfigError(f"{key}: value {value!r} is out of range; must be > 0")
+        return float(value)
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(f"{key}: value {value!r} must be a non-empty string")
+    if key.endswith(".dtype") and value not in _DTYPES:
+        raise ConfigError(f"{key}: value {value!r} is not allowed; choose one of {list(_DTYPES)}")
+    if key.endswith(".device"):
+        try:
+            torch.device(value)
+        except (RuntimeError, ValueError, TypeError):
+            raise ConfigError(f"{key}: value {value!r} is not a torch device; choose e.g. 'cpu', 'cuda' or "
+                              "'cuda:1' (default: the policy's device)") from None
+    return value
+
+
+def check_options(weights: Mapping[str, float], options: Mapping[str, Mapping]) -> None:
+    """``reward.options``: each key a model reward listed in ``reward.weights``, each option one it takes, with a
+    value of the right type and range. Raises a one-line ConfigError naming the key."""
+    for name, opts in options.items():
+        key = f"reward.options.{name}"
+        if name not in MODEL_REWARDS:
+            raise ConfigError(f"{key}: {name!r} takes no options{suggest(name, list(MODEL_REWARDS))}; options "
+                              f"apply to {sorted(MODEL_REWARDS)}")
+        if name not in weights:
+            raise ConfigError(f"{key}: reward {name!r} is not in reward.weights {sorted(weights)}; add it there "
+                              f"or remove its options")
+        if not isinstance(opts, Mapping):
+            raise ConfigError(f"{key}: value {opts!r} must be a mapping of options, e.g. {{batch_size: 8}}")
+        allowed = MODEL_REWARDS[name].options
+        for opt, value in opts.items():
+            if opt not in allowed:
+                raise ConfigError(f"{key}.{opt}: unknown option{suggest(str(opt), list(allowed))}; {name} takes "
+                                  f"{sorted(allowed)}")
+            _check_option(f"{key}.{opt}", value, allowed[opt])
+
+
+def missing_packages(name: str) -> list[str]:
+    """The pip packages a registry reward needs that this environment lacks (checked without importing them)."""
+    spec = MODEL_REWARDS.get(name)
+    if spec is None:
+        return []
+    return [pkg for mod, pkg in spec.requires.items() if importlib.util.find_spec(mod) is None]
+
+
+# registry rewards that read text completions (masked diffusion LMs), never images
+TEXT_REWARDS = frozenset({"verify_gsm8k", "verify_countdown", "verify_sudoku", "verify_json_schema", "d1_format"})
+
+
+def check_rewards(weights: Mapping[str, float], options: Mapping[str, Mapping], *, model_name: str) -> None:
+    """The reward section of a flow-matching run against its model, before anything loads (one-line ConfigErrors):
+
+    - ``digit_alignment`` reads the built-in digits model's one-channel images (model.name=tiny only);
+    - ``reward.options`` (see :func:`check_options`);
+    - a registry reward whose optional package is missing names the package and the ``rewards`` extra.
+
+    (A diffusion LM is scored by its task's verifier: ``config.validate`` refuses any ``reward.*`` key set on such a
+    run, as a key its family does not read.)"""
+    if "digit_alignment" in weights and model_name != "tiny":
+        raise ConfigError(f"reward.weights: 'digit_alignment' scores the built-in one-channel digit images "
+                          f"(model.name=tiny) and cannot apply to model.name={model_name}'s RGB output; choose "
+                          f"e.g. pickscore, clip_score, aesthetic, ocr or geneval")
+    text = sorted(n for n in weights if n in TEXT_REWARDS)
+    if text:
+        raise ConfigError(f"reward.weights: {text[0]!r} verifies text completions and cannot score "
+                          f"model.name={model_name}'s images; choose e.g. pickscore, clip_score, aesthetic, ocr or "
+                          f"geneval (text verifiers score masked diffusion LMs' completions)")
+    check_options(weights, options)
+    for name in weights:
+        missing = missing_packages(name)
+        if missing:
+            raise ConfigError(f"reward.weights: reward {name!r} needs {', '.join(missing)}, which is not installed; "
+                              f"pip install 'diffgrpo[rewards]'")

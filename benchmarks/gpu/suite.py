@@ -1,0 +1,276 @@
+"""The GPU suite: every gradient engine against ``recompute`` on transformers at real sizes (random weights, no
+download), with and without LoRA and activation checkpointing, through ``diffgrpo.bench.bench_engines`` (what
+``diffgrpo bench engines`` runs). Run it with ``bash benchmarks/gpu/suite.sh`` (one H200: at most 8 minutes);
+``--size toy`` runs the same cells on the CPU at toy sizes (CI), ``--size small`` gives the CPU memory table.
+
+Per model and cell (full fine-tune or LoRA, checkpointing on or off, micro-batches) it writes
+``<out>/<model>/<cell>/engines.{json,md}`` and, after every cell, the aggregate ``<out>/suite.json`` and
+``<out>/suite.md`` (command, hardware line, model sizes, one row per engine and cell). A cell that fails (out of
+memory) or runs past ``--cell-limit`` is recorded as such and the suite goes on; cells that cannot finish before
+``--budget`` seconds are skipped and listed.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import shlex
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:  # `python benchmarks/gpu/suite.py` from the repository root
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.gpu.models import MODELS, build_policy, build_transformer, parameter_count  # noqa: E402
+from diffgrpo import RunConfig  # noqa: E402
+from diffgrpo.bench import bench_engines  # noqa: E402
+from diffgrpo.distributed import resolve_device  # noqa: E402
+from diffgrpo.engines import ENGINES  # noqa: E402
+
+# cell name → (LoRA adapter, gradient checkpointing, engine.micro_batch_size); the rank is the size's lora_rank
+CELLS = {"full": (False, False, 0), "full+ckpt": (False, True, 0), "lora": (True, False, 0),
+         "lora+ckpt": (True, True, 0), "full+mb2": (False, False, 2), "lora+mb2": (True, False, 2)}
+# per size: (model, cells, prompts per batch, group size); full fine-tune cells first (LoRA adds layers in place)
+PLANS = {
+    "real": [("sd3", ["full", "full+ckpt", "lora", "lora+ckpt"], 2, 2), ("wan", ["lora", "lora+ckpt"], 2, 2),
+             ("flux", ["lora+ckpt"], 1, 2)],
+    "toy": [("sd3", ["full", "lora+ckpt"], 2, 2), ("wan", ["lora+ckpt"], 2, 2), ("flux", ["lora+ckpt"], 2, 2)],
+    "small": [("sd3", ["full", "full+ckpt", "full+mb2", "lora", "lora+ckpt", "lora+mb2"], 2, 2)],
+}
+DEFAULTS = {"real": dict(budget=450.0, cell_limit=150.0, dtype="bfloat16", lora_rank=32),
+            "toy": dict(budget=50.0, cell_limit=16.0, dtype="bfloat16", lora_rank=4),  # the GPU's dtype paths
+            "small": dict(budget=3000.0, cell_limit=900.0, dtype="float32", lora_rank=32)}
+NUM_STEPS, STEP_FRACTION = 8, 0.5  # T = 8 sampling steps, the first half (4 steps) trained: one JAGG window of 4
+
+
+class CellTimeout(BaseException):
+    """A cell ran past its limit (a BaseException: bench_engines' keep_going does not swallow it)."""
+
+
+def hardware_line(device: torch.device) -> str:
+    import diffusers
+
+    soft = f"torch {torch.__version__}, diffusers {diffusers.__version__}"
+    if device.type == "cuda":
+        p = torch.cuda.get_device_properties(device)
+        return (f"{p.name} ({p.total_memory / 2**30:.0f} GiB), CUDA {torch.version.cuda}, {soft}, "
+                f"{os.cpu_count()} CPU cores")
+    cpu = platform.processor() or platform.machine()
+    try:
+        cpu = next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"CPU only: {cpu}, {os.cpu_count()} cores visible, {torch.get_num_threads()} torch threads, {soft}"
+
+
+def cell_config(cell: str, prompts: int, group: int, device: str, lora_rank: int) -> RunConfig:
+    lora, ckpt, micro = CELLS[cell]
+    lora = lora_rank if lora else 0
+    return RunConfig.from_overrides([
+        "log.progress=false", "log.save_images=false", "reward.weights={jpeg_incompressibility: 1.0}",
+        f"sampler.num_steps={NUM_STEPS}", "steps.mode=first_fraction", f"steps.fraction={STEP_FRACTION}",
+        f"train.prompts_per_batch={prompts}", f"train.group_size={group}", "loss.beta=0", f"model.device={device}",
+        f"model.lora_rank={lora}", f"model.gradient_checkpointing={str(ckpt).lower()}",
+        f"engine.micro_batch_size={micro}", "seed=0"])
+
+
+def _alarm(seconds: float):
+    def handler(signum, frame):
+        raise CellTimeout(f"cell ran past its limit of {seconds:.0f} s")
+    signal.signal(signal.SIGALRM, handler)
+    signal.setitimer(signal.ITIMER_REAL, max(seconds, 1.0))
+
+
+def run_suite(size: str, out: Path, *, device: str = "auto", models: list[str] | None = None,
+              cells: list[str] | None = None, variants: list[str] | None = None, repeats: int = 1,
+              budget: float | None = None, cell_limit: float | None = None, dtype: str | None = None,
+              command: str = "", log=print) -> dict:
+    start = time.monotonic()
+    d = DEFAULTS[size]
+    budget = d["budget"] if budget is None else budget
+    cell_limit = d["cell_limit"] if cell_limit is None else cell_limit
+    wdtype = getattr(torch, dtype or d["dtype"])
+    dev = torch.device(resolve_device(device))
+    variants = variants or list(ENGINES)
+    if "recompute" not in variants:
+        variants = ["recompute"] + variants
+    out.mkdir(parents=True, exist_ok=True)
+    report = {"command": command, "hardware": hardware_line(dev), "size": size, "device": str(dev),
+              "dtype": str(wdtype).replace("torch.", ""), "num_steps": NUM_STEPS,
+              "trained_steps": int(round(STEP_FRACTION * (NUM_STEPS - 1))), "repeats": repeats, "budget_s": budget,
+              "cell_limit_s": cell_limit, "lora_rank": d["lora_rank"], "models": {}, "cells": []}
+
+    def save():
+        report["elapsed_s"] = time.monotonic() - start
+        (out / "suite.json").write_text(json.dumps(report, indent=2))
+        (out / "suite.md").write_text(to_markdown(report))
+
+    for family, plan_cells, prompts, group in PLANS[size]:
+        if models and family not in models:
+            continue
+        todo = [c for c in plan_cells if not cells or c in cells]
+        if not todo:
+            continue
+        if time.monotonic() - start > budget - 5:
+            report["cells"] += [{"model": family, "cell": c, "status": "skipped (suite budget spent)"} for c in todo]
+            save()
+            continue
+        t0 = time.monotonic()
+        try:
+            tr = build_transformer(family, size, str(dev), wdtype)
+        except torch.cuda.OutOfMemoryError as e:
+            report["cells"] += [{"model": family, "cell": c, "status": f"model does not fit: {e}".splitlines()[0]}
+                                for c in todo]
+            save()
+            continue
+        spec = MODELS[family]
+        report["models"][family] = {"class": spec["class"], "parameters": parameter_count(tr),
+                                    "latents": list(spec["latents"][size]), "pixels": spec["pixels"][size],
+                                    "text_tokens": spec["text"][size][0], "build_s": time.monotonic() - t0,
+                                    "batch": prompts * group}
+        log(f"[{family}] {spec['class']} at size {size}: {parameter_count(tr) / 1e9:.3f}B parameters, built in "
+            f"{time.monotonic() - t0:.1f} s")
+        took = []
+        for cell in todo:
+            left = budget - (time.monotonic() - start)
+            need = max(took) * 1.1 if took else cell_limit / 2  # a model's first cell: half the cell limit
+            if left < need:
+                report["cells"].append({"model": family, "cell": cell,
+                                        "status": f"skipped ({left:.0f} s of the budget left, needs ~{need:.0f} s)"})
+                save()
+                continue
+            entry = {"model": family, "cell": cell, "batch": prompts * group}
+            t1 = time.monotonic()
+            try:
+                lora, ckpt, _ = CELLS[cell]
+                _alarm(min(cell_limit, left))
+                policy = build_policy(tr, family, size, str(dev), lora_rank=d["lora_rank"] if lora else 0,
+                                      gradient_checkpointing=ckpt)
+                entry["trainable_parameters"] = sum(p.numel() for p in policy.trainable_parameters())
+                rep = bench_engines(cell_config(cell, prompts, group, str(dev), d["lora_rank"]), variants,
+                                    repeats=repeats,
+                                    out_dir=out / family / cell, log=lambda *a: None, policy=policy,
+                                    command=command, keep_going=True)
+                entry.update(status="ok", rows=rep["rows"], errors=rep["errors"])
+            except (Exception, CellTimeout) as e:  # out of memory, the cell's time limit, anything: record, go on
+                entry["status"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                policy = None
+                gc.collect()
+                if dev.type == "cuda":
+                    torch.cuda.empty_cache()
+            entry["seconds"] = time.monotonic() - t1
+            took.append(entry["seconds"])
+            report["cells"].append(entry)
+            log(f"[{family}] {cell}: {entry['status']} in {entry['seconds']:.1f} s")
+            save()
+        del tr
+        gc.collect()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    save()
+    return report
+
+
+def to_markdown(report: dict) -> str:
+    lines = [f"Command: `{report['command']}`", "", f"Hardware: {report['hardware']}", "",
+             f"Size `{report['size']}`, weights {report['dtype']}, random initialisation from the published config "
+             f"numbers (no download). T = {report['num_steps']} sampling steps, the first {report['trained_steps']} "
+             f"trained (one JAGG window of 4), LoRA rank {report['lora_rank']}, KL off (loss.beta=0), median of "
+             f"{report['repeats']} timed run(s) after a warm-up. Text encoders and VAE are stubs (seeded random "
+             "prompt embeddings of the pipelines' shapes; decoder = first three latent channels, upsampled to ≥ 64 "
+             "px); reward: JPEG size. Ratios are against `recompute` on the same rollout; ideal = the cost model (forwards + 2 × sample-backwards from the counters); eff = measured / "
+             "ideal. Peak memory: `torch.cuda.max_memory_allocated` over the iteration (weights included) on CUDA; on "
+             "the CPU the peak bytes of tensors saved for backward (activations only).", ""]
+    if report["models"]:
+        lines += ["| model | class | parameters | latents | pixels | text tokens | batch |",
+                  "|---|---|---|---|---|---|---|"]
+        for name, m in report["models"].items():
+            lines.append(f"| {name} | {m['class']} | {m['parameters'] / 1e9:.3f}B | {tuple(m['latents'])} | "
+                         f"{m['pixels']} | {m['text_tokens']} | {m['batch']} |")
+        lines.append("")
+    hdr = ("| model | cell | engine | train × | ideal | eff | iter × | ideal | eff | peak mem | mem / recompute | "
+           "grad cos | rel err | train s | iter s |")
+    lines += [hdr, "|" + "---|" * (hdr.count("|") - 1)]
+    for c in report["cells"]:
+        if c.get("status") != "ok":
+            lines.append(f"| {c['model']} | {c['cell']} | {c['status']} |" + " |" * 12)
+            continue
+        for r in c["rows"]:
+            mem = r["peak_memory_bytes"]
+            mem_s = f"{mem / 2**30:.2f} GiB" if mem >= 2**30 else f"{mem / 2**20:.2f} MiB"
+            lines.append(
+                f"| {c['model']} | {c['cell']} | {r['variant']} | {r.get('train_speedup', 1):.2f} | "
+                f"{r.get('ideal_train_speedup', 1):.2f} | {r.get('train_efficiency', 1):.2f} | "
+                f"{r.get('iteration_speedup', 1):.2f} | {r.get('ideal_iteration_speedup', 1):.2f} | "
+                f"{r.get('iteration_efficiency', 1):.2f} | {mem_s} | {r.get('memory_vs_recompute', 1):.2f} | "
+                f"{r['grad_cos_vs_recompute']:.5f} | {r['grad_relerr_vs_recompute']:.1e} | {r['train_s']:.3f} | "
+                f"{r['iteration_s']:.3f} |")
+        for name, err in c.get("errors", {}).items():
+            lines.append(f"| {c['model']} | {c['cell']} | {name} | failed: {err} |" + " |" * 11)
+    lines += memory_table(report)
+    lines.append(f"\nSuite time {report.get('elapsed_s', 0):.0f} s (budget {report['budget_s']:.0f} s).")
+    return "\n".join(lines) + "\n"
+
+
+def _mem(b: float) -> str:
+    return f"{b / 2**30:.2f} GiB" if b >= 2**30 else f"{b / 2**20:.2f} MiB"
+
+
+def memory_table(report: dict) -> list[str]:
+    """Peak memory per engine (rows) and cell (columns), one table per model, with the trainable parameters of each
+    cell (their gradients and AdamW's two moments add 3 × 4 bytes each in float32, not part of the measured peak
+    here: the bench takes no optimizer step)."""
+    lines = []
+    for model in report["models"]:
+        done = [c for c in report["cells"] if c["model"] == model and c.get("status") == "ok"]
+        if not done:
+            continue
+        lines += ["", f"Peak memory, {model} ({report['models'][model]['parameters'] / 1e6:.1f}M parameters, batch "
+                      f"{report['models'][model]['batch']}):", "",
+                  "| engine | " + " | ".join(c["cell"] for c in done) + " |", "|---|" + "---|" * len(done)]
+        for name in [r["variant"] for r in done[0]["rows"]]:
+            cols = [next((_mem(r["peak_memory_bytes"]) for r in c["rows"] if r["variant"] == name), "") for c in done]
+            lines.append(f"| {name} | " + " | ".join(cols) + " |")
+        lines.append("| trainable parameters | " + " | ".join(f"{c['trainable_parameters'] / 1e6:.2f}M"
+                                                              for c in done) + " |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size", choices=sorted(PLANS), default="real")
+    ap.add_argument("--device", default="auto", help="auto (the accelerator when there is one), cpu, cuda, ...")
+    ap.add_argument("--out", default=None, help="default benchmarks/results/gpu (real), runs/gpu-suite-<size> else")
+    ap.add_argument("--models", default="", help="comma-separated subset of " + ",".join(MODELS))
+    ap.add_argument("--cells", default="", help="comma-separated subset of " + ",".join(CELLS))
+    ap.add_argument("--variants", default="", help="';'-separated engine variants (default: every engine)")
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--budget", type=float, default=None, help="seconds for the whole suite")
+    ap.add_argument("--cell-limit", type=float, default=None, help="seconds per cell")
+    ap.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"))
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    a = ap.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    out = Path(a.out or ("benchmarks/results/gpu" if a.size == "real" else f"runs/gpu-suite-{a.size}"))
+    command = "bash benchmarks/gpu/suite.sh " + " ".join(shlex.quote(x) for x in (argv if argv is not None
+                                                                                   else sys.argv[1:]))
+    rep = run_suite(a.size, out, device=a.device, models=[m for m in a.models.split(",") if m] or None,
+                    cells=[c for c in a.cells.split(",") if c] or None,
+                    variants=[v for v in a.variants.split(";") if v] or None, repeats=a.repeats, budget=a.budget,
+                    cell_limit=a.cell_limit, dtype=a.dtype, command=command.strip())
+    print(f"tables in {out}/suite.md and {out}/suite.json")
+    return 0 if any(c.get("status") == "ok" for c in rep["cells"]) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,183 @@
+"""What an evaluation leaves to read: one file per sample (PNG image, MP4 / GIF video) and the per-sample table.
+
+The table (like TRL's ``log_completions``) is ``<run>/samples/eval_<iteration>.jsonl``, one row per evaluation
+sample in prompt order: ``{"iteration", "index", "prompt", "metadata", "rewards": {name: value}, "reward",`` and
+one of ``"image"`` / ``"video"`` (the file's path relative to the run directory, under
+``samples/eval_<iteration>/``) or ``"completion"`` (diffusion LMs)``}``. Non-finite rewards are written as null.
+
+Videos ((C, F, H, W) samples, e.g. Wan) are written with diffusers' ``export_to_video`` (imageio + imageio-ffmpeg,
+whose wheel bundles an ffmpeg binary) as MP4, or as an animated GIF with Pillow when imageio-ffmpeg is missing.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .fileio import atomic_write
+
+VIDEO_FPS = 16  # Wan 2.1 generates 16 frames per second
+
+
+def to_uint8(sample: torch.Tensor) -> np.ndarray:
+    """One sample in [0, 1] → uint8 for writing: image (C, H, W) → (H, W, C); video (C, F, H, W) → (F, H, W, C).
+    One channel is repeated to three."""
+    x = (sample.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).cpu()
+    if x.shape[0] == 1:
+        x = x.repeat(3, *([1] * (x.dim() - 1)))
+    return (x.permute(1, 2, 0) if x.dim() == 3 else x.permute(1, 2, 3, 0)).numpy()
+
+
+def grid_frames(images: torch.Tensor) -> torch.Tensor:
+    """Samples for a grid: images (N, C, H, W) as they are; videos (N, C, F, H, W) → their first frames."""
+    return images[:, :, 0] if images.dim() == 5 else images
+
+
+def can_write_mp4() -> bool:
+    return importlib.util.find_spec("imageio") is not None and importlib.util.find_spec("imageio_ffmpeg") is not None
+
+
+def save_image(arr: np.ndarray, path: Path) -> Path:
+    """(H, W, 3) uint8 → PNG at ``path``."""
+    from PIL import Image
+
+    atomic_write(path, lambda tmp: Image.fromarray(np.ascontiguousarray(arr)).save(tmp, format="PNG"))
+    return Path(path)
+
+
+def save_video(frames: np.ndarray, stem: Path, fps: int = VIDEO_FPS) -> Path:
+    """(F, H, W, 3) uint8 → ``stem``.mp4 (diffusers' ``export_to_video``), or ``stem``.gif without imageio-ffmpeg.
+    Returns the path written."""
+    from PIL import Image
+
+    pil = [Image.fromarray(np.ascontiguousarray(f)) for f in frames]
+    if can_write_mp4():
+        from diffusers.utils import export_to_video
+
+        path = Path(stem).with_suffix(".mp4")
+        def write(tmp: Path) -> None:  # imageio picks the container by the file's extension
+            named = tmp.with_name(tmp.name + ".mp4")
+            try:
+                export_to_video(pil, str(named), fps=fps)
+                os.replace(named, tmp)
+            finally:
+                named.unlink(missing_ok=True)
+
+        atomic_write(path, write)
+        return path
+    path = Path(stem).with_suffix(".gif")
+    atomic_write(path, lambda tmp: pil[0].save(tmp, format="GIF", save_all=True, append_images=pil[1:],
+                                               duration=max(1, round(1000 / fps)), loop=0))
+    return path
+
+
+def _number(v) -> float | None:
+    v = float(v)
+    return v if math.isfinite(v) else None
+
+
+class SampleTable:
+    """The per-sample table of one evaluation (see the module doc). ``add`` rows in any order (each with its index
+    in the evaluation's prompt order); ``close`` writes the JSONL sorted by index and returns the rows."""
+
+    def __init__(self, run_dir: Path, iteration: int, *, save_media: bool = True):
+        self.run_dir = Path(run_dir)
+        self.iteration = int(iteration)
+        self.save_media = save_media
+        self.name = f"eval_{self.iteration:06d}"
+        self.path = self.run_dir / "samples" / f"{self.name}.jsonl"
+        self.rows: list[dict] = []
+
+    def _row(self, index: int, prompt: str, metadata: dict, rewards: dict[str, float], total: float) -> dict:
+        return {"iteration": self.iteration, "index": int(index), "prompt": prompt, "metadata": metadata,
+                "rewards": {k: _number(v) for k, v in rewards.items()}, "reward": _number(total)}
+
+    def add_sample(self, index: int, prompt: str, metadata: dict, rewards: dict[str, float], total: float,
+                   media: np.ndarray | None) -> None:
+        """``media``: uint8 (H, W, 3) image or (F, H, W, 3) video (see :func:`to_uint8`), or None (no file)."""
+        row = self._row(index, prompt, metadata, rewards, total)
+        if media is not None and self.save_media:
+            stem = self.run_dir / "samples" / self.name / f"{int(index):05d}"
+            path = save_image(media, stem.with_suffix(".png")) if media.ndim == 3 else save_video(media, stem)
+            row["video" if media.ndim == 4 else "image"] = path.relative_to(self.run_dir).as_posix()
+        self.rows.append(row)
+
+    def add_completion(self, index: int, prompt: str, metadata: dict, rewards: dict[str, float], total: float,
+                       completion: str) -> None:
+        self.rows.append({**self._row(index, prompt, metadata, rewards, total), "completion": completion})
+
+    def close(self) -> list[dict]:
+        self.rows.sort(key=lambda r: r["index"])
+        atomic_write(self.path, "".join(json.dumps(r, default=str) + "\n" for r in self.rows))
+        return self.rows
+
+
+def caption_of(row: dict) -> str:
+    """A grid caption for a table row: the prompt and the sample's total reward."""
+    reward = "n/a" if row["reward"] is None else f"{row['reward']:.3f}"
+    return f"{reward} | {row['prompt']}"
+
+
+def table_columns(rows: list[dict]) -> tuple[list[str], list[list]]:
+    """Rows of a :class:`SampleTable` → (columns, values) for a tracker's table: index, prompt, metadata (JSON),
+    each reward component, reward, and the media path or completion."""
+    names = sorted({k for r in rows for k in r["rewards"]})
+    media = next((k for k in ("image", "video", "completion") if any(k in r for r in rows)), None)
+    cols = ["index", "prompt", "metadata", *[f"rewards/{n}" for n in names], "reward", *([media] if media else [])]
+    data = [[r["index"], r["prompt"], json.dumps(r["metadata"], default=str), *[r["rewards"].get(n) for n in names],
+             r["reward"], *([r.get(media)] if media else [])] for r in rows]
+    return cols, data
+
+
+def captioned_grid(images: torch.Tensor, captions: list[str], nrow: int, tile: int = 128) -> np.ndarray:
+    """Samples (N, C, H, W) or videos (N, C, F, H, W, first frames shown) in [0, 1] → one (H', W', 3) uint8 grid,
+    ``nrow`` tiles per row, each ``tile`` pixels wide (nearest-neighbour upscaling of small images) with its caption
+    (e.g. prompt and reward) in up to two lines below it."""
+    import textwrap
+
+    from PIL import Image, ImageDraw, ImageFont
+
+    frames = grid_frames(images)
+    n, _, h, w = frames.shape
+    th = max(1, round(tile * h / w))
+    font = ImageFont.load_default()
+    line = 12
+    cap = 2 * line + 4
+    cols, rows, pad = nrow, math.ceil(n / nrow), 4
+    canvas = Image.new("RGB", (cols * (tile + pad) + pad, rows * (th + cap + pad) + pad), (255, 255, 255))
+    draw = ImageDraw.Draw(canvas)
+    width = max(4, tile // 6)  # characters per caption line of the default bitmap font
+    for i in range(n):
+        r, q = divmod(i, cols)
+        x, y = pad + q * (tile + pad), pad + r * (th + cap + pad)
+        im = Image.fromarray(np.ascontiguousarray(to_uint8(frames[i])))
+        resample = Image.NEAREST if w < tile else Image.BILINEAR
+        canvas.paste(im.resize((tile, th), resample), (x, y))
+        text = textwrap.wrap(captions[i] if i < len(captions) else "", width)[:2]
+        for j, part in enumerate(text):
+            draw.text((x, y + th + 2 + j * line), part, fill=(0, 0, 0), font=font)
+    return np.asarray(canvas)
+
+
+def side_by_side(left: Path, right: Path, out: Path, gap: int = 8) -> bool:
+    """Two PNG grids (e.g. the start and the end evaluation) next to each other in one PNG; False when one is
+    missing."""
+    from PIL import Image
+
+    if not (Path(left).is_file() and Path(right).is_file()):
+        return False
+    a, b = Image.open(left).convert("RGB"), Image.open(right).convert("RGB")
+    canvas = Image.new("RGB", (a.width + gap + b.width, max(a.height, b.height)), (255, 255, 255))
+    canvas.paste(a, (0, 0))
+    canvas.paste(b, (a.width + gap, 0))
+    atomic_write(out, lambda tmp: canvas.save(tmp, format="PNG"))
+    return True
+
+
+__all__ = ["SampleTable", "can_write_mp4", "caption_of", "captioned_grid", "grid_frames", "save_image", "save_video", "side_by_side",
+           "table_columns", "to_uint8"]

@@ -1,0 +1,81 @@
+"""The GPU suite (benchmarks/gpu/suite.sh) at toy size on the CPU: the same script, models, cells and bf16 weights a
+GPU run uses, so it cannot rot before a GPU is lent. Every engine runs against recompute in every cell that fits the toy
+budget; the exact engines reproduce recompute's gradient; the tables carry the command and the hardware line."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from diffgrpo.engines import ENGINES
+
+ROOT = Path(__file__).resolve().parents[1]
+EXACT = ("retain", "reweight", "single_step")  # exact against recompute on the same rollout and steps
+
+
+def test_gpu_suite_runs_at_toy_size(tmp_path):
+    out = tmp_path / "suite"
+    env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1", "SUITE_TIMEOUT": "90"}
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu" / "suite.sh"), "--size", "toy", "--out", str(out),
+                           "--threads", "1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rep = json.loads((out / "suite.json").read_text())
+    assert rep["size"] == "toy" and rep["device"] == "cpu" and rep["hardware"].startswith("CPU only")
+    assert rep["dtype"] == "bfloat16"  # the weights' dtype of a GPU run: its casts are exercised here
+    assert set(rep["models"]) == {"sd3", "wan", "flux"} or set(rep["models"]) >= {"sd3"}
+    cells = {(c["model"], c["cell"]): c for c in rep["cells"]}
+    assert ("sd3", "full") in cells and ("sd3", "lora+ckpt") in cells
+    for key, c in cells.items():
+        assert c["status"] == "ok" or c["status"].startswith("skipped ("), (key, c["status"])
+    for key in (("sd3", "full"), ("sd3", "lora+ckpt")):
+        assert cells[key]["status"] == "ok", cells[key]
+    for (model, cell), c in cells.items():
+        if c["status"] != "ok":
+            continue
+        rows = {r["variant"]: r for r in c["rows"]}
+        assert set(rows) == set(ENGINES)
+        assert (out / model / cell / "engines.json").is_file()
+        for name, r in rows.items():
+            assert r["peak_memory_bytes"] > 0 and r["train_s"] > 0 and r["ideal_train_speedup"] > 0
+            if name in EXACT:  # up to bf16 rounding of the gradients (8 mantissa bits: ~4e-3 per rounding)
+                assert r["grad_cos_vs_recompute"] > 1 - 1e-4 and r["grad_relerr_vs_recompute"] < 2e-2, (model, cell, r)
+            else:  # JAGG's interpolated Jacobians: an approximation, close on these models
+                assert 0.5 < r["grad_cos_vs_recompute"] <= 1 + 1e-9
+        assert rows["recompute"]["train_speedup"] == pytest.approx(1.0)
+        assert rows["recompute"]["grad_cos_vs_recompute"] == pytest.approx(1.0)  # a gradient, not zeros
+        assert rows["jagg"]["ideal_train_speedup"] == pytest.approx(2.0)  # one window of W = 4: W/2
+        lora = cell.startswith("lora")
+        assert (c["trainable_parameters"] < rep["models"][model]["parameters"]) is lora
+    md = (out / "suite.md").read_text()
+    assert "Command: `bash benchmarks/gpu/suite.sh --size toy" in md and "Hardware: CPU only" in md
+    assert md.count("| sd3 | full |") == len(ENGINES)
+
+
+def test_bench_keep_going_drops_a_failing_variant_and_keeps_the_others(monkeypatch):
+    """At real sizes one engine may run out of memory; with keep_going the others are still measured and the
+    failure is reported, without it the benchmark stops."""
+    from diffgrpo import RunConfig
+    from diffgrpo.bench import bench_engines
+    from diffgrpo.engines.single_step import SingleStepEngine
+    from diffgrpo.models.tiny import build_tiny_policy
+    from tests.conftest import TINY
+
+    def oom(self, ctx, rollout, epoch=0):
+        raise RuntimeError("CUDA out of memory. Tried to allocate 80.00 GiB\nmore detail")
+
+    monkeypatch.setattr(SingleStepEngine, "backward", oom)
+    cfg = RunConfig.from_overrides([*TINY, "model.device=cpu", "loss.beta=0"])
+    torch.manual_seed(0)
+    policy = build_tiny_policy(cfg, progress=False, log=lambda *a: None, pretrained=False)
+    rep = bench_engines(cfg, ["recompute", "single_step", "jagg:window=2"], repeats=1, log=lambda *a: None,
+                        keep_going=True, policy=policy)
+    assert [r["variant"] for r in rep["rows"]] == ["recompute", "jagg:window=2"]
+    assert rep["errors"] == {"single_step": "RuntimeError: CUDA out of memory. Tried to allocate 80.00 GiB"}
+    assert rep["rows"][1]["grad_cos_vs_recompute"] > 0.99  # W = 2 is exact
+    with pytest.raises(RuntimeError, match="out of memory"):
+        bench_engines(cfg, ["recompute", "single_step"], repeats=1, log=lambda *a: None, policy=policy)
