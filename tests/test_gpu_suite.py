@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from diffgrpo.engines import ENGINES
+from diffgrpo.engines import ENGINES, FORWARD_ENGINES
+
+LIKELIHOOD_ENGINES = set(ENGINES) - set(FORWARD_ENGINES)  # the suite's default variants
 
 ROOT = Path(__file__).resolve().parents[1]
 EXACT = ("retain", "reweight", "single_step")  # exact against recompute on the same rollout and steps
@@ -38,7 +40,7 @@ def test_gpu_suite_runs_at_toy_size(tmp_path):
         if c["status"] != "ok":
             continue
         rows = {r["variant"]: r for r in c["rows"]}
-        assert set(rows) == set(ENGINES)
+        assert set(rows) == LIKELIHOOD_ENGINES
         assert (out / model / cell / "engines.json").is_file()
         for name, r in rows.items():
             assert r["peak_memory_bytes"] > 0 and r["train_s"] > 0 and r["ideal_train_speedup"] > 0
@@ -53,7 +55,7 @@ def test_gpu_suite_runs_at_toy_size(tmp_path):
         assert (c["trainable_parameters"] < rep["models"][model]["parameters"]) is lora
     md = (out / "suite.md").read_text()
     assert "Command: `bash benchmarks/gpu/suite.sh --size toy" in md and "Hardware: CPU only" in md
-    assert md.count("| sd3 | full |") == len(ENGINES)
+    assert md.count("| sd3 | full |") == len(LIKELIHOOD_ENGINES)
 
 
 def test_bench_keep_going_drops_a_failing_variant_and_keeps_the_others(monkeypatch):

@@ -32,7 +32,7 @@ from benchmarks.gpu.models import MODELS, build_policy, build_transformer, param
 from diffgrpo import RunConfig  # noqa: E402
 from diffgrpo.bench import bench_engines  # noqa: E402
 from diffgrpo.distributed import resolve_device  # noqa: E402
-from diffgrpo.engines import ENGINES  # noqa: E402
+from diffgrpo.engines import ENGINES, FORWARD_ENGINES  # noqa: E402
 
 # cell name → (LoRA adapter, gradient checkpointing, engine.micro_batch_size); the rank is the size's lora_rank
 CELLS = {"full": (False, False, 0), "full+ckpt": (False, True, 0), "lora": (True, False, 0),
@@ -98,7 +98,8 @@ def run_suite(size: str, out: Path, *, device: str = "auto", models: list[str] |
     cell_limit = d["cell_limit"] if cell_limit is None else cell_limit
     wdtype = getattr(torch, dtype or d["dtype"])
     dev = torch.device(resolve_device(device))
-    variants = variants or list(ENGINES)
+    # the likelihood engines by default (the suite's cells set steps.*; nft / awm train units of their own)
+    variants = variants or [e for e in ENGINES if e not in FORWARD_ENGINES]
     if "recompute" not in variants:
         variants = ["recompute"] + variants
     out.mkdir(parents=True, exist_ok=True)

@@ -27,7 +27,7 @@ import yaml
 from .data_sources import check_prompts, read_utf8
 from .distributed import launched_world_size
 from .dllm.tasks import FILE_TASKS, TASKS, VOCAB, examples_from_file, get_task
-from .engines import ENGINES
+from .engines import ENGINES, FORWARD_ENGINES
 from .errors import ConfigError, suggest
 from .rewards import REWARDS, check_rewards, resolve_reward
 from .samplers.masked import schedule
@@ -145,6 +145,12 @@ class LossConfig:
     beta: float = _f(0.0, lo=0.0, doc="KL coefficient")
     kl_flowgrpo_compat: bool = _f(False, doc="FlowGRPO's KL scaling (omits Δ)")
     aggregation: str = _f("mean", choices=("mean", "sample_mean", "sum"))
+    trust_region: str = _f("clip", choices=("clip", "kl_mask"),
+                           doc="flow: PPO ratio clip, or Flow-DPPO's mask on the exact per-step Gaussian KL to the "
+                               "rollout policy (a step is dropped when KL >= kl_mask_bound and it moves away)")
+    kl_mask_bound: float = _f(1e-5, lo=0.0, doc="flow, trust_region=kl_mask: the KL bound (mean-reduced over "
+                                                 "latent elements with sampler.logprob_reduce=mean)")
+    ratio_norm: bool = _f(False, doc="flow: GRPO-Guard's ratio normalisation, r = exp(s·(log r + KL)) under the clip")
 
 
 @dataclass
@@ -175,6 +181,21 @@ class EngineConfig:
     wave_size: int = _f(0, lo=0, doc="retain: groups per rollout wave; 0 = whole batch")
     candidate_steps: str = _f("first_half", doc="single_step: 'first_half', 'all' or a list like 0,1,2")
     rectify: bool = _f(True, doc="single_step: temporal gradient rectification")
+    # forward-process engines (nft, awm): losses on clean rollout samples, no per-step likelihood
+    forward_timesteps: int = _f(0, lo=0, hi=1000, doc="nft, awm: training units (time + fresh noise) per sample, at "
+                                                      "most sampler.num_steps; 0 = the paper's recipe (nft: "
+                                                      "floor(0.99·T) grid times per sample, awm: 6 stratified)")
+    forward_rollout: str = _f("ode", choices=("ode", "sampler"),
+                              doc="nft, awm: rollouts by the deterministic ODE (the papers' recipe) or by "
+                                  "sampler.sde_type")
+    adv_clip: float = _f(5.0, gt=0.0, doc="nft, awm: advantages clipped to ±adv_clip and divided by it (nft: "
+                                          "r = A/(2·adv_clip) + 1/2; awm: A/adv_clip)")
+    nft_beta: float = _f(1.0, gt=0.0, hi=10.0, doc="nft: β of the implicit policies v± (mixing with the old policy)")
+    old_decay_rate: float = _f(0.001, lo=0.0, hi=1.0, doc="nft: old-policy EMA decay = min(rate·updates, max)")
+    old_decay_max: float = _f(0.5, lo=0.0, hi=0.9999, doc="nft: cap of the old-policy EMA decay")
+    awm_weighting: str = _f("uniform", choices=("uniform", "t", "ghuber"),
+                            doc="awm: time weighting of the flow-matching error (ghuber: the released GenEval recipe)")
+    awm_clip_range: float = _f(1.0, lo=0.0, doc="awm: PPO clip ε on the flow-matching 'likelihood' ratio")
 
 
 @dataclass
@@ -876,6 +897,7 @@ FAMILY_KEYS = {
                        "model.negative_prompt", "model.max_sequence_length", "model.lora_rank", "model.lora_alpha",
                        "model.lora_target_modules", "model.gradient_checkpointing", "pretrain.cond_dropout",
                        "sampler", "reward", "loss.clip_range", "loss.kl_flowgrpo_compat", "steps", "engine",
+                       "loss.trust_region", "loss.kl_mask_bound", "loss.ratio_norm",
                        "train.digits", "train.prompts_file", "train.prompt_column", "eval",
                        "model.offload_text_encoders"),
     "dllm": _SHARED + ("pretrain.answer_noise", "dllm", "daca"),
@@ -883,7 +905,10 @@ FAMILY_KEYS = {
 # engine keys that only some engines read
 ENGINE_KEYS = {"window": ("jagg",), "jagg_frac": ("jagg",), "jagg_min_score": ("jagg",),
                "evaluation": ("jagg", "single_step"), "wave_size": ("retain",),
-               "candidate_steps": ("single_step",), "rectify": ("single_step",)}
+               "candidate_steps": ("single_step",), "rectify": ("single_step",),
+               "forward_timesteps": ("nft", "awm"), "forward_rollout": ("nft", "awm"), "adv_clip": ("nft", "awm"),
+               "nft_beta": ("nft",), "old_decay_rate": ("nft",), "old_decay_max": ("nft",),
+               "awm_weighting": ("awm",), "awm_clip_range": ("awm",)}
 
 
 def _changed_keys(obj, default, prefix: str = "") -> list[str]:
@@ -965,9 +990,10 @@ def _validate_flow(cfg: RunConfig) -> None:
     bad = [d for d in cfg.train.digits if not (isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= 9)]
     if bad or not cfg.train.digits:
         raise ConfigError(f"train.digits: value {cfg.train.digits!r} must be a non-empty list of digits 0..9")
-    if cfg.sampler.sde_type == "ode":
+    if cfg.sampler.sde_type == "ode" and cfg.engine.name not in FORWARD_ENGINES:
         raise ConfigError("sampler.sde_type: 'ode' has no exploration noise and cannot be trained; "
-                          "choose one of ['flow_sde', 'dance_sde', 'cps'] (eval.sde_type may be 'ode')")
+                          "choose one of ['flow_sde', 'dance_sde', 'cps'] (eval.sde_type may be 'ode'), or a "
+                          f"forward-process engine (engine.name in {list(FORWARD_ENGINES)})")
     if cfg.sampler.num_steps < 2:
         raise ConfigError("sampler.num_steps: must be >= 2 (the final step is deterministic and never trained)")
     k_max = cfg.sampler.num_steps - 1
@@ -1026,6 +1052,46 @@ def _validate_engine(cfg: RunConfig) -> None:
             raise ConfigError(f"engine.window: W={e.window} is larger than the {n} steps selected per trajectory "
                               f"(steps.mode={cfg.steps.mode}, sampler.num_steps={cfg.sampler.num_steps}); "
                               f"choose 2 <= W <= {n}")
+    _validate_forward_engine(cfg)
+    _validate_loss_options(cfg)
     if e.wave_size and cfg.advantage.std_mode == "global":
         raise ConfigError("engine.wave_size: rollout waves need per-group advantages; advantage.std_mode=global "
                           "couples every group, so use engine.wave_size=0 (whole batch) or std_mode=group")
+
+
+def _validate_forward_engine(cfg: RunConfig) -> None:
+    """nft / awm own their training units: the step-selection and step-ratio keys do not apply to them."""
+    e = cfg.engine
+    if e.name not in FORWARD_ENGINES:
+        return
+    default = RunConfig()
+    for key in _changed_keys(cfg.steps, default.steps, "steps.") + [
+            k for k in ("loss.clip_range", "loss.kl_flowgrpo_compat", "loss.trust_region", "loss.kl_mask_bound",
+                        "loss.ratio_norm")
+            if getattr(cfg.loss, k.split(".")[1]) != getattr(default.loss, k.split(".")[1])]:
+        alt = {"loss.clip_range": "; awm's ratio clip is engine.awm_clip_range"}.get(key, "")
+        raise ConfigError(f"{key}: does not apply to engine.name={e.name} (a forward-process engine trains "
+                          f"engine.forward_timesteps units per clean sample, not sampler steps){alt}; remove it")
+    T = cfg.sampler.num_steps
+    if e.forward_timesteps > T:
+        raise ConfigError(f"engine.forward_timesteps: value {e.forward_timesteps} is out of range; at most one unit "
+                          f"per grid time: must be <= sampler.num_steps={T} (0 = the paper's recipe)")
+
+
+def _validate_loss_options(cfg: RunConfig) -> None:
+    """The trust-region options of the flow step loss (losses.policy_loss): which combinations make sense."""
+    lo, d = cfg.loss, LossConfig()
+    if lo.trust_region == "clip" and lo.kl_mask_bound != d.kl_mask_bound:
+        raise ConfigError("loss.kl_mask_bound: applies only with loss.trust_region=kl_mask; set it or remove the bound")
+    if lo.trust_region == "kl_mask" and lo.ratio_norm:
+        raise ConfigError("loss.ratio_norm: normalises the ratio the PPO clip acts on; it does not combine with "
+                          "loss.trust_region=kl_mask (use one of them)")
+    if lo.trust_region == "kl_mask" and lo.clip_range != d.clip_range:
+        raise ConfigError("loss.clip_range: does not apply with loss.trust_region=kl_mask (the KL mask replaces the "
+                          "clip); remove it or set loss.trust_region=clip")
+    if (lo.trust_region != "clip" or lo.ratio_norm) and cfg.sampler.cps_flowgrpo_compat:
+        raise ConfigError("loss.trust_region / loss.ratio_norm: need a Gaussian log-density; "
+                          "sampler.cps_flowgrpo_compat=true scores with FlowGRPO's pseudo log-prob (set it to false)")
+    if lo.ratio_norm and cfg.engine.name == "reweight":
+        raise ConfigError("loss.ratio_norm: engine.name=reweight forms the first update from r = 1 without the step "
+                          "loss; use recompute, retain, jagg or single_step with the normalised ratio")

@@ -8,8 +8,10 @@ from __future__ import annotations
 import importlib
 
 from ._steps import SELECTION_MODES, select_steps
+from .awm import AWMEngine
 from .base import Engine, EngineContext
 from .jagg import JaggEngine
+from .nft import NFTEngine
 from .recompute import RecomputeEngine
 from .retain import RetainEngine
 from .reweight import ReweightEngine
@@ -21,7 +23,12 @@ ENGINES: dict[str, type] = {
     "single_step": SingleStepEngine,
     "retain": RetainEngine,
     "reweight": ReweightEngine,
+    "nft": NFTEngine,
+    "awm": AWMEngine,
 }
+# engines that train on clean samples through the forward process (no per-step likelihood): they own the trained
+# units (steps.* does not apply) and accept deterministic ODE rollouts (sampler.sde_type=ode)
+FORWARD_ENGINES = ("nft", "awm")
 
 
 def build_engine(cfg) -> Engine:
@@ -33,4 +40,4 @@ def build_engine(cfg) -> Engine:
     return getattr(importlib.import_module(mod), attr)(cfg)
 
 
-__all__ = ["ENGINES", "Engine", "EngineContext", "build_engine", "select_steps", "SELECTION_MODES"]
+__all__ = ["ENGINES", "FORWARD_ENGINES", "Engine", "EngineContext", "build_engine", "select_steps", "SELECTION_MODES"]

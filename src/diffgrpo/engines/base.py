@@ -14,7 +14,7 @@ from typing import Any, Callable, Protocol
 
 import torch
 
-from ..losses import aggregate, ppo_clip_loss
+from ..losses import aggregate, gaussian_step_kl, policy_loss
 from ..samplers import flow_sde
 from ..types import BatchPlan, EngineStats, FlowTrajectory, Rollout, RolloutHooks
 
@@ -37,6 +37,9 @@ class EngineContext:
     params: list | None = None
     forward_mult: int = 1  # network inputs per sample-forward: 2 under true classifier-free guidance, else 1
     all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None  # sums a tensor over ranks (None: one process)
+    trust_region: str = "clip"  # loss.trust_region: PPO clip, or Flow-DPPO's KL mask (losses.policy_loss)
+    ratio_norm: bool = False  # loss.ratio_norm: GRPO-Guard's normalised ratio under the clip
+    kl_mask_bound: float = 1e-5  # loss.kl_mask_bound: the KL mask's bound (mean-reduced per-step KL)
 
 
 def trainable_params(ctx: EngineContext) -> list[torch.Tensor]:
@@ -138,7 +141,14 @@ def step_loss(ctx: EngineContext, rollout: Rollout, idx: torch.Tensor, k: int, v
     sig, sig_next = rollout.traj.sigmas[k], rollout.traj.sigmas[k + 1]
     out = flow_sde.step(v, sig, sig_next, rollout.traj.xs[idx, k], prev_sample=rollout.traj.xs[idx, k + 1], **ctx.kernel)
     adv = rollout.advantages[idx]
-    loss, ratio, clipped = ppo_clip_loss(out.log_prob, rollout.traj.log_probs[idx, k], adv, ctx.clip_range)
+    kl_old = None  # exact per-step KL to the rollout policy, for the trust-region options only
+    if ctx.trust_region != "clip" or ctx.ratio_norm:
+        old_mean = flow_sde.step(rollout.traj.velocities[idx, k].detach(), sig, sig_next, rollout.traj.xs[idx, k],
+                                 prev_sample=rollout.traj.xs[idx, k + 1], **ctx.kernel).mean
+        kl_old = gaussian_step_kl(out.mean, old_mean, out.std, ctx.kernel.get("reduce", "mean"))
+    loss, ratio, clipped = policy_loss(out.log_prob, rollout.traj.log_probs[idx, k], adv, ctx.clip_range,
+                                       trust_region=ctx.trust_region, ratio_norm=ctx.ratio_norm, kl=kl_old,
+                                       std=out.std, kl_bound=ctx.kl_mask_bound)
     kl = torch.zeros_like(loss)
     if ctx.beta > 0:
         if v_ref is None:

@@ -58,7 +58,8 @@ class FlowFamily:
         self.ctx = EngineContext(policy=policy, kernel=self.kernel, clip_range=cfg.loss.clip_range,
                                  beta=cfg.loss.beta, kl_flowgrpo_compat=cfg.loss.kl_flowgrpo_compat,
                                  micro_batch_size=cfg.engine.micro_batch_size, sigmas=self.sigmas,
-                                 forward_mult=2 if policy.uses_cfg else 1)
+                                 forward_mult=2 if policy.uses_cfg else 1, trust_region=cfg.loss.trust_region,
+                                 ratio_norm=cfg.loss.ratio_norm, kl_mask_bound=cfg.loss.kl_mask_bound)
         rank = world.rank
         plan_seed = (lambda x: x) if self.spread else (lambda x: distributed.seed_for(x, rank))
         self.gen_prompts = torch.Generator().manual_seed(plan_seed(cfg.seed))
