@@ -271,12 +271,12 @@ def test_a_full_disk_ends_the_run_in_one_line_and_it_resumes(tmp_path, capsys):
 
     _run(tmp_path, "warm", "train.num_iterations=1")  # the built-in model is cached before the limit applies
     out = tmp_path / "full"
-    limit = 3 * 1024  # `ulimit -f 3`
+    limit = 4 * 1024  # `ulimit -f 4`: above config.yaml and a sample table, below 12 iterations of metrics
 
     def cap():
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
-    p = _cli(["train", *FAST, "train.num_iterations=6", "train.save_every=0", "log.save_images=false",
+    p = _cli(["train", *FAST, "train.num_iterations=12", "train.save_every=0", "log.save_images=false",
               f"log.output_dir={out}"], preexec_fn=cap)
     text = p.communicate(timeout=300)[0]
     assert p.returncode == 1, text
@@ -285,7 +285,7 @@ def test_a_full_disk_ends_the_run_in_one_line_and_it_resumes(tmp_path, capsys):
     assert (out / "metrics.jsonl").stat().st_size == limit  # cut mid-line
     assert main(["report", str(out)]) == 0
     assert main(["train", "--resume", str(out)]) == 0  # no checkpoint (save_every=0): restarts from iteration 0
-    assert [r["iteration"] for r in read_jsonl(out / "metrics.jsonl") if "reward" in r] == [1, 2, 3, 4, 5, 6]
+    assert [r["iteration"] for r in read_jsonl(out / "metrics.jsonl") if "reward" in r] == list(range(1, 13))
     # a checkpoint that cannot be written is one line too, and leaves the earlier ones intact
     ck = tmp_path / "ck"
     _run(tmp_path, "ck", "train.num_iterations=1", "train.save_every=1")
@@ -320,3 +320,20 @@ def test_saved_remote_code_and_code_engines_are_not_trusted(tmp_path, capsys):
     assert kept["engine"]["name"] == "recompute" and "ignoring engine.name='evil:Engine'" in out
     dropped = _distrust(json.loads(json.dumps(data)), [], path=tmp_path / "c.yaml", command="--weights", strict=False)
     assert dropped["dllm"]["trust_remote_code"] is False
+
+
+def test_atomic_write_on_a_full_disk_is_one_line_and_keeps_the_old_file(tmp_path):
+    """A file-size limit (as a full disk) during atomic_write: a TrainingError naming the file, the previous
+    contents intact, no temporary file left behind."""
+    import resource
+    import subprocess
+    import sys
+
+    target = tmp_path / "config.yaml"
+    target.write_text("old\n")
+    code = ("import sys\nfrom diffgrpo.fileio import atomic_write\nfrom diffgrpo.errors import TrainingError\n"
+            "try:\n    atomic_write(sys.argv[1], 'x' * 8192)\nexcept TrainingError as e:\n    print(e)\n")
+    p = subprocess.run([sys.executable, "-c", code, str(target)], capture_output=True, text=True, timeout=120,
+                       preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096)))
+    assert p.stdout.strip() == f"{target}: cannot write (File too large); free space and resume the run", p.stderr
+    assert target.read_text() == "old\n" and [f.name for f in tmp_path.iterdir()] == ["config.yaml"]

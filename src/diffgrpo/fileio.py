@@ -4,7 +4,8 @@ redirect them elsewhere.
   atomic_write(path, data)  bytes / text / a writer ``f(tmp_path)`` into a fresh temporary file in the same
                             directory (``mkstemp``: a new name, created exclusively, never an existing file or
                             link), flushed to disk, then renamed over ``path``. ``os.replace`` replaces a symlink
-                            at ``path`` itself instead of writing through it.
+                            at ``path`` itself instead of writing through it. A full disk or a file-size limit
+                            is a one-line TrainingError; the previous file stays as it was.
   append_line(path, text)   appends to a log opened with ``O_NOFOLLOW`` (a symlink at ``path`` is refused), in one
                             ``write`` call.
   read_jsonl(path)          the rows of a JSON-lines log; a torn last line (a write cut short by a full disk or a
@@ -40,6 +41,10 @@ def atomic_write(path: str | Path, data: bytes | str | Callable[[Path], None]) -
         with open(tmp, "rb") as f:  # flush the contents before the rename makes them visible
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):  # the previous file, if any, is untouched
+            raise TrainingError(f"{path}: cannot write ({e.strerror}); free space and resume the run") from None
+        raise
     finally:
         if fd >= 0:
             os.close(fd)
