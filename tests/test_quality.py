@@ -111,14 +111,16 @@ def test_one_sample_per_prompt_logs_fid_only(make_trainer, monkeypatch):
 
 
 def test_streamed_guards_equal_the_whole_set_computation(monkeypatch):
-    """GuardStats (fixed memory, chunk by chunk, chunks out of order) equals quality_from_features on the whole
-    feature set when every record's prompt is distinct."""
+    """GuardStats (fixed memory, chunk by chunk, chunks out of order) equals the whole-set computation (Fréchet
+    distance of the Gaussian fit, per-prompt diversity) when every record's prompt is distinct."""
     torch.manual_seed(0)
     clf = image_rewards.DigitClassifier().eval().requires_grad_(False)
     monkeypatch.setattr(image_rewards, "load_classifier", lambda image_size=16, *a, **k: (clf, 0.0))
     feats = torch.randn(30, 64).relu()
     prompts = [f"p{i // 3}" for i in range(30)]  # 10 records × 3 seeds
-    whole = quality.quality_from_features(feats, prompts, 16)
+    mu, cov = quality.gaussian_stats(feats)
+    whole = {"eval/fid": quality.frechet_distance(mu, cov, *quality.reference_stats(16)),
+             "eval/diversity": quality.per_prompt_diversity(feats, prompts)}
     g = quality.GuardStats(16, 3)
     for lo in (16, 0, 8, 24):  # chunks of 8 (the last 6), records split across chunks
         idx = list(range(lo, min(lo + 8, 30)))

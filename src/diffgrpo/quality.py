@@ -18,8 +18,6 @@ are computed once per image size and kept in memory.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
 from .data import digits_split
@@ -63,15 +61,15 @@ def per_prompt_diversity(feats: torch.Tensor, prompts: list[str]) -> float:
     groups: dict[str, list[int]] = {}
     for i, p in enumerate(prompts):
         groups.setdefault(p, []).append(i)
-    per = []
-    for idx in groups.values():
-        if len(idx) < 2:
-            continue
-        f = feats[idx].double()  # (n, D)
-        d = torch.cdist(f, f)  # (n, n)
-        n = len(idx)
-        per.append(float(d.sum() / (n * (n - 1))))  # diagonal is 0
+    per = [mean_pairwise_distance(feats[idx]) for idx in groups.values() if len(idx) >= 2]
     return sum(per) / len(per) if per else float("nan")
+
+
+def mean_pairwise_distance(f: torch.Tensor) -> float:
+    """Mean L2 distance over the n(n−1) ordered pairs of distinct rows of f (n ≥ 2, D), in float64."""
+    f = f.double()
+    n = f.shape[0]
+    return float(torch.cdist(f, f).sum() / (n * (n - 1)))  # the diagonal is 0
 
 
 # ---------------------------------------------------------------------- the digit classifier's features
@@ -98,23 +96,6 @@ def digit_features(images: torch.Tensor) -> torch.Tensor:
     return penultimate_features(clf, images)
 
 
-def quality_from_features(feats: torch.Tensor, prompts: list[str], image_size: int) -> dict[str, float]:
-    """{"eval/fid", "eval/diversity"} of evaluation features (N, 64) with their prompts (diversity only when some
-    prompt has two or more samples)."""
-    mu_r, cov_r = reference_stats(image_size)
-    mu, cov = gaussian_stats(feats)
-    out = {"eval/fid": frechet_distance(mu, cov, mu_r, cov_r)}
-    div = per_prompt_diversity(feats, prompts)
-    if math.isfinite(div):  # no prompt with two samples (eval.seeds_per_prompt=1): no diversity, rather than a NaN row
-        out["eval/diversity"] = div
-    return out
-
-
-def digit_quality(images: torch.Tensor, prompts: list[str]) -> dict[str, float]:
-    """{"eval/fid", "eval/diversity"} of evaluation images (B, 1, S, S) in [0, 1] with their prompts."""
-    return quality_from_features(digit_features(images), prompts, images.shape[-1])
-
-
 def guards_apply(cfg, images: torch.Tensor) -> bool:
     """Whether a flow evaluation's images get the guards: the built-in task's one-channel digit images."""
     return cfg.model.name == "tiny" and images.dim() == 4 and images.shape[1] == 1
@@ -124,7 +105,8 @@ class GuardStats:
     """The guards of one evaluation accumulated chunk by chunk in fixed memory: running float64 sums of the
     features and of their outer products (Gaussian statistics), and per record (``group_size`` consecutive
     samples: one prompt's seeds) its features until the record is complete, then its mean pairwise distance.
-    With distinct prompts it equals :func:`quality_from_features` (up to float64 round-off)."""
+    With distinct prompts it equals :func:`frechet_distance` of :func:`gaussian_stats` against
+    :func:`reference_stats` and :func:`per_prompt_diversity` on the whole feature set (up to float64 round-off)."""
 
     def __init__(self, image_size: int, group_size: int):
         self.image_size, self.group_size = image_size, group_size
@@ -147,8 +129,7 @@ class GuardStats:
             rec = self.open.setdefault(i // self.group_size, {})
             rec[i] = f[j]
             if len(rec) == self.group_size:
-                g = torch.stack([rec[k] for k in sorted(rec)])  # (group, D)
-                self.spreads.append(float(torch.cdist(g, g).sum() / (len(g) * (len(g) - 1))))
+                self.spreads.append(mean_pairwise_distance(torch.stack([rec[k] for k in sorted(rec)])))
                 del self.open[i // self.group_size]
 
     def result(self) -> dict[str, float]:
@@ -164,6 +145,5 @@ class GuardStats:
         return out
 
 
-__all__ = ["gaussian_stats", "frechet_distance", "per_prompt_diversity", "penultimate_features", "reference_stats",
-           "digit_features", "quality_from_features", "digit_quality", "guards_apply",
-           "GuardStats"]
+__all__ = ["gaussian_stats", "frechet_distance", "per_prompt_diversity", "mean_pairwise_distance",
+           "penultimate_features", "reference_stats", "digit_features", "guards_apply", "GuardStats"]
