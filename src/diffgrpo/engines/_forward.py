@@ -18,6 +18,7 @@ import torch
 
 from .. import distributed
 from ..types import BatchPlan
+from .base import take_cond
 
 
 @dataclass
@@ -55,6 +56,29 @@ def noised(x0: torch.Tensor, eps: torch.Tensor, t: torch.Tensor) -> tuple[torch.
     """x_t = (1 − t)·x_0 + t·ε and the flow-matching target u = ε − x_0. x0, eps (n, *S), t (n,) → both (n, *S)."""
     tt = t.reshape(-1, *([1] * (x0.dim() - 1)))
     return (1 - tt) * x0 + tt * eps, eps - x0
+
+
+def unit_inputs(traj, state: ForwardState, rows: torch.Tensor, cols: torch.Tensor):
+    """Units (rows, cols) of a rollout → (t (n,), x_0 (n, *S), x_t (n, *S), u (n, *S), cond of the rows)."""
+    t = traj.sigmas[state.idx[rows, cols]]  # (n,)
+    x0 = traj.xs[rows, -1]  # (n, *S) the clean samples
+    x_t, u = noised(x0, state.noise[rows, cols], t)
+    return t, x0, x_t, u, take_cond(traj.cond, rows)
+
+
+def reference_velocity(ctx, x_t: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor | None:
+    """v_ref(x_t, t) of the reference (no grad) when the KL term is on (``loss.beta`` > 0), else None."""
+    if ctx.beta <= 0:
+        return None
+    with torch.no_grad(), ctx.policy.reference():
+        return ctx.policy.velocity(x_t, t, cond)
+
+
+def velocity_kl(v: torch.Tensor, v_ref: torch.Tensor | None) -> torch.Tensor:
+    """The KL term's mean((v_θ − v_ref)²) per unit, zeros without a reference. v, v_ref (n, *S) → (n,)."""
+    if v_ref is None:
+        return torch.zeros(v.shape[0], device=v.device)
+    return ((v - v_ref) ** 2).mean(tuple(range(1, v.dim())))
 
 
 def plan_units(plan: BatchPlan, times: torch.Tensor, *, ode: bool, generator: torch.Generator) -> None:

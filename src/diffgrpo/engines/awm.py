@@ -41,12 +41,14 @@ from ._forward import (
     clip_advantages,
     conditional_only,
     count_unit_backward,
-    noised,
     plan_units,
+    reference_velocity,
     stratified_grid_times,
     unit_batches,
+    unit_inputs,
+    velocity_kl,
 )
-from .base import EngineContext, engine_run, no_rollout_hooks, one_wave, take_cond, unit_sample_weights
+from .base import EngineContext, engine_run, no_rollout_hooks, one_wave, unit_sample_weights
 
 AWM_UNITS = 6  # the released recipe's train_timesteps
 AWM_TIME_FRACTION = 0.9  # the released recipe's timestep_fraction: times from grid indices 1 … ⌊0.9·T⌋
@@ -102,10 +104,9 @@ class AWMEngine:
         if not isinstance(state, ForwardState):
             raise ValueError("awm trains the units its own plan drew; build the batch plan with the awm engine")
         traj, pol = rollout.traj, ctx.policy
-        x_last = traj.xs[:, -1]  # (B, *S) the clean samples
         B, K = state.idx.shape
         if epoch == 0 or state.old_log_prob is None:
-            state.old_log_prob = torch.zeros(B, K, device=x_last.device)
+            state.old_log_prob = torch.zeros(B, K, device=traj.xs.device)
             first = True
         else:
             first = False
@@ -113,13 +114,8 @@ class AWMEngine:
         tot = {"loss": 0.0, "kl": 0.0, "ratio": 0.0, "dev": 0.0, "clipped": 0.0, "n": 0}
         with engine_run(ctx, self.name) as stats, conditional_only(pol):
             for j, (rows, cols) in enumerate(work):
-                t = traj.sigmas[state.idx[rows, cols]]  # (n,)
-                x_t, u = noised(x_last[rows], state.noise[rows, cols], t)  # (n, *S)
-                cond = take_cond(traj.cond, rows)
-                v_ref = None
-                if ctx.beta > 0:
-                    with torch.no_grad(), pol.reference():
-                        v_ref = pol.velocity(x_t, t, cond)
+                t, _, x_t, u, cond = unit_inputs(traj, state, rows, cols)  # (n,), (n, *S) ×3
+                v_ref = reference_velocity(ctx, x_t, t, cond)
                 final = j == len(work) - 1
                 with torch.enable_grad(), (contextlib.nullcontext() if final else ctx.no_sync()):
                     v = pol.velocity(x_t, t, cond)  # (n, *S) with graph
@@ -128,10 +124,8 @@ class AWMEngine:
                         state.old_log_prob[rows, cols] = lp.detach()
                     adv = clip_advantages(rollout.advantages[rows], self.adv_clip)
                     per, ratio, clipped = ppo_clip_loss(lp, state.old_log_prob[rows, cols], adv, self.clip_range)
-                    kl = torch.zeros_like(per)
-                    if v_ref is not None:
-                        kl = ((v - v_ref) ** 2).mean(tuple(range(1, v.dim())))
-                        per = per + ctx.beta * kl
+                    kl = velocity_kl(v, v_ref)
+                    per = per + ctx.beta * kl
                     w = rollout.loss_weights[rows, cols]
                     aggregate(per, w).backward()
                 count_unit_backward(stats, len(rows))

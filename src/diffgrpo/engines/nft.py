@@ -33,7 +33,9 @@ Cost per sample: K forwards with grad + K sample-backwards, + K no-grad forwards
 (none on the first iteration, when θ_old = θ bit for bit, or while d = 0), + K no-grad reference forwards when
 β_KL > 0; on top of T no-grad rollout forwards (of θ_old). No per-step trajectory is used beyond x_0.
 Units run one index j at a time (the batch's B samples per chunk, like ``recompute``'s one step at a time) or in
-chunks of ``engine.micro_batch_size``, so peak activation memory is one chunk's forward.
+chunks of ``engine.micro_batch_size``, so peak activation memory is one chunk's forward. Once θ_old ≠ θ, the
+θ_old velocities of all units are computed first, inside one swap of the parameters to θ_old, and kept (B·K
+velocities, the size of the units' inputs) instead of swapping twice per chunk.
 """
 from __future__ import annotations
 
@@ -50,11 +52,13 @@ from ._forward import (
     conditional_only,
     count_unit_backward,
     grid_times,
-    noised,
     plan_units,
+    reference_velocity,
     unit_batches,
+    unit_inputs,
+    velocity_kl,
 )
-from .base import EngineContext, engine_run, no_rollout_hooks, take_cond, trainable_params, unit_sample_weights
+from .base import EngineContext, engine_run, no_rollout_hooks, trainable_params, unit_sample_weights
 
 NFT_TIME_FRACTION = 0.99  # the released recipe's timestep_fraction: ⌊0.99·T⌋ grid times per sample
 
@@ -117,38 +121,36 @@ class NFTEngine:
     rollout_hooks = no_rollout_hooks
     sample_weights = unit_sample_weights
 
+    def _old_velocities(self, ctx: EngineContext, traj, state: ForwardState, work) -> list[torch.Tensor] | None:
+        """v_old of every chunk's units (no grad), computed inside one swap of the parameters to θ_old (each swap
+        copies every trainable parameter twice); None while θ_old equals θ (then v_old = v_θ, detached)."""
+        if self.old.current:
+            return None
+        with torch.no_grad(), self.old.active(trainable_params(ctx), ctx.policy.forward_module):
+            return [ctx.policy.velocity(x_t, t, cond)
+                    for t, _, x_t, _, cond in (unit_inputs(traj, state, rows, cols) for rows, cols in work)]
+
     def backward(self, ctx: EngineContext, rollout: Rollout, epoch: int = 0) -> EngineStats:
         state = rollout.traj.engine_state
         if not isinstance(state, ForwardState):
             raise ValueError("nft trains the units its own plan drew; build the batch plan with the nft engine")
         traj, pol = rollout.traj, ctx.policy
-        x_last = traj.xs[:, -1]  # (B, *S) the clean samples
         K = state.idx.shape[1]
         work = unit_batches(rollout.selected, K, ctx.micro_batch_size)
         totals = {"loss": 0.0, "kl": 0.0, "r": 0.0, "n": 0}
         with engine_run(ctx, self.name) as stats, conditional_only(pol):
+            v_olds = self._old_velocities(ctx, traj, state, work)  # one swap to θ_old for every chunk
             for j, (rows, cols) in enumerate(work):
-                t = traj.sigmas[state.idx[rows, cols]]  # (n,)
-                x0 = x_last[rows]
-                x_t, _ = noised(x0, state.noise[rows, cols], t)  # (n, *S)
-                cond = take_cond(traj.cond, rows)
-                v_old = None
-                if not self.old.current:
-                    with torch.no_grad(), self.old.active(trainable_params(ctx), pol.forward_module):
-                        v_old = pol.velocity(x_t, t, cond)
-                v_ref = None
-                if ctx.beta > 0:
-                    with torch.no_grad(), pol.reference():
-                        v_ref = pol.velocity(x_t, t, cond)
+                t, x0, x_t, _, cond = unit_inputs(traj, state, rows, cols)  # (n,), (n, *S) ×3
+                v_ref = reference_velocity(ctx, x_t, t, cond)
                 final = j == len(work) - 1
                 with torch.enable_grad(), (contextlib.nullcontext() if final else ctx.no_sync()):
                     v = pol.velocity(x_t, t, cond)  # (n, *S) with graph
                     r = optimality(rollout.advantages[rows], self.adv_clip)
-                    per = nft_loss(v, v.detach() if v_old is None else v_old, x_t, x0, t, r, self.beta, self.adv_clip)
-                    kl = torch.zeros_like(per)
-                    if v_ref is not None:
-                        kl = ((v - v_ref) ** 2).mean(tuple(range(1, v.dim())))
-                        per = per + ctx.beta * kl
+                    v_old = v.detach() if v_olds is None else v_olds[j]
+                    per = nft_loss(v, v_old, x_t, x0, t, r, self.beta, self.adv_clip)
+                    kl = velocity_kl(v, v_ref)
+                    per = per + ctx.beta * kl
                     w = rollout.loss_weights[rows, cols]
                     aggregate(per, w).backward()
                 count_unit_backward(stats, len(rows))
