@@ -326,8 +326,6 @@ def test_atomic_write_on_a_full_disk_is_one_line_and_keeps_the_old_file(tmp_path
     """A file-size limit (as a full disk) during atomic_write: a TrainingError naming the file, the previous
     contents intact, no temporary file left behind."""
     import resource
-    import subprocess
-    import sys
 
     target = tmp_path / "config.yaml"
     target.write_text("old\n")

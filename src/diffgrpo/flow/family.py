@@ -156,7 +156,8 @@ class FlowFamily:
     def initial_noise(self, group_ids: torch.Tensor) -> torch.Tensor:
         """x_0 (B, *S); one draw per group when ``sampler.share_noise_in_group``."""
         shape = self.policy.latent_shape
-        if self.cfg.sampler.share_noise_in_group or self.cfg.sampler.shared_prefix:  # spread: a group's ranks must draw the same x_0
+        # one x_0 per group (shared_prefix needs it); spread: a group's ranks must draw the same x_0
+        if self.cfg.sampler.share_noise_in_group or self.cfg.sampler.shared_prefix:
             n = int(group_ids.max()) + 1
             gen = self.gen_group_noise if self.spread else self.gen_noise
             z = torch.randn(n, *shape, generator=gen, device=self.device)
