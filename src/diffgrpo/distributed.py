@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import ConfigError
+from .types import DTYPES
 
 COUNTERS = {"allreduce": 0, "reduce_scatter": 0}  # gradient collectives issued through this module (per process)
 
@@ -271,21 +272,27 @@ def wrap_fsdp2(module: torch.nn.Module, *, param_dtype: torch.dtype | str | None
     block's parameters are copied to the device for its all-gather)."""
     if not is_initialized() or dist.get_world_size() == 1:
         return module
+    fully_shard_each([*transformer_blocks(module), module], param_dtype=param_dtype, cpu_offload=cpu_offload, **kw)
+    return module
+
+
+def fully_shard_each(modules: list[torch.nn.Module], *, param_dtype: torch.dtype | str | None = None,
+                     cpu_offload: bool = False, **kw) -> None:
+    """``fully_shard`` each module in order (blocks before the module holding them) on one mesh over all ranks, with
+    the policies of :func:`wrap_fsdp2`. A collective; call under a process group."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     if isinstance(param_dtype, str):  # dist.fsdp_param_dtype
-        param_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[param_dtype]
+        param_dtype = DTYPES[param_dtype]
     if param_dtype is not None and param_dtype != torch.float32:
         kw.setdefault("mp_policy", MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32))
     device_type = "cuda" if "nccl" in str(dist.get_backend()) else "cpu"  # also "cpu:gloo,cuda:nccl"
     if cpu_offload:  # pinned host memory for the copies to the GPU (there is none to pin for on a CPU run)
         kw.setdefault("offload_policy", CPUOffloadPolicy(pin_memory=device_type == "cuda"))
     mesh = init_device_mesh(device_type, (dist.get_world_size(),))
-    for block in transformer_blocks(module):
-        fully_shard(block, mesh=mesh, **kw)
-    fully_shard(module, mesh=mesh, **kw)
-    return module
+    for m in modules:
+        fully_shard(m, mesh=mesh, **kw)
 
 
 def reshard(module) -> None:
@@ -436,6 +443,6 @@ def rank_rows(group_ids: torch.Tensor, rank: int, world: int) -> torch.Tensor:
 __all__ = ["COUNTERS", "WorldInfo", "info", "init_from_env", "launched_world_size", "launched_local_rank",
            "resolve_mode", "resolve_device", "all_gather", "gather_groups", "rank_rows",
            "all_gather_object", "all_reduce_mean_",
-           "add_mean_grad_", "all_reduce_sum", "no_sync", "reshard", "sharded", "wrap", "wrap_ddp", "wrap_fsdp2",
+           "add_mean_grad_", "all_reduce_sum", "no_sync", "reshard", "sharded", "wrap", "wrap_ddp", "wrap_fsdp2", "fully_shard_each",
            "transformer_blocks", "to_full", "seed_for", "is_initialized", "sharded_state", "save_sharded",
            "load_sharded", "load_sharded_model"]

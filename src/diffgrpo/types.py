@@ -13,6 +13,9 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
+# config dtype names (model.dtype, dllm.dtype, dist.fsdp_param_dtype, reward.options.*.dtype) → torch dtypes
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
 
 class StepOut(NamedTuple):
     """Result of one transition ``x_k -> x_{k+1}``.

@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from ..cache import save_dir_atomic
 from ..distributed import launched_local_rank, resolve_device
 from ..errors import ConfigError
+from ..types import DTYPES
 from .lora import ATTN_TARGETS, JOINT_TARGETS, adapter_disabled, add_lora, load_lora_state_dict, lora_state_dict
 from .reference import frozen_reference
 
@@ -530,7 +531,7 @@ def build_diffusers_policy(cfg, *, progress: bool = True, log=print) -> Diffuser
         if not (p / "model_index.json").is_file():
             raise ConfigError(f"model.pretrained: {str(p)!r} is not a diffusers pipeline directory "
                               "(no model_index.json)")
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[m.dtype]
+    dtype = DTYPES[m.dtype]
     try:
         pipe = DiffusionPipeline.from_pretrained(m.pretrained, dtype=dtype)
     except (OSError, ValueError) as e:

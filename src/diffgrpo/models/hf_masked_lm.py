@@ -33,10 +33,11 @@ import torch
 import torch.nn as nn
 
 from ..cache import cache_lock, cache_root, save_dir_atomic
-from ..distributed import is_initialized, launched_local_rank, resolve_device, sharded
+from ..distributed import fully_shard_each, is_initialized, launched_local_rank, resolve_device, sharded
 from ..distributed import transformer_blocks as root_blocks
 from ..dllm.tasks import VOCAB, get_task, pad_right
 from ..errors import ConfigError
+from ..types import DTYPES
 from .pretraining import pretrain_step
 from .reference import frozen_reference
 
@@ -173,7 +174,6 @@ def shift_logits(logits: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------- at scale
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # default LoRA targets, the first candidate set the model has: LLaDA / Dream / Llama-style attention (d1's choice),
 # BERT-style attention
 LORA_TARGETS = (("q_proj", "k_proj", "v_proj"), ("query", "key", "value"), ("Wqkv",))
@@ -250,19 +250,8 @@ def shard_blocks(model: nn.Module, *, param_dtype: str = "float32", cpu_offload:
 
     if not is_initialized() or dist.get_world_size() == 1 or root_blocks(model):
         return 0
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-
-    device_type = "cuda" if "nccl" in str(dist.get_backend()) else "cpu"
-    kw = {}
-    if DTYPES[param_dtype] != torch.float32:
-        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=torch.float32)
-    if cpu_offload:
-        kw["offload_policy"] = CPUOffloadPolicy(pin_memory=device_type == "cuda")
-    mesh = init_device_mesh(device_type, (dist.get_world_size(),))
     blocks = transformer_blocks(model)
-    for block in blocks:
-        fully_shard(block, mesh=mesh, **kw)
+    fully_shard_each(blocks, param_dtype=param_dtype, cpu_offload=cpu_offload)
     return len(blocks)
 
 

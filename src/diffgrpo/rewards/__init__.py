@@ -25,9 +25,9 @@ from typing import Callable, Mapping
 import torch
 
 from ..errors import ConfigError, RewardError, suggest
+from ..types import DTYPES
 from . import clip_models, geneval, ocr, verifiers
 from .image import digit_alignment, jpeg_compressibility, jpeg_incompressibility
-from .loading import DTYPES
 
 RewardFn = Callable[..., object]
 

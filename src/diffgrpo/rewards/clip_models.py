@@ -23,7 +23,8 @@ import os
 import torch
 import torch.nn as nn
 
-from .loading import DTYPES, batches, cached, default_device, features, per_frame, to_uint8_hwc
+from ..types import DTYPES
+from .loading import batches, cached, default_device, features, per_frame, to_uint8_hwc
 
 PICKSCORE_MODEL = "yuvalkirstain/PickScore_v1"
 PICKSCORE_PROCESSOR = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"

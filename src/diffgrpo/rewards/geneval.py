@@ -36,8 +36,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .clip_models import image_embeds, text_embeds, load_clip
-from .loading import DTYPES, batches, cached, default_device, per_frame, to_uint8_hwc
+from ..types import DTYPES
+from .clip_models import image_embeds, load_clip, text_embeds
+from .loading import batches, cached, default_device, per_frame, to_uint8_hwc
 
 COLORS = ("red", "orange", "yellow", "green", "blue", "purple", "pink", "brown", "black", "white")
 RELATIONS = ("left of", "right of", "above", "below")

@@ -17,8 +17,6 @@ _CACHE: dict[tuple, object] = {}
 _LOCK = threading.RLock()
 LOADS: Counter = Counter()  # key → number of real loads (a second load of one key is a bug)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 def cached(key: tuple, load: Callable[[], object]) -> object:
     """``load()`` once per process for ``key`` (lazy, under a lock); later calls return the same object."""
