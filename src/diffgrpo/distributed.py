@@ -362,6 +362,23 @@ def sharded_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> 
     return tensors, [dict(g) for g in osd["param_groups"]]
 
 
+@contextlib.contextmanager
+def _one_process_quiet():
+    """DCP in one process warns that it assumes one process: silenced (that is the intent)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to")
+        yield
+
+
+def _dcp_load(tensors: dict, directory) -> None:
+    """``dcp.load`` in place into ``tensors`` (this process's layout) from a :func:`save_sharded` directory."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    with _one_process_quiet():
+        dcp.load(tensors, storage_reader=HuggingFaceStorageReader(str(directory)), no_dist=not is_initialized())
+
+
 def save_sharded(tensors: dict, directory) -> None:
     """``dcp.save`` of a nested dict of tensors (DTensor shards included) into ``directory`` as safetensors files,
     one per rank, each holding the rank's shards and their offsets (a JSON header: nothing is pickled); replicated
@@ -369,8 +386,7 @@ def save_sharded(tensors: dict, directory) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
-    with warnings.catch_warnings():  # one process: DCP warns that it assumes one process
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to")
+    with _one_process_quiet():
         dcp.save(tensors, storage_writer=HuggingFaceStorageWriter(str(directory), save_distributed=True),
                  no_dist=not is_initialized())
 
@@ -381,16 +397,12 @@ def load_sharded(module: torch.nn.Module, optimizer: torch.optim.Optimizer, dire
     loaded in place, e.g. the EMA) into ``module`` and ``optimizer`` as this process lays them out: FSDP2 shards of
     any world size or plain tensors in one process (DCP reads the parts of the saved shards each local tensor
     covers), then ``set_state_dict``. A collective under a process group."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import HuggingFaceStorageReader
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
     tensors, _ = sharded_state(module, optimizer)  # the layout to fill (initialises the optimizer's state)
     if extra:
         tensors.update(extra)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to")
-        dcp.load(tensors, storage_reader=HuggingFaceStorageReader(str(directory)), no_dist=not is_initialized())
+    _dcp_load(tensors, directory)
     groups = [dict(g) for g in param_groups]
     for g in groups:  # JSON turned tuples (betas) into lists
         g.update({k: tuple(v) for k, v in g.items() if isinstance(v, list) and k != "params"})
@@ -404,15 +416,11 @@ def load_sharded(module: torch.nn.Module, optimizer: torch.optim.Optimizer, dire
 def load_sharded_model(module: torch.nn.Module, directory) -> None:
     """The weights alone of a :func:`save_sharded` checkpoint into ``module`` (e.g. for an export: no optimizer is
     built): ``dcp.load`` of the ``model`` entries into this process's layout, then ``set_model_state_dict``."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import HuggingFaceStorageReader
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
     opts = StateDictOptions(ignore_frozen_params=True)
     tensors = {"model": _untied(get_model_state_dict(module, options=opts))}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to")
-        dcp.load(tensors, storage_reader=HuggingFaceStorageReader(str(directory)), no_dist=not is_initialized())
+    _dcp_load(tensors, directory)
     set_model_state_dict(module, tensors["model"], options=StateDictOptions(ignore_frozen_params=True, strict=False))
 
 
