@@ -11,9 +11,14 @@ from diffgrpo import ConfigError, RunConfig, Trainer
 from diffgrpo.dllm import likelihood
 from diffgrpo.dllm.grpo import k3_kl
 from diffgrpo.dllm.likelihood import completion_mask
-from diffgrpo.dllm.tasks import VOCAB
-from diffgrpo.models.hf_masked_lm import MaskedLMPolicy, masked_diffusion_loss, shift_logits, tiny_bert
+from diffgrpo.models.hf_masked_lm import (
+    MaskedLMPolicy,
+    masked_diffusion_loss,
+    shift_logits,
+    tiny_bert,
+)
 from diffgrpo.samplers import masked
+from diffgrpo.tasks import VOCAB
 
 
 class EnumerableMLM(torch.nn.Module):
@@ -231,7 +236,7 @@ TINY_DLLM = ["model.name=tiny_mlm", "train.prompts_per_batch=2", "train.group_si
 def make_dllm_trainer(*overrides, seed=0):
     cfg = RunConfig.from_overrides([*TINY_DLLM, f"seed={seed}", *overrides])
     torch.manual_seed(seed)
-    from diffgrpo.dllm.tasks import get_task
+    from diffgrpo.tasks import get_task
 
     task = get_task(cfg.dllm.task)
     net = tiny_bert(len(VOCAB), max_positions=task.prompt_length + task.gen_length, hidden_size=32,

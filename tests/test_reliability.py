@@ -13,7 +13,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from diffgrpo.checkpoint import latest_complete, list_checkpoints, load_checkpoint, save_checkpoint
+from diffgrpo.checkpoint import (
+    latest_complete,
+    list_checkpoints,
+    load_checkpoint,
+    save_checkpoint,
+)
 from diffgrpo.cli import main
 from diffgrpo.rewards import REWARDS, RewardError
 from diffgrpo.trainer import TrainingError
@@ -86,7 +91,7 @@ def test_truncated_checkpoint_is_detected_and_previous_used(tmp_path):
     logs = []
     ck = latest_complete(tmp_path, log=logs.append)
     assert ck.name == "iter_000002" and "incomplete" in logs[0]
-    assert torch.equal(load_checkpoint(ck)["trainable"]["w"], w["w"] * 2)
+    assert torch.equal(load_checkpoint(ck).trainable["w"], w["w"] * 2)
     (tmp_path / "checkpoints" / "iter_000002" / "state.json").write_text("{")  # half-written manifest
     assert latest_complete(tmp_path, log=logs.append).name == "iter_000001"
     # pruning keeps the newest N
