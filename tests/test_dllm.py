@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import signal
 
 import pytest
 import torch
@@ -330,7 +331,7 @@ def test_interrupted_run_resumes_bit_for_bit(tmp_path):
     def step_then_stop():
         row = step()
         if tr.iteration == 2:
-            tr._stop_signal = 15  # what SIGTERM's handler records: finish this iteration, checkpoint, stop
+            signal.raise_signal(signal.SIGTERM)  # the job's handler: finish this iteration, checkpoint, stop
         return row
     tr.step = step_then_stop
     tr.train()
