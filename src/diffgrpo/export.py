@@ -27,7 +27,7 @@ from pathlib import Path
 
 from . import distributed
 from .cache import save_dir_atomic
-from .checkpoint import is_complete, latest_complete, load_checkpoint
+from .checkpoint import RunState, is_complete, latest_complete, load_checkpoint
 from .config import RunConfig, from_dict
 from .errors import ConfigError
 from .models import POLICIES
@@ -104,11 +104,11 @@ def _network(policy):
     return policy.transformer if hasattr(policy, "transformer") else policy.model
 
 
-def _load_weights(policy, ck: dict) -> None:
-    if ck.get("sharded") is not None:
-        distributed.load_sharded_model(_network(policy), ck["sharded"])
+def _load_weights(policy, ck: RunState) -> None:
+    if ck.sharded is not None:
+        distributed.load_sharded_model(_network(policy), ck.sharded)
     else:
-        policy.load_state_dict(ck["trainable"])  # the files format: full tensors under the policy's names
+        policy.load_state_dict(ck.trainable)  # the files format: full tensors under the policy's names
 
 
 def _config(ckpt: Path, overrides: list[str]):
@@ -158,7 +158,7 @@ def export(src: str | Path, out: str | Path, *, merge: bool = False, overrides: 
         rows = []
         if (run / "metrics.jsonl").is_file():
             rows = read_metrics(run / "metrics.jsonl", log=lambda *a: None)
-        (tmp / "README.md").write_text(model_card(raw, ck["iteration"], last_held_out(rows, ck["iteration"]), kind),
+        (tmp / "README.md").write_text(model_card(raw, ck.iteration, last_held_out(rows, ck.iteration), kind),
                                        encoding="utf-8")
 
     return save_dir_atomic(out, write)
