@@ -26,6 +26,8 @@ import yaml
 
 from .data_sources import check_prompts, read_utf8
 from .distributed import launched_world_size
+from .dllm.decoding import DECODE_THRESHOLD
+from .dllm.decoding import check_config as check_decoding
 from .dllm.tasks import FILE_TASKS, TASKS, VOCAB, examples_from_file, get_task
 from .engines import ENGINES, FORWARD_ENGINES
 from .errors import ConfigError, suggest
@@ -255,6 +257,16 @@ class DLLMConfig:
     diffusion_steps: int = _f(0, lo=0, doc="sampling steps, a multiple of the number of blocks and <= gen_length; "
                                            "0 = gen_length (one token per step)")
     remasking: str = _f("low_confidence", choices=("low_confidence", "random"))
+    decode: str = _f("schedule", choices=("schedule", "threshold"),
+                     doc="rollout decoder (diffgrpo.dllm.decoding): schedule = diffusion_steps steps of LLaDA's "
+                         "per-step counts; threshold = every masked block token with confidence >= "
+                         "decode_threshold, at least one per step (Fast-dLLM's parallel decoding)")
+    decode_threshold: float = _f(DECODE_THRESHOLD, gt=0.0, hi=1.0, doc="decode=threshold: commit confidence")
+    kv_cache: str = _f("none", choices=("none", "prefix", "dual"),
+                       doc="key/value cache across denoising steps (diffgrpo.models.kv_cache): prefix = prompt + "
+                           "finished blocks, dual = also the masked suffix; approximate, see docs/rollout.md")
+    cache_refresh: int = _f(0, lo=0, doc="kv_cache: rebuild the cache every k-th step of a block; 0 = at each "
+                                         "block start only (Fast-dLLM); 1 = every step (exact, no saving)")
     temperature: float = _f(1.0, lo=0.0, doc="rollout sampling temperature")
     data_file: str = _f("", path=True, doc="JSONL file of {prompt, answer} records replacing the task's generated "
                                            "train split (each answer must pass the task's verifier; the test split "
@@ -660,6 +672,7 @@ def validate(cfg: RunConfig) -> None:
         _validate_flow(cfg)
         check_rewards(cfg.reward.weights, cfg.reward.options, model_name=cfg.model.name)
     else:
+        check_decoding(cfg.dllm)
         _validate_dllm(cfg)
         _validate_dllm_methods(cfg)
     _validate_memory(cfg)
