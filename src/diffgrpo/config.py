@@ -31,6 +31,8 @@ from .dllm.decoding import check_config as check_decoding
 from .dllm.tasks import FILE_TASKS, TASKS, VOCAB, examples_from_file, get_task
 from .engines import ENGINES, FORWARD_ENGINES
 from .errors import ConfigError, suggest
+from .models.regional_compile import COMPILE_BACKENDS
+from .models.regional_compile import check_config as check_compile
 from .rewards import REWARDS, check_rewards, resolve_reward
 from .samplers.masked import schedule
 
@@ -85,6 +87,9 @@ class ModelConfig:
     lora_target_modules: str = _f("", doc="tiny, diffusers: comma-separated LoRA targets; empty = the attention "
                                           "projections (the family's defaults; tiny: SD3's)")
     gradient_checkpointing: bool = _f(False, doc="tiny, diffusers: activation checkpointing in the transformer")
+    compile: bool = _f(False, doc="tiny, diffusers: regional torch.compile, each transformer block compiled once with "
+                                  "static shapes (diffgrpo.models.regional_compile), for sampling and training")
+    compile_backend: str = _f("inductor", choices=COMPILE_BACKENDS, doc="model.compile: the torch.compile backend")
     offload_text_encoders: bool = _f(True, doc="diffusers: keep the text encoders on the CPU and move them to the "
                                                "device only to encode prompts not yet cached (each prompt is "
                                                "encoded once)")
@@ -912,7 +917,7 @@ FAMILY_KEYS = {
                        "sampler", "reward", "loss.clip_range", "loss.kl_flowgrpo_compat", "steps", "engine",
                        "loss.trust_region", "loss.kl_mask_bound", "loss.ratio_norm",
                        "train.digits", "train.prompts_file", "train.prompt_column", "eval",
-                       "model.offload_text_encoders"),
+                       "model.offload_text_encoders", "model.compile", "model.compile_backend"),
     "dllm": _SHARED + ("pretrain.answer_noise", "dllm", "daca"),
 }
 # engine keys that only some engines read
@@ -996,6 +1001,7 @@ def _validate_reward_name(name: str) -> None:
 
 def _validate_flow(cfg: RunConfig) -> None:
     _validate_engine_name(cfg.engine.name)
+    check_compile(cfg.model, cfg.dist.mode)
     if not cfg.reward.weights:
         raise ConfigError("reward.weights: at least one reward is required, e.g. reward.weights={digit_alignment: 1.0}")
     for name in cfg.reward.weights:  # each weight is a finite number (checked with the field)
