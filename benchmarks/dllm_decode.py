@@ -203,8 +203,8 @@ def main():
     cmd = "OMP_NUM_THREADS=1 python " + " ".join(shlex.quote(a) for a in sys.argv)
     load = (load0, os.getloadavg()[0])
     head = (f"Command: `{cmd}`\n\nOne thread; load average {load[0]:.1f} at the start, {load[1]:.1f} at the end (a "
-            f"shared 2-core machine: wall-clock ratios are noisier than forward counts). Held-out: the first "
-            f"{args.eval_size or 'all'} test prompts; rollout batch {args.prompts} × {args.group} at T = 1; block "
+            f"shared 2-core machine: wall-clock ratios are noisier than forward counts). Held-out: "
+            f"{f'the first {args.eval_size}' if args.eval_size else 'all'} test prompts; rollout batch {args.prompts} × {args.group} at T = 1; block "
             f"length {args.block_length or 'gen_length'}; × = baseline time / this time; agree = greedy completions "
             f"identical to the baseline's.")
     lines = tables(rows, runs, head)
