@@ -32,7 +32,6 @@ import contextlib
 
 import torch
 from torch import nn
-from transformers import DynamicCache
 
 from ..errors import ConfigError
 
@@ -47,9 +46,16 @@ def cache_layers(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return list(zip(cache.key_cache, cache.value_cache))
 
 
-def filled_cache(kv: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
+def new_cache():
+    """An empty transformers ``DynamicCache`` (transformers is imported on first use, as hf_masked_lm does)."""
+    from transformers import DynamicCache
+
+    return DynamicCache()
+
+
+def filled_cache(kv: list[tuple[torch.Tensor, torch.Tensor]]):
     """A fresh ``DynamicCache`` holding ``kv`` (per layer (B, H, n, d)); the forward appends the window to it."""
-    cache = DynamicCache()
+    cache = new_cache()
     for i, (k, v) in enumerate(kv):
         cache.update(k, v, i)
     return cache
@@ -116,7 +122,7 @@ class KVCache:
         q1 = self.P + end if self.mode == "dual" else N
         self.window, self.rows = (q0, q1), rows
         ids = x[rows]
-        cache = DynamicCache()
+        cache = new_cache()
         out = self._forward(ids, self._keep(ids), **{self.kwarg: cache})  # (n, N, V)
         idx = self._cached_positions().to(x.device)
         self.kv = [(k.index_select(2, idx), v.index_select(2, idx)) for k, v in cache_layers(cache)]
