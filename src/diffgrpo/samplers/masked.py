@@ -1,4 +1,5 @@
-"""Masked-diffusion sampler (LLaDA): semi-autoregressive block decoding with low-confidence or random remasking.
+"""Masked-diffusion sampler (LLaDA): semi-autoregressive block decoding with low-confidence or random remasking, or
+confidence-threshold parallel decoding, optionally with a key/value cache.
 
 The completion (``gen_length`` tokens after the prompt) starts fully masked and is decoded block by block
 (``block_length`` tokens, left to right). Each block gets ``steps // num_blocks`` steps; the number of tokens
@@ -16,6 +17,18 @@ distribution. Committed tokens are never re-masked. Because the logits of every 
 sampler records per completion token, at zero extra forwards: the step it was committed at, its
 confidence (probability of the committed token), the entropy and the top-1 − top-2 probability margin of the
 predictive distribution at commit, and its within-block commit rank; plus the decode order.
+
+Decoders (``decode``): "schedule" is the above; "threshold" (Fast-dLLM's confidence-aware parallel decoding)
+commits at each step every masked token of the current block whose confidence p(proposed token) is at least
+``threshold``, and at least the most confident one, so a block takes 1 to block_length steps (``steps`` unused).
+Rows move to the next block together; a row whose block is done waits and is not forwarded. Every committed token
+is scored, as with the schedule, under the logits of the step that committed it, so the records keep their meaning
+(``commit_step`` is the global step; ``num_steps`` the steps run). ``cache`` (a :class:`DecodeCache`, e.g.
+:class:`diffgrpo.models.kv_cache.KVCache`) replaces the full forward on every step of a block but its first (and
+every ``cache_refresh``-th) by a forward of the cache's query window: an approximation described in that module.
+The random draws are made for all (B, L) positions every step whatever is computed, so the default decoder's
+stream is unchanged and every setting consumes the generator alike. Cost counters: ``forwards`` (rows × model
+calls) and ``query_tokens`` (rows × positions computed).
 
 Pure torch: the model is any callable ``logits_fn(input_ids (B, L)) -> (B, L, V)`` whose position j scores
 token j (adapters shift Dream-style logits before returning them).
