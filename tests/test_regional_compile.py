@@ -13,7 +13,7 @@ import torch
 import torch._dynamo
 
 from diffgrpo import RunConfig
-from diffgrpo.config import validate
+from diffgrpo.validation import validate
 from diffgrpo.engines import ENGINES
 from diffgrpo.errors import ConfigError
 from diffgrpo.models.regional_compile import (

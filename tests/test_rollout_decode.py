@@ -14,7 +14,7 @@ import torch
 from diffgrpo import RunConfig, Trainer
 from diffgrpo.dllm import likelihood
 from diffgrpo.dllm.grpo import METHODS
-from diffgrpo.dllm.tasks import VOCAB, get_task
+from diffgrpo.tasks import VOCAB, get_task
 from diffgrpo.errors import ConfigError
 from diffgrpo.models.hf_masked_lm import MaskedLMPolicy, load_hf_masked_lm, tiny_bert
 from diffgrpo.models.kv_cache import KVCache
@@ -218,7 +218,7 @@ def test_models_without_a_cache_are_refused_in_one_line(tmp_path):
     (["dllm.kv_cache=full"], "dllm.kv_cache"),
 ])
 def test_decoding_keys_are_validated_before_any_model_loads(overrides, key):
-    from diffgrpo.config import validate
+    from diffgrpo.validation import validate
 
     with pytest.raises(ConfigError, match=rf"^{key}") as e:
         validate(RunConfig.from_overrides(["model.name=tiny_mlm", *overrides]))

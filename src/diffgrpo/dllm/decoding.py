@@ -15,9 +15,10 @@ decode_order``), so every method trains on rollouts of either decoder unchanged.
 """
 from __future__ import annotations
 
+from ..config import DLLMConfig
 from ..errors import ConfigError
 
-DECODE_THRESHOLD = 0.9  # dllm.decode_threshold's default (Fast-dLLM's)
+DECODE_THRESHOLD = DLLMConfig().decode_threshold  # 0.9, Fast-dLLM's
 
 
 def check_config(d) -> None:
