@@ -13,7 +13,6 @@ import torch
 import torch._dynamo
 
 from diffgrpo import RunConfig
-from diffgrpo.validation import validate
 from diffgrpo.engines import ENGINES
 from diffgrpo.errors import ConfigError
 from diffgrpo.models.regional_compile import (
@@ -23,6 +22,7 @@ from diffgrpo.models.regional_compile import (
     repeated_blocks,
 )
 from diffgrpo.models.tiny import TinyFlowNet
+from diffgrpo.validation import validate
 
 ENGINE_ARGS = {"jagg": ["engine.window=3"], "retain": [], "single_step": [], "reweight": [], "recompute": [],
                "nft": [], "awm": []}

@@ -14,11 +14,11 @@ import torch
 from diffgrpo import RunConfig, Trainer
 from diffgrpo.dllm import likelihood
 from diffgrpo.dllm.grpo import METHODS
-from diffgrpo.tasks import VOCAB, get_task
 from diffgrpo.errors import ConfigError
 from diffgrpo.models.hf_masked_lm import MaskedLMPolicy, load_hf_masked_lm, tiny_bert
 from diffgrpo.models.kv_cache import KVCache
 from diffgrpo.samplers import masked
+from diffgrpo.tasks import VOCAB, get_task
 
 from .dllm_remote_models import SPECIALS, build_remote_model
 
