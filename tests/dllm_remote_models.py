@@ -193,8 +193,42 @@ class TinyDreamModel(TinyPreTrained):
         return CausalLMOutput(logits=self.lm_head(m.norm(x)))  # Dream: position j scores token j+1
 '''
 
+# Dream style that takes a key/value cache as transformers models do: ``past_key_values`` (a ``Cache``: each
+# attention calls ``cache.update(k, v, layer)`` and attends to what it returns) and ``position_ids``
+_DREAM_CACHE = _DREAM.replace("tinydream", "tinydreamcache").replace("TinyDreamConfig", "TinyDreamCacheConfig") + '''
+
+
+def attend_keys(q, k, v, n_heads, keep):
+    """q (B, H, n, d) against k, v (B, H, K, d); keep (B, K) bool."""
+    mask = None if keep is None else keep[:, None, None, :]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return out.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)
+
+
+class TinyDreamCacheModel(TinyDreamModel):
+    config_class = TinyDreamCacheConfig
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, past_key_values=None, **kw):
+        m = self.model
+        B, n = input_ids.shape
+        pos = torch.arange(n, device=input_ids.device)[None] if position_ids is None else position_ids
+        x = m.embed_tokens(input_ids) + m.embed_positions(pos)
+        keep = None if attention_mask is None else attention_mask.bool()
+        for i, layer in enumerate(m.layers):
+            a = layer.self_attn
+            h = layer.input_layernorm(x)
+            heads = lambda t: t.view(B, n, a.n_heads, -1).transpose(1, 2)  # noqa: E731
+            q, k, v = heads(a.q_proj(h)), heads(a.k_proj(h)), heads(a.v_proj(h))
+            if past_key_values is not None:
+                k, v = past_key_values.update(k, v, i)
+            x = x + a.o_proj(attend_keys(q, k, v, a.n_heads, keep))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return CausalLMOutput(logits=self.lm_head(m.norm(x)))  # Dream: position j scores token j+1
+'''
+
 KINDS = {"llada": ("tinyllada", "TinyLLaDAConfig", "TinyLLaDAModelLM", _LLADA),
-         "dream": ("tinydream", "TinyDreamConfig", "TinyDreamModel", _DREAM)}
+         "dream": ("tinydream", "TinyDreamConfig", "TinyDreamModel", _DREAM),
+         "dream_cache": ("tinydreamcache", "TinyDreamCacheConfig", "TinyDreamCacheModel", _DREAM_CACHE)}
 
 
 def char_tokenizer(mask_token: bool):
@@ -224,9 +258,9 @@ def build_remote_model(directory: Path, kind: str = "llada", seed: int = 0, n_la
     stem, cfg_cls, model_cls, modeling = KINDS[kind]
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    (d / f"configuration_{stem}.py").write_text(_CONFIG.format(cls=cfg_cls, mtype=kind))
+    (d / f"configuration_{stem}.py").write_text(_CONFIG.format(cls=cfg_cls, mtype=kind.replace("_", "")))
     (d / f"modeling_{stem}.py").write_text(modeling)
-    tok = char_tokenizer(mask_token=kind == "dream")
+    tok = char_tokenizer(mask_token=kind.startswith("dream"))
     # build the weights with the directory's own code (imported as a package from a private name)
     pkg = f"_diffgrpo_test_{stem}_{abs(hash(str(d)))}"
     (d / "__init__.py").write_text("")

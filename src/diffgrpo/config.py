@@ -82,6 +82,10 @@ class ModelConfig:
     lora_target_modules: str = _f("", doc="tiny, diffusers: comma-separated LoRA targets; empty = the attention "
                                           "projections (the family's defaults; tiny: SD3's)")
     gradient_checkpointing: bool = _f(False, doc="tiny, diffusers: activation checkpointing in the transformer")
+    compile: bool = _f(False, doc="tiny, diffusers: regional torch.compile, each transformer block compiled once with "
+                                  "static shapes (diffgrpo.models.regional_compile), for sampling and training")
+    compile_backend: str = _f("inductor", choices=("inductor", "aot_eager", "eager"),
+                              doc="model.compile: the torch.compile backend")
     offload_text_encoders: bool = _f(True, doc="diffusers: keep the text encoders on the CPU and move them to the "
                                                "device only to encode prompts not yet cached (each prompt is "
                                                "encoded once)")
@@ -260,6 +264,16 @@ class DLLMConfig:
     diffusion_steps: int = _f(0, lo=0, doc="sampling steps, a multiple of the number of blocks and <= gen_length; "
                                            "0 = gen_length (one token per step)")
     remasking: str = _f("low_confidence", choices=("low_confidence", "random"))
+    decode: str = _f("schedule", choices=("schedule", "threshold"),
+                     doc="rollout decoder (diffgrpo.dllm.decoding): schedule = diffusion_steps steps of LLaDA's "
+                         "per-step counts; threshold = every masked block token with confidence >= "
+                         "decode_threshold, at least one per step (Fast-dLLM's parallel decoding)")
+    decode_threshold: float = _f(0.9, gt=0.0, hi=1.0, doc="decode=threshold: commit confidence")
+    kv_cache: str = _f("none", choices=("none", "prefix", "dual"),
+                       doc="key/value cache across denoising steps (diffgrpo.models.kv_cache): prefix = prompt + "
+                           "finished blocks, dual = also the masked suffix; approximate, see docs/rollout.md")
+    cache_refresh: int = _f(0, lo=0, doc="kv_cache: rebuild the cache every k-th step of a block; 0 = at each "
+                                         "block start only (Fast-dLLM); 1 = every step (exact, no saving)")
     temperature: float = _f(1.0, lo=0.0, doc="rollout sampling temperature")
     data_file: str = _f("", path=True, doc="JSONL file of {prompt, answer} records replacing the task's generated "
                                            "train split (each answer must pass the task's verifier; the test split "

@@ -31,11 +31,12 @@ from ..errors import ConfigError
 from ..family import Sync
 from ..loss_weights import apply, grpo_loss_weights
 from ..models.hf_masked_lm import shard_blocks
+from ..models.kv_cache import KVCache
 from ..rewards.verifiers import d1_format_components
 from ..samplers import masked
 from ..tasks import Example, examples_from_file, get_task
 from ..types import EngineStats, Rollout, TokenTrajectory
-from . import credit, rules
+from . import credit, decoding, rules
 from .grpo import METHODS, TokenGRPO
 from .likelihood import completion_mask
 
@@ -68,6 +69,8 @@ class DLLMFamily:
         self.block_length = self.d.block_length or self.gen_length
         self.steps = self.d.diffusion_steps or self.gen_length
         masked.schedule(self.gen_length, self.block_length, self.steps)  # validates the sizes
+        self.kv_cache = None if self.d.kv_cache == "none" else KVCache(  # checks that the model takes a cache
+            policy, self.d.kv_cache, prompt_length=self.prompt_length, gen_length=self.gen_length)
         method = METHODS[self.d.method]
         a = cfg.advantage
         self.baseline = method["baseline"] if self.d.method_defaults else a.baseline
@@ -120,7 +123,7 @@ class DLLMFamily:
         ids = self.vocab.encode_prompts([e.prompt for e in examples], self.prompt_length).to(self.device)
         return masked.sample(self.policy, ids, mask_id=self.vocab.mask_id, gen_length=self.gen_length,
                              block_length=self.block_length, steps=self.steps, temperature=temperature,
-                             remasking=self.d.remasking, generator=generator)
+                             generator=generator, cache=self.kv_cache, **decoding.sampler_options(self.d))
 
     def examples(self, prompts=None) -> tuple[list[Example], torch.Tensor]:
         """A fresh training batch (→ examples (B,), group ids (B,)), or the instances of given prompts."""
@@ -181,7 +184,7 @@ class DLLMFamily:
             d = self.daca
             traj.token_weights = credit.dps_weights(records, planned, score=d.dps_score, mix=d.dps_mix,
                                                     clip_min=d.dps_clip_min, clip_max=d.dps_clip_max,
-                                                    steps=self.steps, block_length=self.block_length)
+                                                    steps=smp.num_steps, block_length=self.block_length)
             traj.token_weight_stats = credit.weight_stats(traj.token_weights, planned)
         ro = Rollout(prompts=[e.prompt for e in examples], group_ids=group_ids.to(self.device), traj=traj,
                      selected=planned, rewards=rewards, reward_components={"task": rewards.clone(), **scored},

@@ -9,10 +9,12 @@ from ..config import RunConfig
 from ..errors import ConfigError
 from ..samplers.masked import schedule
 from ..tasks import FILE_TASKS, TASKS, VOCAB, examples_from_file, get_task
+from .decoding import check_config as check_decoding
 
 
 def check(cfg: RunConfig) -> None:
     """Every cross-field rule of a masked diffusion LM run."""
+    check_decoding(cfg.dllm)
     _validate_dllm(cfg)
     _validate_dllm_methods(cfg)
 

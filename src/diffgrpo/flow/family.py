@@ -36,6 +36,7 @@ from ..errors import ConfigError
 from ..family import Sync
 from ..loss_weights import apply, grpo_loss_weights
 from ..media import SampleTable, grid_frames, to_uint8
+from ..models.regional_compile import compile_policy
 from ..rewards import compute_rewards, make_rewards
 from ..samplers import flow_sde
 from ..samplers import options as rollout_options
@@ -55,6 +56,8 @@ class FlowFamily:
         self.device = policy.device
         self.spread = world.world_size > 1 and cfg.dist.group_layout == "spread"
         self.engine = build_engine(cfg.engine)
+        if cfg.model.compile:  # regional: each transformer block once, in place (sampling and every engine)
+            compile_policy(policy, cfg.model.compile_backend)
         s = cfg.sampler
         self.kernel = dict(sde_type=s.sde_type, noise_level=s.noise_level, reduce=s.logprob_reduce,
                            cps_flowgrpo_compat=s.cps_flowgrpo_compat)

@@ -10,11 +10,13 @@ from pathlib import Path
 from ..config import EngineConfig, LossConfig, RunConfig, one_line
 from ..engines import ENGINES, FORWARD_ENGINES
 from ..errors import ConfigError, suggest
+from ..models.regional_compile import check_config as check_compile
 from ..rewards import REWARDS, check_rewards, resolve_reward
 
 
 def check(cfg: RunConfig) -> None:
     """Every cross-field rule of a flow-matching run (``FlowFamily.check_config``)."""
+    check_compile(cfg.model, cfg.dist.mode)
     _validate_flow(cfg)
     check_rewards(cfg.reward.weights, cfg.reward.options, model_name=cfg.model.name)
 

@@ -1,4 +1,5 @@
-"""Masked-diffusion sampler (LLaDA): semi-autoregressive block decoding with low-confidence or random remasking.
+"""Masked-diffusion sampler (LLaDA): semi-autoregressive block decoding with low-confidence or random remasking, or
+confidence-threshold parallel decoding, optionally with a key/value cache.
 
 The completion (``gen_length`` tokens after the prompt) starts fully masked and is decoded block by block
 (``block_length`` tokens, left to right). Each block gets ``steps // num_blocks`` steps; the number of tokens
@@ -17,12 +18,25 @@ sampler records per completion token, at zero extra forwards: the step it was co
 confidence (probability of the committed token), the entropy and the top-1 − top-2 probability margin of the
 predictive distribution at commit, and its within-block commit rank; plus the decode order.
 
+Decoders (``decode``): "schedule" is the above; "threshold" (Fast-dLLM's confidence-aware parallel decoding)
+commits at each step every masked token of the current block whose confidence p(proposed token) is at least
+``threshold``, and at least the most confident one, so a block takes 1 to block_length steps (``steps`` unused).
+Rows move to the next block together; a row whose block is done waits and is not forwarded. Every committed token
+is scored, as with the schedule, under the logits of the step that committed it, so the records keep their meaning
+(``commit_step`` is the global step; ``num_steps`` the steps run). ``cache`` (a :class:`DecodeCache`, e.g.
+:class:`diffgrpo.models.kv_cache.KVCache`) replaces the full forward on every step of a block but its first (and
+every ``cache_refresh``-th) by a forward of the cache's query window: an approximation described in that module.
+The random draws are made for all (B, L) positions every step whatever is computed, so the default decoder's
+stream is unchanged and every setting consumes the generator alike. Cost counters: ``forwards`` (rows × model
+calls) and ``query_tokens`` (rows × positions computed).
+
 Pure torch: the model is any callable ``logits_fn(input_ids (B, L)) -> (B, L, V)`` whose position j scores
 token j (adapters shift Dream-style logits before returning them).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -41,7 +55,9 @@ class MaskedSample:
     block_rank: torch.Tensor  # (B, L) long: commit rank within its block (0 = first committed)
     order: torch.Tensor  # (B, L) long: completion positions in the order they were committed
     step_log_prob: torch.Tensor  # (B, L) float32: log-prob of the committed token under the sampling distribution
-    num_steps: int = 0
+    num_steps: int = 0  # global steps run (decode=threshold: as many as the slowest row of each block needed)
+    forwards: int = 0  # sequence-forwards spent (rows × model calls, cached calls included)
+    query_tokens: int = 0  # positions computed (rows × query length): a full forward counts P + L
 
     @property
     def completions(self) -> torch.Tensor:
@@ -84,68 +100,173 @@ def predictive_stats(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, 
     return p, ent, top2[..., 0] - top2[..., 1]
 
 
-def gumbel_argmax(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> torch.Tensor:
-    """argmax at T = 0, else a sample of softmax(logits / T) (Gumbel-max, float64). logits (..., V) → (...)."""
+def gumbel_argmax(logits: torch.Tensor, temperature: float, generator: torch.Generator | None,
+                  noise: torch.Tensor | None = None) -> torch.Tensor:
+    """argmax at T = 0, else a sample of softmax(logits / T) (Gumbel-max, float64). logits (..., V) → (...).
+    ``noise``: the uniform draws (..., V) float64 to use instead of drawing them from ``generator``."""
     if temperature <= 0:
         return logits.argmax(-1)
-    u = torch.rand(logits.shape, generator=generator, device=logits.device, dtype=torch.float64)
+    u = torch.rand(logits.shape, generator=generator, device=logits.device, dtype=torch.float64) if noise is None \
+        else noise
     g = -torch.log(-torch.log(u.clamp_min(1e-300)))
     return (logits.double() / temperature + g).argmax(-1)
 
 
+DECODERS = ("schedule", "threshold")
+
+
+class DecodeCache(Protocol):
+    """What :func:`sample` needs from a key/value cache (:class:`diffgrpo.models.kv_cache.KVCache`).
+
+    ``begin`` runs the full forward on ``x[rows]`` (n, N), keeps the keys/values of the positions the cache
+    reuses while the completion block [start, end) decodes, and returns the completion logits (n, L, V);
+    ``step`` runs the query window only, against the kept keys/values, for ``rows`` (a subset of the rows
+    ``begin`` saw) and returns (logits (n, W, V) of completion positions [w0, w0 + W), w0)."""
+
+    def begin(self, x: torch.Tensor, rows: torch.Tensor, start: int, end: int) -> torch.Tensor: ...
+
+    def step(self, x: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, int]: ...
+
+    def query_length(self) -> int: ...
+
+
 @torch.no_grad()
 def sample(logits_fn, prompt_ids: torch.Tensor, *, mask_id: int, gen_length: int, block_length: int, steps: int,
-           temperature: float = 0.0, remasking: str = "low_confidence",
-           generator: torch.Generator | None = None) -> MaskedSample:
-    """Decode ``gen_length`` tokens after ``prompt_ids`` (B, P). See the module docstring."""
+           temperature: float = 0.0, remasking: str = "low_confidence", generator: torch.Generator | None = None,
+           decode: str = "schedule", threshold: float = 0.9, cache: DecodeCache | None = None,
+           cache_refresh: int = 0) -> MaskedSample:
+    """Decode ``gen_length`` tokens after ``prompt_ids`` (B, P). See the module docstring.
+
+    ``decode``: "schedule" (``steps`` steps, LLaDA's per-step counts, ``remasking`` picks) or "threshold"
+    (every masked block token with confidence >= ``threshold``, at least the most confident one, per step;
+    ``steps`` unused). ``cache``: a :class:`DecodeCache` used on every step of a block but its first (and every
+    ``cache_refresh``-th when > 0, where the cache is rebuilt by a full forward)."""
     if remasking not in REMASKING:
         raise ValueError(f"remasking must be one of {REMASKING}, got {remasking!r}")
-    sched = schedule(gen_length, block_length, steps)
+    if decode not in DECODERS:
+        raise ValueError(f"decode must be one of {DECODERS}, got {decode!r}")
+    if decode == "threshold" and not 0 < threshold <= 1:
+        raise ValueError(f"threshold must be in (0, 1], got {threshold}")
     B, P = prompt_ids.shape
     L, dev = gen_length, prompt_ids.device
+    if decode == "schedule":
+        sched = schedule(gen_length, block_length, steps)
+        per_block = len(sched) // (L // block_length)
+        counts = [[k for blk, k in sched if blk == b] for b in range(L // block_length)]
+    else:
+        if gen_length % block_length:
+            raise ValueError(f"gen_length {gen_length} must be a multiple of block_length {block_length}")
+        per_block = block_length  # at most: at least one token per step
+        counts = None
     x = torch.cat([prompt_ids, torch.full((B, L), mask_id, dtype=torch.long, device=dev)], 1)  # (B, P+L)
-    commit_step = torch.full((B, L), -1, dtype=torch.long, device=dev)
-    conf = torch.zeros(B, L, device=dev)
-    ent = torch.zeros(B, L, device=dev)
-    marg = torch.zeros(B, L, device=dev)
-    slp = torch.zeros(B, L, device=dev)
-    rank = torch.zeros(B, L, dtype=torch.long, device=dev)
-    order = torch.zeros(B, L, dtype=torch.long, device=dev)
-    n_done = 0
-    done_in_block = 0
-    prev_block = -1
+    rec = _Records(B, L, dev)
     pos = torch.arange(L, device=dev)
-    rows = torch.arange(B, device=dev).unsqueeze(1)
-    for s, (blk, k) in enumerate(sched):
-        if blk != prev_block:
-            done_in_block, prev_block = 0, blk
-        logits = token_logits(logits_fn(x)[:, P:].float(), mask_id)  # (B, L, V)
-        p, e, m = predictive_stats(logits)
-        x0 = gumbel_argmax(logits, temperature, generator)  # (B, L)
-        p0 = p.gather(-1, x0.unsqueeze(-1)).squeeze(-1)  # (B, L)
-        if remasking == "low_confidence":
-            score = p0.clone()
-        else:
-            score = torch.rand(B, L, generator=generator, device=dev)
-        masked = x[:, P:] == mask_id
-        in_block = (pos >= blk * block_length) & (pos < (blk + 1) * block_length)
-        score = torch.where(masked & in_block, score, torch.full_like(score, -float("inf")))
-        pick = score.topk(k, dim=-1).indices  # (B, k) highest score first
-        x[:, P:][rows, pick] = x0[rows, pick]
-        commit_step[rows, pick] = s
-        conf[rows, pick] = p0[rows, pick]
-        ent[rows, pick] = e[rows, pick]
-        marg[rows, pick] = m[rows, pick]
-        if temperature > 0:
-            lq = torch.log_softmax(logits.double() / temperature, -1).gather(-1, x0.unsqueeze(-1)).squeeze(-1)
-            slp[rows, pick] = lq[rows, pick].float()
-        rank[rows, pick] = done_in_block + torch.arange(k, device=dev)
-        order[:, n_done:n_done + k] = pick
-        n_done += k
-        done_in_block += k
-    return MaskedSample(sequences=x, commit_step=commit_step, confidence=conf, entropy=ent, margin=marg,
-                        block_rank=rank, order=order, step_log_prob=slp, num_steps=len(sched))
+    all_rows = torch.arange(B, device=dev)
+    s = 0
+    for blk in range(L // block_length):
+        start, end = blk * block_length, (blk + 1) * block_length
+        in_block = (pos >= start) & (pos < end)  # (L,)
+        rec.block_done.zero_()
+        for i in range(per_block):
+            masked = (x[:, P:] == mask_id) & in_block  # (B, L)
+            rows = all_rows if counts is not None else all_rows[masked.any(1)]
+            if rows.numel() == 0:
+                break
+            # logits of completion positions [w0, w0 + W) for ``rows``, <mask> removed
+            if cache is None:
+                raw, w0 = logits_fn(x if rows.numel() == B else x[rows])[:, P:], 0
+                rec.forwards += rows.numel()
+                rec.query_tokens += rows.numel() * (P + L)
+            elif i == 0 or (cache_refresh > 0 and i % cache_refresh == 0):
+                raw, w0 = cache.begin(x, rows, start, end), 0
+                rec.forwards += rows.numel()
+                rec.query_tokens += rows.numel() * (P + L)
+            else:
+                raw, w0 = cache.step(x, rows)
+                rec.forwards += rows.numel()
+                rec.query_tokens += rows.numel() * cache.query_length()
+            logits = token_logits(raw.float(), mask_id)  # (n, W, V)
+            W = logits.shape[1]
+            # the random draws are made for all (B, L) positions every step whatever is computed, so every
+            # decoder and cache setting consumes the generator alike
+            if temperature > 0:
+                u = torch.rand((B, L, logits.shape[-1]), generator=generator, device=dev, dtype=torch.float64)
+                u = u[rows, w0:w0 + W]
+            u_rank = torch.rand(B, L, generator=generator, device=dev) if remasking == "random" else None
+            p, e, m = predictive_stats(logits)  # (n, W, V), (n, W), (n, W)
+            x0 = gumbel_argmax(logits, temperature, None, noise=u if temperature > 0 else None)  # (n, W)
+            p0 = p.gather(-1, x0.unsqueeze(-1)).squeeze(-1)  # (n, W)
+            if remasking == "random" and decode == "schedule":
+                score = u_rank[rows, w0:w0 + W]
+            else:
+                score = p0.clone()
+            cand = masked[rows, w0:w0 + W]  # (n, W)
+            score = torch.where(cand, score, torch.full_like(score, -float("inf")))
+            if counts is not None:
+                k = torch.full((rows.numel(),), counts[blk][i], dtype=torch.long, device=dev)
+            else:  # every candidate at or above the threshold, at least one
+                k = (cand & (p0 >= threshold)).sum(1).clamp_min(1)
+            kmax = int(k.max())
+            pick = score.topk(kmax, dim=-1).indices  # (n, kmax) highest score first
+            valid = torch.arange(kmax, device=dev) < k.unsqueeze(1)  # (n, kmax)
+            slp = None
+            if temperature > 0:
+                slp = torch.log_softmax(logits.double() / temperature, -1).gather(-1, x0.unsqueeze(-1)).squeeze(-1)
+            rec.commit(x, P, rows, pick, valid, w0, s, x0=x0, p0=p0, ent=e, marg=m, slp=slp)
+            s += 1
+    return MaskedSample(sequences=x, commit_step=rec.commit_step, confidence=rec.conf, entropy=rec.ent,
+                        margin=rec.marg, block_rank=rec.rank, order=rec.order, step_log_prob=rec.slp, num_steps=s,
+                        forwards=rec.forwards, query_tokens=rec.query_tokens)
 
 
-__all__ = ["MaskedSample", "REMASKING", "sample", "schedule", "num_transfer_tokens", "predictive_stats",
-           "gumbel_argmax"]
+class _Records:
+    """The sampler's per-token records (B, L) and its cost counters, filled as tokens are committed."""
+
+    def __init__(self, B: int, L: int, dev):
+        self.commit_step = torch.full((B, L), -1, dtype=torch.long, device=dev)
+        self.conf = torch.zeros(B, L, device=dev)
+        self.ent = torch.zeros(B, L, device=dev)
+        self.marg = torch.zeros(B, L, device=dev)
+        self.slp = torch.zeros(B, L, device=dev)
+        self.rank = torch.zeros(B, L, dtype=torch.long, device=dev)
+        self.order = torch.zeros(B, L, dtype=torch.long, device=dev)
+        self.n_done = torch.zeros(B, dtype=torch.long, device=dev)  # tokens committed so far per row
+        self.block_done = torch.zeros(B, dtype=torch.long, device=dev)  # ... in the current block
+        self.L = L
+        self.forwards = 0  # sequence-forwards (rows × model calls)
+        self.query_tokens = 0  # positions computed (rows × query length)
+
+    def commit(self, x, P, rows, pick, valid, w0, step, *, x0, p0, ent, marg, slp) -> None:
+        """Commit, for each row r of ``rows`` (n,), window positions ``pick[r, valid[r]]`` (n, kmax) in that order."""
+        n, kmax = pick.shape
+        j = torch.arange(kmax, device=pick.device).expand(n, kmax)
+        r_loc = torch.arange(n, device=pick.device).unsqueeze(1).expand(n, kmax)[valid]  # (c,) local row
+        r = rows[r_loc]  # (c,) global row
+        w = pick[valid]  # (c,) window position
+        c = w + w0  # (c,) completion position
+        x[r, P + c] = x0[r_loc, w]
+        self.commit_step[r, c] = step
+        self.conf[r, c] = p0[r_loc, w]
+        self.ent[r, c] = ent[r_loc, w]
+        self.marg[r, c] = marg[r_loc, w]
+        if slp is not None:
+            self.slp[r, c] = slp[r_loc, w].float()
+        jj = j[valid]
+        self.rank[r, c] = self.block_done[r] + jj
+        self.order[r, self.n_done[r] + jj] = c
+        k = valid.sum(1)  # (n,)
+        self.n_done[rows] += k
+        self.block_done[rows] += k
+
+
+__all__ = [
+    "DECODERS",
+    "REMASKING",
+    "DecodeCache",
+    "MaskedSample",
+    "gumbel_argmax",
+    "num_transfer_tokens",
+    "predictive_stats",
+    "sample",
+    "schedule",
+]
