@@ -1,8 +1,8 @@
 """diffgrpo: fast, composable GRPO post-training for diffusion models."""
+from ._version import __version__
 from .config import RunConfig
 from .errors import ConfigError, RewardError, TrainingError
 from .trainer import Trainer
 from .types import EngineStats, Rollout, StepOut
 
-__version__ = "0.1.0"
 __all__ = ["Trainer", "RunConfig", "ConfigError", "RewardError", "TrainingError", "Rollout", "StepOut", "EngineStats", "__version__"]

@@ -58,6 +58,8 @@ class ModelConfig:
     guidance_scale: float = _f(1.0, lo=0.0, doc="classifier-free guidance scale; 1 = no CFG (one forward)")
     device: str = _f("auto", doc="torch device for the policy: auto (cuda:<LOCAL_RANK> / cuda, else mps, else cpu), "
                                  "cpu, cuda, cuda:N or mps (must exist on this machine)")
+    cpu_threads: int = _f(0, lo=0, hi=1024, doc="torch CPU threads set by the command line; 0 = auto (1 for the built-in "
+                                                "models on a CPU, torch's default otherwise); OMP_NUM_THREADS wins")
     cache_dir: str = _f("", path=True, doc="where pretrained built-in models live (default $DIFFGRPO_CACHE or ~/.cache/diffgrpo)")
     # built-in tiny model architecture (a real diffusers SD3Transformer2DModel at tiny size)
     image_size: int = _f(16, choices=(8, 16, 32), doc="tiny model: image side in pixels")
