@@ -19,6 +19,7 @@ from ._version import __version__
 from .config import MODEL_FAMILIES, RunConfig, from_dict
 from .errors import ConfigError, RewardError, TrainingError
 from .fileio import atomic_write
+from .hub import check_hub
 from .runtime import apply_cpu_threads
 
 
@@ -144,6 +145,7 @@ def cmd_train(args) -> int:
             print("--resume auto: no unfinished run found; starting a new one")
         cfg = _load_cfg(args)
     _threads(cfg)
+    check_hub(cfg)  # a hub model that cannot be had fails here, in one line, before any model loads
     if cfg.log.output_dir and int(os.environ.get("RANK", "0")) == 0:  # before any model loads
         try:
             Path(cfg.log.output_dir).mkdir(parents=True, exist_ok=True)
@@ -219,6 +221,7 @@ def cmd_sample(args) -> int:
     if src is not None and not src.is_file():
         raise ConfigError(f"--weights: {str(src)!r} does not exist")
     _threads(cfg)
+    check_hub(cfg)
     trainer = Trainer(cfg)
     if src is not None:
         trainer.policy.load_state_dict(load_file(str(src)))

@@ -38,6 +38,7 @@ from .fileio import atomic_write
 from .flow.family import FlowFamily
 from .media import SampleTable, caption_of, side_by_side
 from .models import POLICIES
+from .rewards import with_supplied
 from .runlog import MetricsWriter, plot_curves, read_metrics, save_grid
 from .types import EngineStats, Rollout
 
@@ -45,8 +46,11 @@ FAMILIES: dict[str, type] = {"flow": FlowFamily, "dllm": DLLMFamily}  # config.M
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig | None = None, *, policy=None, log=print):
-        self.cfg = cfg = cfg or RunConfig()
+    def __init__(self, cfg: RunConfig | None = None, *, policy=None, rewards: dict | None = None, log=print):
+        """``rewards``: name → reward callable (either convention of ``rewards.calling``); the run trains on
+        exactly these, weighted by ``cfg.reward.weights`` where it names them, else 1."""
+        cfg = cfg or RunConfig()
+        self.cfg = cfg = with_supplied(cfg, rewards) if rewards else cfg
         validate(cfg)  # also for configs built in Python rather than read by RunConfig.from_overrides
         self.log = log
         if cfg.model.cache_dir:
