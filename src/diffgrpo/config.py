@@ -885,7 +885,7 @@ def _validate_dllm_methods(cfg: RunConfig) -> None:
 
 
 # Keys each family reads (a section name covers all its keys); any other key set to a non-default value is refused.
-_SHARED = ("seed", "model.name", "model.device", "model.cache_dir", "pretrain.steps", "pretrain.batch_size",
+_SHARED = ("seed", "model.name", "model.device", "model.cpu_threads", "model.cache_dir", "pretrain.steps", "pretrain.batch_size",
            "pretrain.lr", "pretrain.seed", "advantage", "loss.beta", "loss.aggregation", "engine.micro_batch_size",
            "train.num_iterations", "train.prompts_per_batch", "train.group_size", "train.lr", "train.lr_schedule",
            "train.warmup_iterations", "train.weight_decay",
