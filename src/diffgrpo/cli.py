@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from importlib import resources
 from pathlib import Path
 
@@ -17,8 +18,9 @@ import yaml
 from . import flags, recipes
 from ._version import __version__
 from .config import MODEL_FAMILIES, RunConfig, from_dict
+from .console import end_summary
 from .errors import ConfigError, RewardError, TrainingError
-from .fileio import atomic_write
+from .fileio import atomic_write, read_jsonl
 from .hub import check_hub
 from .runtime import apply_cpu_threads
 
@@ -124,6 +126,8 @@ def _fresh_device(data: dict, overrides: list[str]) -> dict:
 def cmd_train(args) -> int:
     from .trainer import Trainer
 
+    t0 = time.perf_counter()
+
     run = _resume_dir(args)
     if run is not None:  # the run's resolved config, then any overrides (e.g. more iterations)
         if args.config:
@@ -159,11 +163,9 @@ def cmd_train(args) -> int:
         print(f"interrupted by signal {summary['interrupted']}; resume with: diffgrpo train --resume "
               f"{cfg.log.output_dir}")
         return 128 + int(summary["interrupted"])
-    start, end = summary["start"], summary["end"]
-    for k in end:
-        if k.startswith("eval/rewards/"):
-            print(f"{k}: {start[k]:.4f} -> {end[k]:.4f} ({end[k] - start[k]:+.4f})")
-    print(f"outputs in {cfg.log.output_dir}")
+    rows = read_jsonl(Path(cfg.log.output_dir) / "metrics.jsonl", log=lambda *a: None)
+    for line in end_summary(Path(cfg.log.output_dir), summary, wall_seconds=time.perf_counter() - t0, train_rows=rows):
+        print(line)
     return 0
 
 

@@ -345,9 +345,14 @@ class EvalConfig:
 class LogConfig:
     output_dir: str = _f("", path=True, doc="run directory (~ expanded; must be creatable and writable); "
                                             "default runs/<timestamp>")
-    progress: bool = _f(True, doc="progress bar")
+    progress: bool = _f(True, doc="progress bar on a terminal (elsewhere, and with false, a line every log.every "
+                                  "iterations)")
+    every: int = _f(0, lo=0, doc="iterations between progress lines when no bar is drawn; 0 = about ten per run")
     tensorboard: bool = _f(False, doc="TensorBoard event files beside metrics.jsonl (needs the tensorboard package)")
     wandb: bool = _f(False, doc="also log to Weights & Biases (needs the wandb package)")
+    wandb_project: str = _f("", doc="W&B project; empty = $WANDB_PROJECT, else diffgrpo")
+    wandb_name: str = _f("", doc="W&B run name; empty = $WANDB_NAME, else the run directory's name")
+    wandb_tags: list = _f([], doc="W&B tags, e.g. [sd35, pickscore]; empty = $WANDB_TAGS (comma-separated)")
     save_images: bool = _f(True, doc="sample grids and reward curve PNGs")
 
 

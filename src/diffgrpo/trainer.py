@@ -25,11 +25,11 @@ import torch
 from filelock import FileLock, Timeout
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.api import CheckpointException
-from tqdm.auto import tqdm
 
 from . import distributed
 from .checkpoint import latest_complete, load_checkpoint, save_checkpoint, save_sharded_checkpoint, states_equal
 from .config import MODEL_FAMILIES, RunConfig, validate
+from .console import Progress, emit
 from .dllm.family import DLLMFamily
 from .ema import EMA
 from .errors import ConfigError, TrainingError
@@ -46,7 +46,7 @@ FAMILIES: dict[str, type] = {"flow": FlowFamily, "dllm": DLLMFamily}  # config.M
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig | None = None, *, policy=None, rewards: dict | None = None, log=print):
+    def __init__(self, cfg: RunConfig | None = None, *, policy=None, rewards: dict | None = None, log=emit):
         """``rewards``: name → reward callable (either convention of ``rewards.calling``); the run trains on
         exactly these, weighted by ``cfg.reward.weights`` where it names them, else 1."""
         cfg = cfg or RunConfig()
@@ -489,6 +489,7 @@ class Trainer:
         lead = self.world.rank == 0
 
         def do_eval(tag: str) -> dict:
+            self.log(f"evaluating ({tag}, iteration {self.iteration}) ...")
             table = SampleTable(out, self.iteration, save_media=cfg.log.save_images) if lead else None
             row, images = self.evaluate(table)
             row["iteration"] = self.iteration
@@ -518,14 +519,13 @@ class Trainer:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 handlers[sig] = signal.signal(sig, self._on_signal)
         self._stop_signal = None
-        bar = tqdm(total=cfg.train.num_iterations, initial=self.iteration, desc="GRPO",
-                   disable=not (cfg.log.progress and lead))
+        bar = Progress(cfg.train.num_iterations, self.iteration, enabled=lead, bar=cfg.log.progress,
+                       every=cfg.log.every, log=self.log)
         try:
             while self.iteration < cfg.train.num_iterations:
                 row = self.step()
                 writer.write(row)
-                bar.update(1)
-                bar.set_postfix(reward=f"{row['reward']:.3f}", it_s=f"{row['time/iteration']:.1f}s")
+                bar.update(row)
                 if cfg.eval.every and self.iteration % cfg.eval.every == 0 and self.iteration < cfg.train.num_iterations:
                     last_eval = do_eval(str(self.iteration))
                 if (cfg.train.save_every and self.iteration % cfg.train.save_every == 0) or self._stop_signal:
