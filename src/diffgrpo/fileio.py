@@ -23,7 +23,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from .errors import TrainingError
+from .errors import ConfigError, TrainingError
 
 
 def current_umask() -> int:
@@ -151,4 +151,20 @@ def read_jsonl(path: str | Path, log=print) -> list[dict]:
     return rows
 
 
-__all__ = ["append_line", "atomic_write", "current_umask", "dir_mode", "file_mode", "read_jsonl", "share_tree", "temp_dir"]
+def read_utf8(p: Path, key: str, spec: str | None = None) -> str:
+    """The UTF-8 text of ``p`` (a byte-order mark is dropped); an unreadable or non-UTF-8 file is a one-line
+    ConfigError naming ``key`` and the file as the user gave it (``spec``, default the path)."""
+    spec = str(p) if spec is None else spec
+    try:
+        data = p.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"{key}: file {spec!r} cannot be read ({e.strerror or e})") from None
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{key}: file {spec!r} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset "
+                          f"{e.start}); save it as UTF-8") from None
+
+
+__all__ = ["append_line", "atomic_write", "current_umask", "dir_mode", "file_mode", "read_jsonl", "read_utf8",
+           "share_tree", "temp_dir"]

@@ -208,7 +208,10 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     evals = [r for r in rows if any(isinstance(k, str) and k.startswith("eval/") for k in r)]
     raw = _read_own(run / "config.yaml")
     config = raw.decode("utf-8", errors="replace") if raw is not None else "(no config.yaml)"
-    saved = yaml.safe_load(config) if raw is not None else None
+    try:
+        saved = yaml.safe_load(config) if raw is not None else None
+    except yaml.YAMLError:
+        saved = None
     saved = saved if isinstance(saved, dict) else {}
     model = saved.get("model") if isinstance(saved.get("model"), dict) else {}
     eval_keys = sorted({k for r in evals for k in r if isinstance(k, str) and k.startswith("eval/")})
