@@ -65,7 +65,7 @@ BAD_OVERRIDES = [
     (["engine.name=json: x"], "engine.name: value {'json': 'x'} is not a valid str"),
     (["reward.weights={':fn': 1}"], "reward.weights: reward ':fn' is not a valid module:function (the module name is "
                                     "empty); choose one of ['aesthetic', 'clip_score', 'd1_format', "
-                                    "'digit_alignment', 'geneval', 'jpeg_compressibility', 'jpeg_incompressibility', "
+                                    "'digit_alignment', 'geneval', 'http', 'jpeg_compressibility', 'jpeg_incompressibility', "
                                     "'ocr', 'pickscore', 'verify_countdown', 'verify_gsm8k', 'verify_json_schema', "
                                     "'verify_sudoku'] or package.module:function"),
     (["reward.weights={'.rel:fn': 1}"], "reward.weights: reward '.rel:fn' is not a valid module:function ('.rel' is "

@@ -5,8 +5,9 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import tempfile
 from pathlib import Path
+
+from .fileio import share_tree, temp_dir
 
 
 def cache_root(cache_dir: str = "") -> Path:
@@ -33,9 +34,10 @@ def cache_lock(path: Path):
 def save_dir_atomic(target: Path, write) -> Path:
     """Call ``write(tmp_dir)`` then atomically move the directory into place (no half-written cache)."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    tmp = temp_dir(f".{target.name}.", target.parent)
     try:
         write(tmp)
+        share_tree(tmp)  # the umask's modes, whatever the writers chose
         if target.is_symlink():  # replace a link, never write through it
             target.unlink()
         elif target.exists():

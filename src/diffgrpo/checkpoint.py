@@ -31,7 +31,6 @@ import json
 import os
 import re
 import shutil
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,7 +42,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from . import distributed
 from .config import RunConfig
 from .errors import TrainingError
-from .fileio import atomic_write
+from .fileio import atomic_write, share_tree, temp_dir
 
 _DIR_RE = re.compile(r"^iter_(\d{6,})$")
 
@@ -88,7 +87,7 @@ def save_checkpoint(run_dir: Path, iteration: int, *, trainable: dict[str, torch
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"iter_{iteration:06d}"
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp_iter_{iteration:06d}.", dir=root))
+    tmp = temp_dir(f".tmp_iter_{iteration:06d}.", root)
     try:
         save_file({k: v.detach().contiguous().cpu() for k, v in trainable.items()}, str(tmp / "trainable.safetensors"))
         if ema is not None:
@@ -122,6 +121,7 @@ def _publish(run_dir: Path, tmp: Path, final: Path, iteration: int, keep_last: i
 
 def _seal(tmp: Path, state: dict) -> None:
     """fsync every file of ``tmp``, then write ``state.json`` with each file's size and SHA-256."""
+    share_tree(tmp)  # the umask's modes (safetensors writes 0600)
     paths = sorted(p for p in tmp.rglob("*") if p.is_file() and not p.is_symlink())
     for p in paths:  # flush file contents before the rename makes the checkpoint visible
         with open(p, "rb") as f:
@@ -146,7 +146,7 @@ def save_sharded_checkpoint(run_dir: Path, iteration: int, *, write_shards: Call
     if lead:
         try:
             root.mkdir(parents=True, exist_ok=True)
-            tmp = Path(tempfile.mkdtemp(prefix=f".tmp_iter_{iteration:06d}.", dir=root))
+            tmp = temp_dir(f".tmp_iter_{iteration:06d}.", root)
         except OSError as e:
             error = str(e).splitlines()[0] if str(e) else type(e).__name__
     tmp, error = distributed.all_gather_object((tmp, error))[0]

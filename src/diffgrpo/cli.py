@@ -1,32 +1,50 @@
-"""Command line: ``diffgrpo {train, pretrain, sample, bench, report, export, print-config}``.
+"""Command line: ``diffgrpo {train, pretrain, sample, bench, report, export, print-config, configs, download}``.
 
-Every command takes ``[--config FILE] [key=value ...]``; ``diffgrpo train`` with no arguments runs the
-embedded default (the built-in digits model, pretrained on first use).
+Every command that builds a run takes ``[--config FILE|NAME] [key=value ...]``, the overrides anywhere on the line
+(also as ``--key value``, and under the TRL / flow_grpo names of ``diffgrpo.flags``); ``diffgrpo train`` with no
+arguments runs the embedded default (the built-in digits model, pretrained on first use).
 """
 from __future__ import annotations
 
 import argparse
 import os
 import sys
+import time
+from importlib import resources
 from pathlib import Path
 
-from .config import RunConfig, from_dict
+import yaml
+
+from . import flags, recipes
+from ._version import __version__
+from .config import MODEL_FAMILIES, RunConfig, from_dict
+from .console import end_summary
 from .errors import ConfigError, RewardError, TrainingError
-from .fileio import atomic_write
+from .fileio import atomic_write, read_jsonl
+from .hub import check_hub
+from .runtime import apply_cpu_threads
 from .saved_config import RESUMABLE, distrust, flat, fresh_device, saved_data
 
 
 def _load_cfg(args) -> RunConfig:
+    overrides = list(args.overrides)
     if getattr(args, "config", None):
-        return RunConfig.from_yaml(args.config, args.overrides)
-    return RunConfig.from_overrides(args.overrides)
+        name = recipes.config_path(args.config)
+        if name is None:
+            cfg = RunConfig.from_yaml(args.config, overrides)
+        else:  # a config shipped in the package (diffgrpo configs list)
+            with resources.as_file(resources.files("diffgrpo") / "configs" / f"{name}.yaml") as path:
+                cfg = RunConfig.from_yaml(path, overrides)
+    else:
+        cfg = RunConfig.from_overrides(overrides)
+    given = {o.split("=", 1)[0].strip() for o in overrides}
+    launcher = [o for o in flags.accelerate_overrides(family=MODEL_FAMILIES.get(cfg.model.name, "flow"))
+                if o.split("=", 1)[0] not in given]  # the command line wins over accelerate launch's flags
+    return RunConfig.from_overrides(launcher, base=cfg) if launcher else cfg
 
 
-def _threads():
-    import torch
-
-    if "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, min(os.cpu_count() or 1, 16)))
+def _threads(cfg: RunConfig) -> None:
+    apply_cpu_threads(cfg)
 
 
 def _resume_dir(args) -> Path | None:
@@ -48,6 +66,8 @@ def _resume_dir(args) -> Path | None:
 def cmd_train(args) -> int:
     from .trainer import Trainer
 
+    t0 = time.perf_counter()
+
     run = _resume_dir(args)
     if run is not None:  # the run's resolved config, then any overrides (e.g. more iterations)
         if args.config:
@@ -68,7 +88,8 @@ def cmd_train(args) -> int:
         if args.resume == "auto":
             print("--resume auto: no unfinished run found; starting a new one")
         cfg = _load_cfg(args)
-    _threads()
+    _threads(cfg)
+    check_hub(cfg)  # a hub model that cannot be had fails here, in one line, before any model loads
     if cfg.log.output_dir and int(os.environ.get("RANK", "0")) == 0:  # before any model loads
         try:
             Path(cfg.log.output_dir).mkdir(parents=True, exist_ok=True)
@@ -82,11 +103,9 @@ def cmd_train(args) -> int:
         print(f"interrupted by signal {summary['interrupted']}; resume with: diffgrpo train --resume "
               f"{cfg.log.output_dir}")
         return 128 + int(summary["interrupted"])
-    start, end = summary["start"], summary["end"]
-    for k in end:
-        if k.startswith("eval/rewards/"):
-            print(f"{k}: {start[k]:.4f} -> {end[k]:.4f} ({end[k] - start[k]:+.4f})")
-    print(f"outputs in {cfg.log.output_dir}")
+    rows = read_jsonl(Path(cfg.log.output_dir) / "metrics.jsonl", log=lambda *a: None)
+    for line in end_summary(Path(cfg.log.output_dir), summary, wall_seconds=time.perf_counter() - t0, train_rows=rows):
+        print(line)
     return 0
 
 
@@ -96,7 +115,7 @@ def cmd_pretrain(args) -> int:
     from .rewards.image import load_classifier
 
     cfg = _load_cfg(args)
-    _threads()
+    _threads(cfg)
     if getattr(args, "task", None) or cfg.model.name == "tiny_mlm":  # the built-in masked diffusion LM
         from .models.hf_masked_lm import load_or_pretrain_mlm
         from .tasks import get_task
@@ -143,7 +162,8 @@ def cmd_sample(args) -> int:
         cfg = RunConfig.from_overrides(overrides + ["log.progress=false"])
     if src is not None and not src.is_file():
         raise ConfigError(f"--weights: {str(src)!r} does not exist")
-    _threads()
+    _threads(cfg)
+    check_hub(cfg)
     trainer = Trainer(cfg)
     if src is not None:
         trainer.policy.load_state_dict(load_file(str(src)))
@@ -202,7 +222,7 @@ def cmd_bench(args) -> int:
     if args.repeats < 1:
         raise ConfigError(f"--repeats: value {args.repeats} is out of range; must be >= 1 (timed runs per variant)")
     cfg = _load_cfg(args)
-    _threads()
+    _threads(cfg)
     variants = args.variants.split(";") if args.variants else list(ENGINES)
     if "recompute" not in variants:  # the baseline every ratio refers to
         variants = ["recompute"] + variants
@@ -225,31 +245,65 @@ def cmd_report(args) -> int:
 def cmd_export(args) -> int:
     from .export import export
 
-    _threads()
     out = export(args.source, args.out, merge=args.merge, overrides=args.overrides)
     print(f"exported {args.source} to {out}")
     return 0
 
 
 def cmd_print_config(args) -> int:
-    """The resolved config; prompt files are checked (exist, parse, hold prompts) only with ``--check-data``
-    (``diffgrpo train`` always checks them before any model loads)."""
+    """The resolved config (``--changed``: only the keys that differ from the defaults; ``--docs``: the reference of
+    every key); prompt files are checked (exist, parse, hold prompts) only with ``--check-data`` (``diffgrpo train``
+    always checks them before any model loads)."""
     import contextlib
 
+    from .configdoc import changed, reference_markdown
     from .data_sources import skip_data_checks
 
+    if args.docs:
+        print(reference_markdown(), end="")
+        return 0
     with contextlib.nullcontext() if args.check_data else skip_data_checks():
         cfg = _load_cfg(args)
+    if args.changed:
+        diff = changed(cfg)
+        print(yaml.safe_dump(diff, sort_keys=False) if diff else "{}  # every key at its default\n", end="")
+        return 0
     print(cfg.to_yaml(), end="")
+    return 0
+
+
+def cmd_configs(args) -> int:
+    """``configs list``: the shipped configs; ``configs cp NAME [DEST]``: copy one out to edit."""
+    if args.action == "list":
+        configs = recipes.shipped()
+        width = max(map(len, configs), default=0)
+        for name, text in configs.items():
+            print(f"{name:<{width}}  {recipes.summary(text)}")
+        print("copy one with: diffgrpo configs cp NAME [DEST]; or train it: diffgrpo train --config NAME")
+        return 0
+    if not args.name:
+        raise ConfigError("configs cp: name the config to copy (diffgrpo configs list)")
+    print(f"wrote {recipes.copy_config(args.name, args.dest or '.')}")
+    return 0
+
+
+def cmd_download(args) -> int:
+    from .hub import download_models
+
+    cfg = _load_cfg(args)
+    for line in download_models(cfg, dry_run=args.dry_run):
+        print(line)
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="diffgrpo", description="GRPO post-training for diffusion models")
+    p.add_argument("--version", action="version", version=f"diffgrpo {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
     def common(sp):
-        sp.add_argument("--config", help="YAML config file (sections as in `diffgrpo print-config`)")
+        sp.add_argument("--config", help="YAML config file (sections as in `diffgrpo print-config`), or the name of "
+                                         "a shipped one (`diffgrpo configs list`)")
         sp.add_argument("overrides", nargs="*", help="dotted overrides, e.g. engine.name=recompute seed=1")
 
     sp = sub.add_parser("train", help="run GRPO (default: the built-in digits model)")
@@ -296,14 +350,80 @@ def build_parser() -> argparse.ArgumentParser:
     common(sp)
     sp.add_argument("--check-data", action="store_true",
                     help="also check that train.prompts_file / eval.prompts_file exist and parse")
+    sp.add_argument("--changed", action="store_true", help="only the keys that differ from the defaults")
+    sp.add_argument("--docs", action="store_true", help="every key with its type, default, allowed values and doc "
+                                                        "(Markdown; docs/config.md)")
     sp.set_defaults(func=cmd_print_config)
+    sp = sub.add_parser("configs", help="the configs shipped with the package: list them, copy one out")
+    sp.add_argument("action", choices=["list", "cp"])
+    sp.add_argument("name", nargs="?", help="cp: the config to copy (a name from `diffgrpo configs list`)")
+    sp.add_argument("dest", nargs="?", help="cp: destination directory or file (default: the current directory)")
+    sp.set_defaults(func=cmd_configs)
+    sp = sub.add_parser("download", help="fetch every model a config needs (policy, rewards) into the Hugging Face "
+                                         "cache ahead of time (for clusters whose compute nodes are offline)")
+    common(sp)
+    sp.add_argument("--dry-run", action="store_true", help="list what would be fetched, fetch nothing")
+    sp.set_defaults(func=cmd_download)
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def _subparser(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[argparse.ArgumentParser, int]:
+    """The (sub)parser the command in ``argv`` reaches, and the index after its command words."""
+    i = 0
+    while i < len(argv):
+        choices = next((a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+        if not choices or argv[i] not in choices:
+            break
+        parser, i = choices[argv[i]], i + 1
+    return parser, i
 
+
+def _normalise(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """``--key value`` / ``--key=value`` for a config key or alias (not a flag of the command) → ``key=value``, so
+    that users' habits from other tools reach the overrides; everything else is left to argparse."""
+    sp, start = _subparser(parser, argv)
+    if not any(a.dest == "overrides" for a in sp._actions):
+        return argv
+    own = set(sp._option_string_actions)
+    out, i = list(argv[:start]), start
+    while i < len(argv):
+        a = argv[i]
+        name = a.split("=", 1)[0]
+        if a.startswith("--") and name not in own and a != "--":
+            key = name[2:] if flags.known(name[2:]) else name[2:].replace("-", "_")
+            if "=" in a:
+                out.append(f"{key}={a.split('=', 1)[1]}")
+            elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                out.append(f"{key}={argv[i + 1]}")
+                i += 1
+            else:
+                raise ConfigError(f"{a}: expected a value (--{name[2:]} VALUE or {key}=VALUE)")
+        else:
+            out.append(a)
+        if a in own and sp._option_string_actions[a].nargs != 0 and "=" not in a and i + 1 < len(argv):
+            out.append(argv[i + 1])  # the flag's own value, whatever it looks like
+            i += 1
+        i += 1
+    return out
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse a command line: overrides (``key=value``) anywhere, aliases translated, unknown keys refused with a
+    suggestion from every section. Raises ConfigError (argparse's own errors exit 2 with usage)."""
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args, extras = parser.parse_known_args(_normalise(parser, argv))
+    if hasattr(args, "overrides"):
+        args.overrides = flags.translate(list(args.overrides) + flags.split_extras(extras),
+                                         log=lambda m: print(m, file=sys.stderr))
+    elif extras:
+        parser.error(f"unrecognized arguments: {' '.join(extras)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
     try:
+        args = parse_args(argv)
         return args.func(args)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

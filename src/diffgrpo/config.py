@@ -57,6 +57,9 @@ class ModelConfig:
     guidance_scale: float = _f(1.0, lo=0.0, doc="classifier-free guidance scale; 1 = no CFG (one forward)")
     device: str = _f("auto", doc="torch device for the policy: auto (cuda:<LOCAL_RANK> / cuda, else mps, else cpu), "
                                  "cpu, cuda, cuda:N or mps (must exist on this machine)", family="any")
+    cpu_threads: int = _f(0, lo=0, hi=1024, doc="torch CPU threads set by the command line; 0 = auto (1 for the built-in "
+                                                "models on a CPU, torch's default otherwise); OMP_NUM_THREADS wins",
+                          family="any")
     cache_dir: str = _f("", path=True, doc="where pretrained built-in models live (default $DIFFGRPO_CACHE or ~/.cache/diffgrpo)", family="any")
     # built-in tiny model architecture (a real diffusers SD3Transformer2DModel at tiny size)
     image_size: int = _f(16, choices=(8, 16, 32), doc="tiny model: image side in pixels")
@@ -364,9 +367,14 @@ class EvalConfig:
 class LogConfig:
     output_dir: str = _f("", path=True, doc="run directory (~ expanded; must be creatable and writable); "
                                             "default runs/<timestamp>")
-    progress: bool = _f(True, doc="progress bar")
+    progress: bool = _f(True, doc="progress bar on a terminal (elsewhere, and with false, a line every log.every "
+                                  "iterations)")
+    every: int = _f(0, lo=0, doc="iterations between progress lines when no bar is drawn; 0 = about ten per run")
     tensorboard: bool = _f(False, doc="TensorBoard event files beside metrics.jsonl (needs the tensorboard package)")
     wandb: bool = _f(False, doc="also log to Weights & Biases (needs the wandb package)")
+    wandb_project: str = _f("", doc="W&B project; empty = $WANDB_PROJECT, else diffgrpo")
+    wandb_name: str = _f("", doc="W&B run name; empty = $WANDB_NAME, else the run directory's name")
+    wandb_tags: list = _f([], doc="W&B tags, e.g. [sd35, pickscore]; empty = $WANDB_TAGS (comma-separated)")
     save_images: bool = _f(True, doc="sample grids and reward curve PNGs")
 
 

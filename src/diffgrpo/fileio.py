@@ -8,6 +8,9 @@ redirect them elsewhere.
                             is a one-line TrainingError; the previous file stays as it was.
   append_line(path, text)   appends to a log opened with ``O_NOFOLLOW`` (a symlink at ``path`` is refused), in one
                             ``write`` call.
+  file_mode() / dir_mode()  the permissions a new file / folder gets under the process umask (``mkstemp`` and
+                            ``mkdtemp`` create 0600 / 0700 whatever the umask; outputs are set to these, so a
+                            team's umask 002 or 022 lets teammates read a run).
   read_jsonl(path)          the rows of a JSON-lines log; a torn last line (a write cut short by a full disk or a
                             kill) is dropped with a warning, a damaged line elsewhere is an error naming the line.
 """
@@ -17,10 +20,61 @@ import errno
 import json
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from .errors import ConfigError, TrainingError
+
+
+def current_umask() -> int:
+    """The process umask, read without changing it where the OS tells it (Linux ``/proc``), else by setting it
+    and restoring it at once."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def file_mode() -> int:
+    """Mode of a new file under the umask (0644 under umask 022, 0664 under 002)."""
+    return 0o666 & ~current_umask()
+
+
+def dir_mode() -> int:
+    """Mode of a new folder under the umask (0755 under umask 022, 0775 under 002)."""
+    return 0o777 & ~current_umask()
+
+
+def temp_dir(prefix: str, parent: str | Path) -> Path:
+    """A fresh hidden folder in ``parent`` (``mkdtemp``: created exclusively) with the umask's mode, to fill and
+    rename into place."""
+    tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    os.chmod(tmp, dir_mode())
+    return tmp
+
+
+def share_tree(root: str | Path) -> None:
+    """Give every file and folder below ``root`` (and ``root``) the umask's modes: libraries that write through a
+    private temporary file (safetensors: 0600) would otherwise leave outputs a teammate cannot read. Symbolic
+    links are neither followed nor changed."""
+    root = Path(root)
+    fmode, dmode = file_mode(), dir_mode()
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        os.chmod(dirpath, dmode)  # os.walk does not descend into links (followlinks=False)
+        for name in filenames:
+            p = Path(dirpath) / name
+            if p.is_symlink():
+                continue
+            fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW)
+            try:
+                os.fchmod(fd, fmode)
+            finally:
+                os.close(fd)
 
 
 def atomic_write(path: str | Path, data: bytes | str | Callable[[Path], None]) -> Path:
@@ -38,8 +92,12 @@ def atomic_write(path: str | Path, data: bytes | str | Callable[[Path], None]) -
             with os.fdopen(fd, "wb") as f:
                 fd = -1
                 f.write(data.encode() if isinstance(data, str) else data)
-        with open(tmp, "rb") as f:  # flush the contents before the rename makes them visible
-            os.fsync(f.fileno())
+        fd2 = os.open(tmp, os.O_RDONLY | os.O_NOFOLLOW)
+        try:  # flush the contents before the rename makes them visible; the umask's mode, not mkstemp's 0600
+            os.fchmod(fd2, file_mode())
+            os.fsync(fd2)
+        finally:
+            os.close(fd2)
         os.replace(tmp, path)
     except OSError as e:
         if e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):  # the previous file, if any, is untouched
@@ -56,7 +114,7 @@ def atomic_write(path: str | Path, data: bytes | str | Callable[[Path], None]) -
 def append_line(path: str | Path, text: str) -> None:
     """Append ``text`` + newline to ``path`` (created if missing), refusing to follow a symlink at ``path``."""
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o666)  # the umask applies
     except OSError as e:
         if e.errno == errno.ELOOP:
             raise TrainingError(f"{path} is a symbolic link; refusing to write through it") from None
@@ -108,4 +166,5 @@ def read_utf8(p: Path, key: str, spec: str | None = None) -> str:
                           f"{e.start}); save it as UTF-8") from None
 
 
-__all__ = ["atomic_write", "append_line", "read_jsonl", "read_utf8"]
+__all__ = ["append_line", "atomic_write", "current_umask", "dir_mode", "file_mode", "read_jsonl", "read_utf8",
+           "share_tree", "temp_dir"]

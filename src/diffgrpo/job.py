@@ -16,10 +16,10 @@ from pathlib import Path
 import torch
 from filelock import FileLock, Timeout
 from safetensors.torch import save_file
-from tqdm.auto import tqdm
 
 from . import checkpoint, distributed
 from .config import RunConfig
+from .console import Progress
 from .distributed import WorldInfo
 from .errors import ConfigError, TrainingError
 from .fileio import atomic_write
@@ -144,6 +144,7 @@ class Job:
     def _evaluate(self, out: Path, writer, tag: str) -> dict:
         """One held-out evaluation: its row, the sample table, and the grids (``samples_<tag>.png``)."""
         cfg, it = self.cfg, self.trainer.iteration
+        self.log(f"evaluating ({tag}, iteration {it}) ...")
         table = SampleTable(out, it, save_media=cfg.log.save_images) if self.lead else None
         row, images = self.trainer.evaluate(table)
         row["iteration"] = it
@@ -179,14 +180,13 @@ class Job:
         handlers = {}
         if threading.current_thread() is threading.main_thread():
             handlers = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-        bar = tqdm(total=cfg.train.num_iterations, initial=tr.iteration, desc="GRPO",
-                   disable=not (cfg.log.progress and self.lead))
+        bar = Progress(cfg.train.num_iterations, tr.iteration, enabled=self.lead, bar=cfg.log.progress,
+                       every=cfg.log.every, log=self.log)
         try:
             while tr.iteration < cfg.train.num_iterations:
                 row = tr.step()
                 writer.write(row)
-                bar.update(1)
-                bar.set_postfix(reward=f"{row['reward']:.3f}", it_s=f"{row['time/iteration']:.1f}s")
+                bar.update(row)
                 if cfg.eval.every and tr.iteration % cfg.eval.every == 0 and tr.iteration < cfg.train.num_iterations:
                     last_eval = self._evaluate(out, writer, str(tr.iteration))
                 if (cfg.train.save_every and tr.iteration % cfg.train.save_every == 0) or self.stop_signal:

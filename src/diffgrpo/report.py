@@ -1,72 +1,299 @@
-"""``diffgrpo report <run_dir>``: one self-contained HTML page (images inlined as base64) with the resolved
-config, reward / loss-side curves, timing per phase and the start/end sample grids."""
+"""``diffgrpo report <run_dir>``: one self-contained HTML page (images inlined as base64) that a person reads.
+
+Top to bottom: a header (run date, diffgrpo version, the code's git commit, training wall time, device and
+threads), the held-out metrics start → end, one figure per metric family — reward, fidelity (FID), diversity,
+optimisation — with one axis per metric (so a reward's rise is not flattened beside an FID of ~90, nor ``kl``
+beside ``grad_norm``) and integer iteration ticks, the start and end samples side by side, the masked-LM
+completions at the start and the end, the time per phase, and the config keys that differ from the defaults
+(the full resolved config folded below). Every figure has a caption.
+
+Whatever the run directory holds, the page is written or a one-line error given: rows that are not objects, a
+non-numeric iteration and non-finite values are left out of the plots and tables, a config that is not UTF-8 is
+shown with replacement characters, and a ``config.yaml``, ``samples_*.png`` or sample table that is a symbolic
+link is not followed (its content could be any file of the user's).
+"""
 from __future__ import annotations
 
 import base64
+import datetime
 import html
+import io
+import json
+import math
+import os
+import platform
+import stat
 import statistics
+import subprocess
 from pathlib import Path
 
+import yaml
+
+from ._version import __version__
+from .config import RunConfig
 from .fileio import atomic_write
-from .runlog import curve_png, read_metrics
+from .runlog import read_metrics
+
+# metric family → (title, caption, keys or key prefixes); a key belongs to the first family that claims it
+FAMILIES = (
+    ("Reward", "Training-batch reward and its components (left), held-out reward on fixed prompts and seeds "
+               "(right of them); higher is better.",
+     ("reward", "rewards/", "eval/reward", "eval/rewards/", "eval/accuracy")),
+    ("Fidelity", "Fréchet distance of the held-out samples' features to the reference set (lower is closer to "
+                 "the data); a rise while the reward climbs is the sign of reward hacking.", ("eval/fid",)),
+    ("Diversity", "Mean pairwise feature distance among one prompt's held-out samples; a fall means the policy "
+                  "collapses onto fewer outputs.", ("eval/diversity",)),
+    ("Optimisation", "Per update: KL to the reference, fraction of clipped ratios, fraction of groups with equal "
+                     "rewards, gradient norm and loss, each on its own axis.",
+     ("kl", "clip_ratio", "frac_reward_zero_std", "grad_norm", "loss", "learning_rate")),
+)
+
+
+def _read_own(path: Path) -> bytes | None:
+    """The bytes of a regular file of the run directory; None when absent, a link or not a regular file."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_NONBLOCK", 0))
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        with os.fdopen(fd, "rb") as f:
+            fd = -1
+            return f.read()
+    finally:
+        if fd >= 0:
+            os.close(fd)
 
 
 def _png_b64(path: Path) -> str | None:
-    return base64.b64encode(path.read_bytes()).decode() if path.is_file() else None
+    data = _read_own(path)
+    return base64.b64encode(data).decode() if data is not None else None
 
 
-def _plot_b64(rows: list[dict], keys: list[str], title: str) -> str | None:
-    png = curve_png(rows, keys, title, size=(6, 3.2), dpi=100, fontsize=7)
-    return base64.b64encode(png).decode() if png is not None else None
+def _num(v) -> bool:
+    """A finite real number (not a bool)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _claims(prefixes: tuple[str, ...], key: str) -> bool:
+    return any(key == p or (p.endswith("/") and key.startswith(p)) for p in prefixes)
+
+
+def family_keys(rows: list[dict]) -> list[tuple[str, str, list[str]]]:
+    """(title, caption, keys present in ``rows``) per metric family, in FAMILIES order; ``.../std`` keys and keys
+    without one finite value are left out."""
+    present = sorted({k for r in rows for k, v in r.items() if isinstance(k, str) and _num(v)})
+    out, taken = [], set()
+    for title, caption, prefixes in FAMILIES:
+        keys = [k for k in present if k not in taken and _claims(prefixes, k) and not k.endswith("/std")]
+        order = {p: i for i, p in enumerate(prefixes)}
+        keys.sort(key=lambda k: (min(i for p, i in order.items() if _claims((p,), k)), k))
+        taken.update(keys)
+        if keys:
+            out.append((title, caption, keys))
+    return out
+
+
+def _figure_b64(rows: list[dict], keys: list[str], title: str) -> str | None:
+    """Small multiples: one axis per key against iteration, integer ticks."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    series = []
+    for k in keys:
+        pts = [(r["iteration"], r[k]) for r in rows if _num(r.get(k)) and _num(r.get("iteration"))]
+        if pts:
+            series.append((k, pts))
+    if not series:
+        return None
+    cols = min(3, len(series))
+    nrows = math.ceil(len(series) / cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(3.3 * cols, 2.5 * nrows), squeeze=False)
+    for ax, (k, pts) in zip(axes.flat, series):
+        xs, ys = zip(*pts)
+        ax.plot(xs, ys, marker="o" if len(pts) < 20 else None, markersize=3)
+        ax.set_title(k, fontsize=8)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.tick_params(labelsize=7)
+        ax.grid(alpha=0.3)
+        ax.set_xlabel("iteration", fontsize=7)
+    for ax in list(axes.flat)[len(series):]:
+        ax.axis("off")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    plt.close(fig)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and not prefix and k not in ("weights", "options"):
+            out.update(_flat(v, f"{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def changed_keys(config_text: str) -> list[tuple[str, object, object]] | None:
+    """(key, default, value) for every key of a saved ``config.yaml`` whose value differs from the default; None
+    when the text is not a YAML mapping."""
+    try:
+        data = yaml.safe_load(config_text)
+    except yaml.YAMLError:
+        return None
+    if not isinstance(data, dict):
+        return None
+    default = _flat(RunConfig().to_dict())
+    ran = _flat({k: v for k, v in data.items() if isinstance(k, str)})
+    return [(k, default.get(k), v) for k, v in ran.items() if default.get(k, object()) != v]
+
+
+def _commit() -> str:
+    """The git commit of the code writing the report (a checkout), or a note that it is installed."""
+    here = Path(__file__).resolve().parent
+    try:
+        r = subprocess.run(["git", "-C", str(here), "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                           text=True, timeout=10)
+        if r.returncode == 0 and r.stdout.strip():
+            dirty = subprocess.run(["git", "-C", str(here), "status", "--porcelain", "--untracked-files=no"],
+                                   capture_output=True, text=True, timeout=10).stdout.strip()
+            return r.stdout.strip() + (" (with local changes)" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return "not a git checkout (an installed package)"
+
+
+def _completions(run: Path, rows: list[dict], limit: int = 8) -> list[tuple[str, list[dict]]]:
+    """(label, sample-table rows with a completion) of the first and the last evaluation of a masked-LM run."""
+    its = sorted({int(r["iteration"]) for r in rows if _num(r.get("iteration"))
+                  and any(isinstance(k, str) and k.startswith("eval/") for k in r)})
+    picks = ([("start", its[0])] + ([("end", its[-1])] if len(its) > 1 else [])) if its else []
+    out = []
+    for label, it in picks:
+        data = _read_own(run / "samples" / f"eval_{it:06d}.jsonl")
+        if data is None:
+            continue
+        got = []
+        for line in data.decode("utf-8", errors="replace").splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(rec, dict) and isinstance(rec.get("completion"), str):
+                got.append(rec)
+        if got:
+            out.append((f"{label} (iteration {it})", got[:limit]))
+    return out
+
+
+def _cell(v) -> str:
+    text = v if isinstance(v, str) else json.dumps(v, default=str)
+    return html.escape(text if len(text) <= 200 else text[:199] + "…")
+
 
 def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     """Write ``report.html`` (or ``out``) for a run directory; returns its path."""
     run = Path(run_dir)
     if not (run / "metrics.jsonl").is_file():
         raise FileNotFoundError(f"{run} has no metrics.jsonl: not a diffgrpo run directory")
-    rows = read_metrics(run / "metrics.jsonl")
+    rows = [r for r in read_metrics(run / "metrics.jsonl") if isinstance(r, dict)]
     train = [r for r in rows if "reward" in r]
-    evals = [r for r in rows if any(k.startswith("eval/") for k in r)]
-    config = (run / "config.yaml").read_text() if (run / "config.yaml").is_file() else "(no config.yaml)"
-    eval_keys = sorted({k for r in evals for k in r if k.startswith("eval/")})
-    reward_keys = ["reward"] + sorted({k for r in train for k in r if k.startswith("rewards/")})
-    plots = [
-        ("Reward (training batches)", _plot_b64(train, reward_keys, "reward")),
-        ("Held-out evaluation", _plot_b64(evals, eval_keys, "held-out (fixed prompts and seeds)")),
-        ("Policy statistics", _plot_b64(train, ["kl", "clip_ratio", "frac_reward_zero_std", "grad_norm"],
-                                        "kl / clip ratio / zero-std groups / grad norm")),
-    ]
-    timing_keys = sorted({k for r in train for k in r if k.startswith("time/")})
-    timing = [(k, statistics.mean(r[k] for r in train if isinstance(r.get(k), (int, float)))) for k in timing_keys
-              if any(isinstance(r.get(k), (int, float)) for r in train)]
+    evals = [r for r in rows if any(isinstance(k, str) and k.startswith("eval/") for k in r)]
+    raw = _read_own(run / "config.yaml")
+    config = raw.decode("utf-8", errors="replace") if raw is not None else "(no config.yaml)"
+    try:
+        saved = yaml.safe_load(config) if raw is not None else None
+    except yaml.YAMLError:
+        saved = None
+    saved = saved if isinstance(saved, dict) else {}
+    model = saved.get("model") if isinstance(saved.get("model"), dict) else {}
+    eval_keys = sorted({k for r in evals for k in r if isinstance(k, str) and k.startswith("eval/")})
+    timing_keys = sorted({k for r in train for k in r if isinstance(k, str) and k.startswith("time/")})
+    timing = [(k, statistics.mean(r[k] for r in train if _num(r.get(k)))) for k in timing_keys
+              if any(_num(r.get(k)) for r in train)]
+    wall = sum(r["time/iteration"] for r in train if _num(r.get("time/iteration")))
+    stamp = datetime.datetime.fromtimestamp((run / "metrics.jsonl").stat().st_mtime).astimezone()
+    header = [("run", run.name), ("last written", stamp.strftime("%Y-%m-%d %H:%M %Z")),
+              ("diffgrpo", __version__), ("code commit", _commit()),
+              ("training wall time", f"{wall / 60:.1f} min ({wall:.0f} s over {len(train)} iterations; "
+                                     "evaluations not included)"),
+              ("model", f"{model.get('name', '?')} {model.get('pretrained') or ''}".strip()),
+              ("device", f"{model.get('device', '?')} (from the run's config; report written on "
+                         f"{platform.machine()} {platform.system()}, {os.cpu_count()} CPU cores)")]
     parts = ["<!doctype html><html><head><meta charset='utf-8'><title>diffgrpo run report</title>",
-             "<style>body{font-family:sans-serif;max-width:960px;margin:2em auto;color:#222}"
+             "<style>body{font-family:sans-serif;max-width:1000px;margin:2em auto;color:#222}"
              "pre{background:#f6f6f6;padding:1em;overflow:auto;font-size:12px}"
-             "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:4px 8px;text-align:right}"
+             "table{border-collapse:collapse;margin:.5em 0}td,th{border:1px solid #ccc;padding:3px 8px;"
+             "text-align:left;font-size:13px;vertical-align:top}td.n{text-align:right}"
+             "figure{margin:1em 0}figcaption{font-size:13px;color:#555;margin-top:.3em}"
              "img{max-width:100%;image-rendering:pixelated}</style></head><body>",
-             f"<h1>Run report: {html.escape(run.name)}</h1>",
-             f"<p>{len(train)} training iterations, {len(evals)} evaluations.</p>"]
+             f"<h1>Run report: {html.escape(run.name)}</h1><table>"]
+    parts += [f"<tr><th>{html.escape(k)}</th><td>{html.escape(str(v))}</td></tr>" for k, v in header]
+    parts.append("</table>")
     if evals:
         first, last = evals[0], evals[-1]
         parts.append("<h2>Held-out evaluation, start → end</h2><table><tr><th>metric</th><th>start</th>"
                      "<th>end</th><th>change</th></tr>")
         for k in eval_keys:
-            if isinstance(first.get(k), (int, float)) and isinstance(last.get(k), (int, float)):
-                parts.append(f"<tr><td>{html.escape(k)}</td><td>{first[k]:.4f}</td><td>{last[k]:.4f}</td>"
-                             f"<td>{last[k] - first[k]:+.4f}</td></tr>")
+            if _num(first.get(k)) and _num(last.get(k)):
+                parts.append(f"<tr><td>{html.escape(k)}</td><td class=n>{first[k]:.4f}</td><td class=n>"
+                             f"{last[k]:.4f}</td><td class=n>{last[k] - first[k]:+.4f}</td></tr>")
         parts.append("</table>")
-    for title, b64 in plots:
+    for title, caption, keys in family_keys(rows):
+        b64 = _figure_b64(rows, keys, title)
         if b64:
-            parts.append(f"<h2>{title}</h2><img alt='{html.escape(title)}' src='data:image/png;base64,{b64}'>")
+            parts.append(f"<h2>{html.escape(title)}</h2><figure><img alt='{html.escape(title)}' "
+                         f"src='data:image/png;base64,{b64}'><figcaption>{html.escape(caption)}</figcaption>"
+                         "</figure>")
+    pair = _png_b64(run / "samples_start_end.png")
+    if pair:
+        parts.append("<h2>Samples, start and end</h2><figure><img alt='samples start and end' "
+                     f"src='data:image/png;base64,{pair}'><figcaption>Held-out samples at the start (left) and the "
+                     "end (right): the same prompts and seeds, so each tile pairs with the one beside it."
+                     "</figcaption></figure>")
+    else:
+        for tag in ("start", "end"):
+            b64 = _png_b64(run / f"samples_{tag}.png")
+            if b64:
+                parts.append(f"<h2>Samples at the {tag}</h2><figure><img alt='samples {tag}' "
+                             f"src='data:image/png;base64,{b64}'><figcaption>Held-out samples at the {tag} (fixed "
+                             "prompts and seeds).</figcaption></figure>")
+    completions = _completions(run, rows)
+    if completions:
+        parts.append("<h2>Completions, start and end</h2>")
+        for label, recs in completions:
+            parts.append(f"<h3>{html.escape(label)}</h3><table><tr><th>prompt</th><th>completion</th>"
+                         "<th>reference</th><th>reward</th></tr>")
+            for rec in recs:
+                meta = rec.get("metadata") if isinstance(rec.get("metadata"), dict) else {}
+                reward = rec.get("reward")
+                parts.append(f"<tr><td>{_cell(rec.get('prompt', ''))}</td><td>{_cell(rec['completion'])}</td>"
+                             f"<td>{_cell(meta.get('answer', ''))}</td><td class=n>"
+                             f"{f'{reward:.3f}' if _num(reward) else 'n/a'}</td></tr>")
+            parts.append("</table>")
+        parts.append("<p style='font-size:13px;color:#555'>The first evaluation prompts with their decoded "
+                     "completions, the reference answer and the reward.</p>")
     if timing:
         parts.append("<h2>Time per phase (mean seconds per iteration)</h2><table><tr><th>phase</th><th>s</th></tr>")
-        parts += [f"<tr><td>{html.escape(k)}</td><td>{v:.3f}</td></tr>" for k, v in timing]
+        parts += [f"<tr><td>{html.escape(k)}</td><td class=n>{v:.3f}</td></tr>" for k, v in timing]
         parts.append("</table>")
-    for tag in ("start", "end"):
-        b64 = _png_b64(run / f"samples_{tag}.png")
-        if b64:
-            parts.append(f"<h2>Samples at the {tag}</h2><img alt='samples {tag}' src='data:image/png;base64,{b64}'>")
-    parts.append(f"<h2>Resolved config</h2><pre>{html.escape(config)}</pre></body></html>")
+    changed = changed_keys(config) if raw is not None else None
+    parts.append("<h2>Config: the keys this run changed</h2>")
+    if changed:
+        parts.append("<table><tr><th>key</th><th>default</th><th>this run</th></tr>")
+        parts += [f"<tr><td>{html.escape(k)}</td><td>{_cell(d)}</td><td>{_cell(v)}</td></tr>" for k, d, v in changed]
+        parts.append("</table>")
+    else:
+        parts.append("<p>Every key at its default.</p>" if changed == [] else "<p>(no readable config.yaml)</p>")
+    parts.append(f"<details><summary>Resolved config</summary><pre>{html.escape(config)}</pre></details>"
+                 "</body></html>")
     dest = Path(out) if out else run / "report.html"
     atomic_write(dest, "\n".join(parts))  # never through a symlink planted at the destination
     return dest

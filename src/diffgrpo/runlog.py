@@ -13,6 +13,7 @@ import importlib.util
 import io
 import json
 import math
+import os
 import secrets
 from pathlib import Path
 from typing import Protocol
@@ -73,8 +74,19 @@ class TensorBoardTracker:
         self._w.close()
 
 
+def wandb_settings(log: dict, run_dir: Path, environ=None) -> tuple[str, str, list[str] | None]:
+    """(project, run name, tags) of a run's W&B run: ``log.wandb_project`` / ``log.wandb_name`` / ``log.wandb_tags``
+    when set, else ``WANDB_PROJECT`` / ``WANDB_NAME`` / ``WANDB_TAGS`` from the environment, else ``diffgrpo``, the run
+    directory's name and no tags."""
+    env = os.environ if environ is None else environ
+    project = log.get("wandb_project") or env.get("WANDB_PROJECT") or "diffgrpo"
+    name = log.get("wandb_name") or env.get("WANDB_NAME") or Path(run_dir).name
+    tags = list(log.get("wandb_tags") or []) or [t.strip() for t in env.get("WANDB_TAGS", "").split(",") if t.strip()]
+    return project, name, [str(t) for t in tags] or None
+
+
 class WandBTracker:
-    """A W&B run in project ``diffgrpo`` named after the run directory; its id is kept in ``<run_dir>/wandb_id``
+    """A W&B run (project, name and tags: :func:`wandb_settings`); its id is kept in ``<run_dir>/wandb_id``
     so that a resumed run continues the same W&B run."""
 
     def __init__(self, run_dir: Path, config: dict | None = None):
@@ -83,7 +95,8 @@ class WandBTracker:
         id_file = Path(run_dir) / "wandb_id"
         run_id = id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(6)
         atomic_write(id_file, run_id)
-        self._run = wandb.init(project="diffgrpo", dir=str(run_dir), config=config or {}, name=Path(run_dir).name,
+        project, name, tags = wandb_settings((config or {}).get("log", {}), run_dir)
+        self._run = wandb.init(project=project, dir=str(run_dir), config=config or {}, name=name, tags=tags,
                                id=run_id, resume="allow")
 
     def log(self, values: dict[str, float], step: int) -> None:

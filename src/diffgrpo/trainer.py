@@ -24,18 +24,23 @@ import torch
 from . import checkpoint, distributed, job
 from .checkpoint import RunState
 from .config import MODEL_FAMILIES, RunConfig
+from .console import emit
 from .ema import EMA
 from .errors import ConfigError, TrainingError
 from .families import FAMILIES
 from .family import Family, Sync
 from .models import POLICIES
+from .rewards import with_supplied
 from .types import EngineStats, Rollout
 from .validation import validate
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig | None = None, *, policy=None, log=print):
-        self.cfg = cfg = cfg or RunConfig()
+    def __init__(self, cfg: RunConfig | None = None, *, policy=None, rewards: dict | None = None, log=emit):
+        """``rewards``: name → reward callable (either convention of ``rewards.calling``); the run trains on
+        exactly these, weighted by ``cfg.reward.weights`` where it names them, else 1."""
+        cfg = cfg or RunConfig()
+        self.cfg = cfg = with_supplied(cfg, rewards) if rewards else cfg
         validate(cfg)  # also for configs built in Python rather than read by RunConfig.from_overrides
         self.log = log
         if cfg.model.cache_dir:

@@ -1,7 +1,11 @@
 """Reward registry and the weighted multi-reward combinator.
 
-A reward is any callable ``fn(images, prompts, metadata) -> (B,)`` (tensor, array or list of floats).
-Config names are registry keys or ``module:function`` plug-ins. A reward that raises is retried once, then stops
+A reward is any callable ``fn(images, prompts, metadata) -> (B,)`` (tensor, array or list of floats), or one in
+TRL's keyword convention ``fn(prompts=, completions=, <metadata field>=, **kwargs)`` (``rewards.calling``; the
+signature is checked at validation). Config names are registry keys, ``module:function`` plug-ins (the current
+directory is importable; ``__main__:fn`` names a function of a notebook or script) or names given to
+``Trainer(cfg, rewards={name: fn})`` (:func:`supply`); ``reward.options.<name>`` reach a plug-in as keywords.
+``http`` scores with a server (``rewards.http``). A reward that raises is retried once, then stops
 the run with a :class:`RewardError` naming it; one that returns anything but B real numbers (a string, None, a
 dict, the wrong shape) or calls ``sys.exit`` stops it at once with a one-line RewardError naming it (only
 KeyboardInterrupt passes through). NaN/inf values mark that sample invalid, so it is excluded from the group
@@ -19,6 +23,8 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import math
+import os
+import sys
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
@@ -26,7 +32,8 @@ import torch
 
 from ..errors import ConfigError, RewardError, suggest
 from ..types import DTYPES
-from . import clip_models, geneval, ocr, verifiers
+from . import calling, clip_models, geneval, ocr, verifiers
+from .http import http as http_reward
 from .image import digit_alignment, jpeg_compressibility, jpeg_incompressibility
 
 RewardFn = Callable[..., object]
@@ -64,7 +71,11 @@ MODEL_REWARDS: dict[str, ModelReward] = {
     "geneval": ModelReward(geneval.geneval,
                            {"detector": str, "clip": str, "dtype": str, "batch_size": int, "device": str,
                             "threshold": float, "nms_iou": float, "strict": bool}),
+    # a reward served elsewhere: reward.options.http.url is required
+    "http": ModelReward(http_reward, {"url": str, "timeout": float, "attempts": int, "batch_size": int, "token": str}),
 }
+# options a model reward cannot do without
+REQUIRED_OPTIONS = {"http": ("url",)}
 
 
 def _default_model_reward(name: str) -> RewardFn:
@@ -82,14 +93,53 @@ def _default_model_reward(name: str) -> RewardFn:
 REWARDS.update({name: _default_model_reward(name) for name in MODEL_REWARDS})
 
 
+# rewards handed to Trainer(cfg, rewards={name: fn}) in this process (names beside the registry's)
+SUPPLIED: dict[str, RewardFn] = {}
+
+
+def supply(rewards: Mapping[str, RewardFn]) -> None:
+    """Make ``rewards`` (name → callable) resolvable by name in this process, as ``Trainer(cfg, rewards=...)`` does.
+    A name may not shadow a registry reward or look like ``module:function``."""
+    for name, fn in rewards.items():
+        if not isinstance(name, str) or not name or ":" in name or name in REWARDS:
+            raise ConfigError(f"rewards: name {name!r} must be a new name (not a registry reward {sorted(REWARDS)} "
+                              "and without ':')")
+        if not callable(fn):
+            raise ConfigError(f"rewards: {name!r} is a {type(fn).__name__}, not a callable")
+        SUPPLIED[name] = fn
+
+
+def with_supplied(cfg, rewards: Mapping[str, RewardFn]):
+    """A copy of the run config ``cfg`` that trains on ``rewards`` (name → callable, :func:`supply`): its
+    ``reward.weights`` become exactly these names, each with the weight ``cfg.reward.weights`` gives it, else 1."""
+    import copy
+
+    supply(rewards)
+    cfg = copy.deepcopy(cfg)
+    cfg.reward.weights = {name: cfg.reward.weights.get(name, 1.0) for name in rewards}
+    return cfg
+
+
+def _import_module(mod: str):
+    """``importlib.import_module`` with the current directory importable (``diffgrpo`` started as a console
+    script does not put it on ``sys.path`` the way ``python script.py`` does)."""
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.append(cwd)
+    return importlib.import_module(mod)
+
+
 def resolve_reward(name: str) -> RewardFn:
-    """Registry key or ``package.module:function`` → callable. Raises ConfigError for unknown names."""
+    """Registry key, supplied name or ``package.module:function`` → callable. Raises ConfigError for unknown
+    names."""
     if name in REWARDS:
         return REWARDS[name]
+    if name in SUPPLIED:
+        return SUPPLIED[name]
     if ":" in name:
         mod, _, attr = name.partition(":")
         try:
-            fn = getattr(importlib.import_module(mod), attr)
+            fn = getattr(_import_module(mod), attr)
         except (ImportError, AttributeError) as e:
             raise ConfigError(f"reward.weights: cannot import reward {name!r} ({e})") from None
         if not callable(fn):
@@ -113,7 +163,7 @@ def _call_with_retry(name: str, fn: RewardFn, images, prompts, metadata, log):
     for attempt in (1, 2):
         try:
             return fn(images, prompts, metadata)
-        except KeyboardInterrupt:
+        except (KeyboardInterrupt, RewardError):  # a RewardError is final (e.g. http after its own retries)
             raise
         except Exception as e:  # noqa: BLE001 - reported with the reward's name
             if attempt == 2:
@@ -191,8 +241,8 @@ def make_rewards(weights: Mapping[str, float], options: Mapping[str, Mapping] | 
             opts = dict(options.get(name) or {})
             dev = opts.pop("device", "") or device
             out[name] = MODEL_REWARDS[name].build(None if dev is None else str(dev), **opts)
-        else:
-            out[name] = resolve_reward(name)
+        else:  # a plug-in: its options as keywords, TRL's keyword convention spread by name
+            out[name] = calling.bind(resolve_reward(name), options.get(name))
     return out
 
 
@@ -217,13 +267,15 @@ def _check_option(key: str, value, tp) -> object:
         name = key.rsplit(".", 1)[-1]
         if name in ("threshold", "nms_iou", "min_confidence") and not 0.0 <= value <= 1.0:
             raise ConfigError(f"{key}: value {value!r} is out of range; must be in [0, 1]")
-        if name == "divide_by" and not value > 0:
+        if name in ("divide_by", "timeout") and not value > 0:
             raise ConfigError(f"{key}: value {value!r} is out of range; must be > 0")
         return float(value)
     if not isinstance(value, str) or not value.strip():
         raise ConfigError(f"{key}: value {value!r} must be a non-empty string")
     if key.endswith(".dtype") and value not in _DTYPES:
         raise ConfigError(f"{key}: value {value!r} is not allowed; choose one of {list(_DTYPES)}")
+    if key.endswith(".url") and not value.startswith(("http://", "https://")):
+        raise ConfigError(f"{key}: value {value!r} must be an http:// or https:// URL")
     if key.endswith(".device"):
         try:
             torch.device(value)
@@ -238,6 +290,10 @@ def check_options(weights: Mapping[str, float], options: Mapping[str, Mapping]) 
     value of the right type and range. Raises a one-line ConfigError naming the key."""
     for name, opts in options.items():
         key = f"reward.options.{name}"
+        if name not in MODEL_REWARDS and name in weights and (":" in name or name in SUPPLIED):
+            if not isinstance(opts, Mapping):
+                raise ConfigError(f"{key}: value {opts!r} must be a mapping of keyword arguments, e.g. {{scale: 2}}")
+            continue  # a plug-in's options: checked against its signature (check_rewards)
         if name not in MODEL_REWARDS:
             raise ConfigError(f"{key}: {name!r} takes no options{suggest(name, list(MODEL_REWARDS))}; options "
                               f"apply to {sorted(MODEL_REWARDS)}")
@@ -252,6 +308,10 @@ def check_options(weights: Mapping[str, float], options: Mapping[str, Mapping]) 
                 raise ConfigError(f"{key}.{opt}: unknown option{suggest(str(opt), list(allowed))}; {name} takes "
                                   f"{sorted(allowed)}")
             _check_option(f"{key}.{opt}", value, allowed[opt])
+        for opt in REQUIRED_OPTIONS.get(name, ()):
+            if opt not in opts:
+                raise ConfigError(f"{key}.{opt}: required for reward {name!r}, e.g. reward.options={{{name}: {{{opt}: "
+                                  "...}}")
 
 
 def missing_packages(name: str) -> list[str]:
@@ -284,8 +344,14 @@ def check_rewards(weights: Mapping[str, float], options: Mapping[str, Mapping], 
         raise ConfigError(f"reward.weights: {text[0]!r} verifies text completions and cannot score "
                           f"model.name={model_name}'s images; choose e.g. pickscore, clip_score, aesthetic, ocr or "
                           f"geneval (text verifiers score masked diffusion LMs' completions)")
+    for name, opts in REQUIRED_OPTIONS.items():
+        if name in weights and name not in options:
+            raise ConfigError(f"reward.options.{name}.{opts[0]}: required for reward {name!r}, e.g. "
+                              f"reward.options={{{name}: {{{opts[0]}: 'http://127.0.0.1:8000/score'}}}}")
     check_options(weights, options)
     for name in weights:
+        if name not in REWARDS:  # a plug-in or a supplied callable: can it be called as a reward?
+            calling.check_signature(name, resolve_reward(name), options.get(name))
         missing = missing_packages(name)
         if missing:
             raise ConfigError(f"reward.weights: reward {name!r} needs {', '.join(missing)}, which is not installed; "

@@ -1,0 +1,188 @@
+"""Command-line habits users bring from TRL, flow_grpo, Hugging Face and accelerate, mapped onto dotted keys.
+
+  split_extras(extras)        arguments argparse did not take → overrides: ``key=value`` anywhere on the line,
+                              ``--key value`` / ``--key=value`` for any dotted key or alias; anything else is a
+                              one-line ConfigError.
+  translate(overrides, log)   aliases (``learning_rate=1e-5``, ``num_generations=16``, ``beta=0.04``) become their
+                              dotted key with a one-line note; names whose meaning differs between projects
+                              (TRL's ``num_iterations`` is this tool's ``train.num_inner_epochs``) are refused with
+                              the key to use; unknown keys get a suggestion from every section, not only their own.
+  accelerate_overrides(env)   ``accelerate launch`` exports its flags as ``ACCELERATE_*`` variables: honoured where
+                              this tool has the setting (``--mixed_precision bf16`` → ``model.mixed_precision``),
+                              refused in one line where it does not.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from collections.abc import Callable, Mapping
+
+from .config import RunConfig
+from .errors import ConfigError
+
+# alias → dotted key: names from TRL's GRPOConfig / transformers' TrainingArguments, flow_grpo's and DanceGRPO's
+# configs that mean the same thing here
+ALIASES: dict[str, str] = {
+    "learning_rate": "train.lr",
+    "lr": "train.lr",
+    "num_generations": "train.group_size",            # TRL
+    "num_image_per_prompt": "train.group_size",       # flow_grpo sample.num_image_per_prompt
+    "beta": "loss.beta",                              # TRL, flow_grpo train.beta: the KL coefficient
+    "kl_coef": "loss.beta",
+    "epsilon": "loss.clip_range",                     # TRL's PPO clip
+    "clip_range": "loss.clip_range",                  # flow_grpo train.clip_range
+    "max_steps": "train.num_iterations",              # transformers: optimizer-step budget of the run
+    "num_inner_epochs": "train.num_inner_epochs",     # flow_grpo
+    "max_grad_norm": "train.max_grad_norm",
+    "weight_decay": "train.weight_decay",
+    "adam_beta1": "train.adam_beta1",
+    "adam_beta2": "train.adam_beta2",
+    "lr_scheduler_type": "train.lr_schedule",
+    "output_dir": "log.output_dir",
+    "num_steps": "sampler.num_steps",                 # flow_grpo sample.num_steps
+    "noise_level": "sampler.noise_level",             # flow_grpo sample.noise_level
+    "guidance_scale": "model.guidance_scale",
+    "resolution": "model.resolution",
+    "pretrained_model": "model.pretrained",
+    "model_name_or_path": "model.pretrained",
+    "max_completion_length": "dllm.gen_length",
+    "max_prompt_length": "dllm.prompt_length",
+    "temperature": "dllm.temperature",
+    "save_steps": "train.save_every",
+    "eval_steps": "eval.every",
+}
+
+# names that mean something else here, or more than one thing: refused with the key(s) to use
+AMBIGUOUS: dict[str, str] = {
+    "num_iterations": "TRL's num_iterations (updates per batch, mu) is train.num_inner_epochs here; the run's "
+                      "length is train.num_iterations",
+    "per_device_train_batch_size": "a batch is train.prompts_per_batch x train.group_size samples; the size of one "
+                                   "backward is engine.micro_batch_size",
+    "gradient_accumulation_steps": "gradients accumulate over engine.micro_batch_size chunks of the batch by "
+                                   "themselves; set train.prompts_per_batch and engine.micro_batch_size",
+    "warmup_steps": "warmup counts iterations here: train.warmup_iterations",
+    "lora_rank": "model.lora_rank (flow models) or dllm.lora_rank (masked diffusion LMs)",
+    "gradient_checkpointing": "model.gradient_checkpointing (flow models) or dllm.gradient_checkpointing (masked "
+                              "diffusion LMs)",
+    "mixed_precision": "model.mixed_precision (flow models: autocast) or dllm.dtype (masked diffusion LMs)",
+    "report_to": "log.wandb=true and/or log.tensorboard=true",
+    "num_train_epochs": "a run is counted in iterations: train.num_iterations",
+}
+
+
+def _keys(obj, prefix: str = "") -> list[str]:
+    out = []
+    for f in dataclasses.fields(obj):
+        v = getattr(obj, f.name)
+        out.extend(_keys(v, f"{prefix}{f.name}.") if dataclasses.is_dataclass(v) else [f"{prefix}{f.name}"])
+    return out
+
+
+KEYS: tuple[str, ...] = tuple(_keys(RunConfig()))
+_OPEN = ("reward.weights.", "reward.options.")  # keys below these name rewards and their options
+
+
+def known(key: str) -> bool:
+    """Whether ``key`` is a config key, a section, or below a mapping key (``reward.weights.pickscore``)."""
+    return key in KEYS or any(k.startswith(key + ".") for k in KEYS) or key.startswith(_OPEN)
+
+
+def hint(key: str) -> str:
+    """A ``did you mean`` for an unknown key, looked for in every section: the same leaf name elsewhere, an alias,
+    or the closest dotted key."""
+    leaf = key.rsplit(".", 1)[-1].replace("-", "_")
+    if leaf in ALIASES:
+        return f" (did you mean {ALIASES[leaf]!r}?)"
+    if leaf in AMBIGUOUS:
+        return f" ({AMBIGUOUS[leaf]})"
+    same = [k for k in KEYS if k.rsplit(".", 1)[-1] == leaf]
+    if same:
+        return f" (did you mean {' or '.join(repr(k) for k in same)}?)"
+    close = difflib.get_close_matches(key, KEYS, n=1, cutoff=0.6) or [
+        k for k in KEYS if k.rsplit(".", 1)[-1] in difflib.get_close_matches(leaf, [c.rsplit(".", 1)[-1] for c in KEYS],
+                                                                             n=1, cutoff=0.75)][:1]
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def translate(overrides: list[str], log: Callable[[str], None] = print) -> list[str]:
+    """Overrides with aliases replaced by their dotted keys (a note each); unknown keys refused with a hint."""
+    out = []
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not key=value (e.g. train.lr=1e-5); see diffgrpo print-config")
+        key, value = item.split("=", 1)
+        key = key.strip()
+        if known(key):
+            out.append(item)
+            continue
+        name = key.replace("-", "_")
+        if name in ALIASES:
+            log(f"note: {key} is {ALIASES[name]} here; using {ALIASES[name]}={value}")
+            out.append(f"{ALIASES[name]}={value}")
+            continue
+        if name in AMBIGUOUS:
+            raise ConfigError(f"unknown config key {key!r}: {AMBIGUOUS[name]}")
+        raise ConfigError(f"unknown config key {key!r}{hint(key)}; diffgrpo print-config --docs lists every key")
+    return out
+
+
+def split_extras(extras: list[str]) -> list[str]:
+    """Arguments argparse left over → ``key=value`` overrides. Accepted: ``key=value``, ``--key=value``,
+    ``--key value`` where key is a dotted key or an alias (``-`` and ``_`` alike in the flag)."""
+    out, i = [], 0
+    while i < len(extras):
+        a = extras[i]
+        if a.startswith("--") and len(a) > 2:
+            name, eq, value = a[2:].partition("=")
+            key = name if known(name) else name.replace("-", "_")
+            if not (known(key) or key in ALIASES or key in AMBIGUOUS):
+                raise ConfigError(f"unrecognized argument {a!r}{hint(key)}; options are --flags of the command "
+                                  f"(diffgrpo COMMAND --help) and key=value overrides")
+            if not eq:
+                if i + 1 >= len(extras) or extras[i + 1].startswith("--"):
+                    raise ConfigError(f"{a}: expected a value (--{name} VALUE or {key}=VALUE)")
+                value = extras[i + 1]
+                i += 1
+            out.append(f"{key}={value}")
+        elif "=" in a and not a.startswith("-"):
+            out.append(a)
+        else:
+            raise ConfigError(f"unrecognized argument {a!r}; options are --flags of the command (diffgrpo COMMAND "
+                              f"--help) and key=value overrides")
+        i += 1
+    return out
+
+
+# ACCELERATE_* variable → (meaning of its default, how to honour a set value)
+def accelerate_overrides(env: Mapping[str, str] | None = None, family: str = "flow") -> list[str]:
+    """Overrides for the flags of ``accelerate launch`` found in ``env`` (its ``ACCELERATE_*`` exports), or a
+    one-line ConfigError for a flag this tool cannot honour. The processes themselves (ranks, world size) are
+    taken from the launcher's RANK / WORLD_SIZE as under torchrun."""
+    env = os.environ if env is None else env
+    out = []
+    mp = env.get("ACCELERATE_MIXED_PRECISION", "no").strip().lower()
+    if mp not in ("", "no"):
+        if mp not in ("bf16", "fp16"):
+            raise ConfigError(f"accelerate launch --mixed_precision {mp}: not supported; use bf16 or fp16 "
+                              "(model.mixed_precision)")
+        if family == "dllm":
+            raise ConfigError(f"accelerate launch --mixed_precision {mp}: masked diffusion LMs set their weight "
+                              "dtype with dllm.dtype=bfloat16; drop the flag")
+        out.append(f"model.mixed_precision={mp}")
+    if env.get("ACCELERATE_USE_FSDP", "").strip().lower() in ("true", "1"):
+        out.append("dist.mode=fsdp2")
+    for var, flag, instead in (
+            ("ACCELERATE_USE_DEEPSPEED", "--use_deepspeed", "dist.mode=fsdp2 shards weights and optimizer state"),
+            ("ACCELERATE_USE_MEGATRON_LM", "--use_megatron_lm", "dist.mode=fsdp2 shards the model"),
+            ("ACCELERATE_DYNAMO_BACKEND", "--dynamo_backend", "torch.compile is not applied by this tool"),
+            ("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "--gradient_accumulation_steps",
+             "accumulation follows engine.micro_batch_size")):
+        value = env.get(var, "").strip()
+        if value and value.lower() not in ("false", "0", "no", "1" if "ACCUMULATION" in var else "no"):
+            raise ConfigError(f"accelerate launch {flag} {value}: not supported by diffgrpo ({instead}); drop the "
+                              "flag")
+    return out
+
+
+__all__ = ["ALIASES", "AMBIGUOUS", "KEYS", "accelerate_overrides", "hint", "known", "split_extras", "translate"]

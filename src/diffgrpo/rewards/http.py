@@ -1,0 +1,118 @@
+"""``http``: a reward served elsewhere (a VLM judge on other GPUs, a scoring service), called over HTTP.
+
+Each call POSTs JSON batches of at most ``batch_size`` samples to ``url``::
+
+    {"prompts": [str, ...], "metadata": [{...}, ...],
+     "images": ["<base64 PNG>", ...]          # image runs: one PNG per sample (video: one per frame, "frames")
+     "completions": [str, ...]}               # text runs
+
+and reads back ``{"scores": [float, ...]}`` (or a bare JSON list), one number per sample; ``null`` marks a sample
+the server could not score (it becomes NaN: excluded from its group). A request that fails (connection refused,
+timeout after ``timeout`` seconds, HTTP 5xx or 429) is tried again up to ``attempts`` times in all, with a short
+backoff; a 4xx other than 429, a reply that is not JSON or has the wrong length, or the last failed attempt is a
+one-line RewardError naming the URL. Standard library only (``urllib``); the images are encoded with Pillow.
+"""
+from __future__ import annotations
+
+import base64
+import io
+import json
+import math
+import time
+import urllib.error
+import urllib.request
+
+import numpy as np
+import torch
+from PIL import Image
+
+from ..errors import RewardError
+from .loading import batches, to_uint8_hwc
+
+
+def png_base64(image: np.ndarray) -> str:
+    """An (H, W, 3) uint8 array → base64 text of its PNG."""
+    buf = io.BytesIO()
+    Image.fromarray(image).save(buf, format="PNG")
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def encode_samples(samples) -> dict:
+    """The batch's samples as JSON: ``images`` (B base64 PNGs) for (B, C, H, W) in [0, 1], ``frames`` (B lists of
+    F PNGs) for video (B, C, F, H, W), ``completions`` for strings."""
+    if torch.is_tensor(samples):
+        if samples.dim() == 5:  # (B, C, F, H, W)
+            frames = samples.permute(0, 2, 1, 3, 4)  # (B, F, C, H, W)
+            return {"frames": [[png_base64(a) for a in to_uint8_hwc(v)] for v in frames]}
+        return {"images": [png_base64(a) for a in to_uint8_hwc(samples)]}
+    return {"completions": [str(s) for s in samples]}
+
+
+def _scores(url: str, reply: bytes, n: int) -> list[float]:
+    try:
+        data = json.loads(reply)
+    except ValueError:
+        raise RewardError(f"reward 'http' at {url}: the reply is not JSON ({reply[:80]!r})") from None
+    scores = data.get("scores") if isinstance(data, dict) else data
+    if not isinstance(scores, list) or len(scores) != n:
+        what = f"{len(scores)} scores" if isinstance(scores, list) else f"a {type(scores).__name__}"
+        raise RewardError(f"reward 'http' at {url}: expected {{\"scores\": [{n} numbers]}}, got {what}")
+    out = []
+    for s in scores:
+        if s is None:
+            out.append(math.nan)
+        elif isinstance(s, (int, float)) and not isinstance(s, bool):
+            out.append(float(s))
+        else:
+            raise RewardError(f"reward 'http' at {url}: score {s!r} is not a number")
+    return out
+
+
+BACKOFF = 0.5  # seconds before the second attempt, doubling, at most 4 s
+
+
+def post(url: str, payload: dict, *, timeout: float, attempts: int, headers: dict | None = None) -> bytes:
+    """POST ``payload`` as JSON; → the reply body. Retries transient failures (see the module docstring)."""
+    body = json.dumps(payload, default=str).encode()  # metadata values JSON cannot hold: as text
+    last = ""
+    for attempt in range(1, attempts + 1):
+        req = urllib.request.Request(url, data=body, method="POST",
+                                     headers={"Content-Type": "application/json", **(headers or {})})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
+                return resp.read()
+        except urllib.error.HTTPError as e:
+            last = f"HTTP {e.code} {e.reason}"
+            if e.code != 429 and e.code < 500:
+                raise RewardError(f"reward 'http' at {url}: {last} (not retried: the request itself is refused)"
+                                  ) from None
+        except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
+            reason = getattr(e, "reason", e)
+            last = f"{type(reason).__name__}: {' '.join(str(reason).split())[:120]}"
+        if attempt < attempts:
+            time.sleep(min(BACKOFF * 2 ** (attempt - 1), 4.0))
+    raise RewardError(f"reward 'http' at {url}: {last} after {attempts} attempt{'s' if attempts > 1 else ''} "
+                      f"(timeout {timeout:g} s each)")
+
+
+def http(device=None, *, url: str, timeout: float = 60.0, attempts: int = 3, batch_size: int = 64, token: str = ""):
+    """The ``http`` reward for ``url`` (``device`` is unused: the server scores). ``token``: sent as
+    ``Authorization: Bearer <token>``."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+
+    def score(samples, prompts, metadata=None) -> torch.Tensor:
+        B = len(prompts)
+        metadata = list(metadata) if metadata is not None else [{} for _ in range(B)]
+        out: list[float] = []
+        for sl in batches(B, batch_size):
+            part = samples[sl] if torch.is_tensor(samples) else list(samples)[sl]
+            payload = {"prompts": list(prompts)[sl], "metadata": [dict(m) for m in metadata[sl]],
+                       **encode_samples(part)}
+            out.extend(_scores(url, post(url, payload, timeout=timeout, attempts=attempts, headers=headers),
+                               sl.stop - sl.start))
+        return torch.tensor(out, dtype=torch.float32)
+    score.__name__ = score.__qualname__ = "http"
+    return score
+
+
+__all__ = ["encode_samples", "http", "png_base64", "post"]

@@ -1,0 +1,175 @@
+"""The command line as users type it: overrides anywhere on every subcommand, TRL / flow_grpo names, suggestions
+across sections, print-config --docs / --changed (and docs/config.md kept equal to it), accelerate launch's flags,
+the CPU thread rule, and the hub's one-line failures without network."""
+from __future__ import annotations
+
+import socket
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from diffgrpo import RunConfig
+from diffgrpo.cli import main, parse_args
+from diffgrpo.configdoc import reference_markdown
+from diffgrpo.errors import ConfigError
+from diffgrpo.flags import accelerate_overrides
+from diffgrpo.hub import check_hub, needed
+from diffgrpo.runtime import apply_cpu_threads, cpu_threads
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_overrides_anywhere_on_every_subcommand():
+    cases = {
+        ("export", "RUN", "--out", "DIR", "model.pretrained=/x"): ["model.pretrained=/x"],
+        ("export", "RUN", "model.pretrained=/x", "--out", "DIR", "--merge", "seed=2"): ["model.pretrained=/x", "seed=2"],
+        ("train", "seed=1", "--config", "c.yaml", "train.lr=1e-5"): ["seed=1", "train.lr=1e-5"],
+        ("train", "--train.lr", "1e-5", "--resume", "auto", "--seed=3"): ["train.lr=1e-5", "seed=3"],
+        ("sample", "--out", "s.png", "seed=4", "--prompt", "a=b", "--num", "2"): ["seed=4"],
+        ("bench", "engines", "--repeats", "1", "train.group_size=2"): ["train.group_size=2"],
+        ("print-config", "--changed", "seed=5"): ["seed=5"],
+        ("download", "--dry-run", "seed=6"): ["seed=6"],
+        ("pretrain", "--task", "sudoku", "seed=7"): ["seed=7"],
+    }
+    for argv, overrides in cases.items():
+        args = parse_args(list(argv))
+        assert args.overrides == overrides, argv
+    args = parse_args(["sample", "--out", "s.png", "seed=4", "--prompt", "a=b"])
+    assert args.prompt == ["a=b"] and args.out == "s.png"  # a flag's own value is never an override
+    args = parse_args(["export", "RUN", "--out", "DIR", "model.pretrained=/x"])
+    assert args.source == "RUN" and args.out == "DIR"
+
+
+def test_aliases_map_with_a_note_or_are_refused_with_the_key(capsys):
+    args = parse_args(["train", "--learning_rate", "3e-5", "num_generations=4", "beta=0.04", "--max-grad-norm=0.5"])
+    assert args.overrides == ["train.lr=3e-5", "train.group_size=4", "loss.beta=0.04", "train.max_grad_norm=0.5"]
+    err = capsys.readouterr().err
+    assert "note: learning_rate is train.lr here" in err and "num_generations is train.group_size" in err
+    cfg = RunConfig.from_overrides(args.overrides)
+    assert (cfg.train.lr, cfg.train.group_size, cfg.loss.beta) == (3e-5, 4, 0.04)
+    with pytest.raises(ConfigError, match="num_iterations.*train.num_inner_epochs here; the run's length"):
+        parse_args(["train", "num_iterations=3"])
+    assert main(["print-config", "engine.group_size=3"]) == 2
+    assert "did you mean 'train.group_size'?" in capsys.readouterr().err
+    assert main(["print-config", "sampler.lora_alpha=2"]) == 2  # the leaf lives in two other sections
+    assert "'model.lora_alpha' or 'dllm.lora_alpha'" in capsys.readouterr().err
+    assert main(["print-config", "--bogus-flag", "1"]) == 2
+    assert "unknown config key 'bogus_flag'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:  # report takes no overrides: argparse's usage error, exit 2
+        main(["report", "RUN", "seed=1"])
+    assert e.value.code == 2 and "unrecognized arguments: seed=1" in capsys.readouterr().err
+
+
+def test_print_config_changed_is_a_config_that_reproduces_the_run(tmp_path, capsys):
+    over = ["train.lr=3e-4", "seed=2", "reward.weights={jpeg_compressibility: 1.0}", "sampler.num_steps=6"]
+    assert main(["print-config", "--changed", *over]) == 0
+    changed = yaml.safe_load(capsys.readouterr().out)
+    assert changed == {"seed": 2, "sampler": {"num_steps": 6}, "reward": {"weights": {"jpeg_compressibility": 1.0}},
+                       "train": {"lr": 3e-4}}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(changed))
+    assert RunConfig.from_yaml(tmp_path / "c.yaml").to_dict() == RunConfig.from_overrides(over).to_dict()
+    assert main(["print-config", "--changed"]) == 0 and "every key at its default" in capsys.readouterr().out
+
+
+def test_docs_config_md_is_the_generated_reference(capsys):
+    """docs/config.md is `diffgrpo print-config --docs`; regenerate it with that command when a field changes."""
+    assert main(["print-config", "--docs"]) == 0
+    out = capsys.readouterr().out
+    assert out == reference_markdown()
+    assert (ROOT / "docs" / "config.md").read_text() == out, "run: diffgrpo print-config --docs > docs/config.md"
+    for key in ("`train.lr`", "`model.cpu_threads`", "`loss.beta`", "`dllm.method`", "`dist.mode`"):
+        assert key in out
+    assert "| `sampler.sde_type` | str | `flow_sde` | `flow_sde` \\| `dance_sde` \\| `cps` \\| `ode` |" in out
+
+
+def test_accelerate_launch_flags_honoured_or_refused():
+    assert accelerate_overrides({"ACCELERATE_MIXED_PRECISION": "no"}) == []
+    assert accelerate_overrides({"ACCELERATE_MIXED_PRECISION": "bf16"}) == ["model.mixed_precision=bf16"]
+    assert accelerate_overrides({"ACCELERATE_USE_FSDP": "true"}) == ["dist.mode=fsdp2"]
+    with pytest.raises(ConfigError, match="dllm.dtype=bfloat16"):
+        accelerate_overrides({"ACCELERATE_MIXED_PRECISION": "bf16"}, family="dllm")
+    with pytest.raises(ConfigError, match="--use_deepspeed true: not supported"):
+        accelerate_overrides({"ACCELERATE_USE_DEEPSPEED": "true"})
+    with pytest.raises(ConfigError, match="--gradient_accumulation_steps 4"):
+        accelerate_overrides({"ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "4"})
+    assert accelerate_overrides({"ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "1", "ACCELERATE_DYNAMO_BACKEND": "NO"}) == []
+
+
+def test_accelerate_mixed_precision_reaches_the_config(monkeypatch, capsys):
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    assert main(["print-config", "--changed"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out) == {"model": {"mixed_precision": "bf16"}}
+    assert main(["print-config", "--changed", "model.mixed_precision=fp16"]) == 0  # the command line wins
+    assert yaml.safe_load(capsys.readouterr().out) == {"model": {"mixed_precision": "fp16"}}
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    assert main(["print-config"]) == 2 and "not supported by diffgrpo" in capsys.readouterr().err
+
+
+def test_cpu_thread_rule(monkeypatch):
+    assert cpu_threads(0, model_name="tiny", device="cpu", environ={}) == 1
+    assert cpu_threads(0, model_name="tiny_mlm", device="cpu", environ={}) == 1
+    assert cpu_threads(0, model_name="diffusers", device="cpu", environ={}) is None  # torch's default
+    assert cpu_threads(0, model_name="tiny", device="cuda", environ={}) is None
+    assert cpu_threads(3, model_name="tiny", device="cpu", environ={}) == 3
+    assert cpu_threads(3, model_name="tiny", device="cpu", environ={"OMP_NUM_THREADS": "2"}) is None
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        torch.set_num_threads(2)
+        assert apply_cpu_threads(RunConfig.from_overrides(["model.device=cpu"])) == 1
+        assert apply_cpu_threads(RunConfig.from_overrides(["model.device=cpu", "model.cpu_threads=2"])) == 2
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")
+        assert apply_cpu_threads(RunConfig.from_overrides(["model.device=cpu"])) == 2  # the environment wins
+    finally:
+        torch.set_num_threads(before)
+
+
+SD = ["model.name=diffusers", "model.pretrained=org-that-does-not-exist/pipeline",
+      "reward.weights={pickscore: 1.0, aesthetic: 0.5}"]
+
+
+def test_hub_models_of_a_config():
+    cfg = RunConfig.from_overrides([*SD, "reward.options={pickscore: {model: /local/pickscore}}"])
+    assert needed(cfg) == [
+        ("model.pretrained", "org-that-does-not-exist/pipeline", None),
+        ("reward.options.pickscore.processor", "laion/CLIP-ViT-H-14-laion2B-s32B-b79K", None),
+        ("reward.options.aesthetic.model", "openai/clip-vit-large-patch14", None),
+        ("reward.options.aesthetic.head", "camenduru/improved-aesthetic-predictor", "sac+logos+ava1-l14-linearMSE.pth")]
+    assert needed(RunConfig()) == []  # the built-in model needs nothing from the hub
+
+
+def _closed_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def test_hub_failures_are_one_line_and_fast_without_network(tmp_path, monkeypatch, capsys):
+    """Offline mode, and a hub endpoint that refuses connections, fail in one line within seconds, before any
+    model loads and without writing a run directory."""
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # an empty cache
+    monkeypatch.setattr("diffgrpo.trainer.POLICIES", {})  # building a policy would raise KeyError
+    out = tmp_path / "run"
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    t0 = time.perf_counter()
+    assert main(["train", *SD, f"log.output_dir={out}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "not in the local Hugging Face cache and HF_HUB_OFFLINE=1" in err
+    assert "diffgrpo download" in err
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    import huggingface_hub.constants as hc
+
+    monkeypatch.setattr(hc, "ENDPOINT", f"http://127.0.0.1:{_closed_port()}")
+    with pytest.raises(ConfigError, match="cannot reach the Hugging Face hub .* not in the local cache") as e:
+        check_hub(RunConfig.from_overrides(SD))
+    assert "\n" not in str(e.value)
+    assert time.perf_counter() - t0 < 60 and not out.exists()
+    assert main(["download", *SD, "--dry-run"]) == 0
+    assert "would fetch org-that-does-not-exist/pipeline  (model.pretrained)" in capsys.readouterr().out
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert main(["download", *SD]) == 2 and "HF_HUB_OFFLINE=1 is set" in capsys.readouterr().err
