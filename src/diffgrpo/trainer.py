@@ -462,14 +462,17 @@ class Trainer:
             return outcome
         first, last_eval = outcome["start"], outcome["end"]
         self.log(f"eval at end:   {_fmt(last_eval)}")
-        weights = distributed.to_full(self.policy.state_dict())  # a collective under FSDP2
-        ema_weights = self.ema.state_dict() if self.ema is not None else None
+        # FSDP2: the full weights gathered onto rank 0's CPU, one tensor at a time (a collective)
+        full = (distributed.full_model_state(self.family.network(), trainable_only=cfg.model.lora_rank > 0)
+                if self.dist_mode == "fsdp2" and self.world.world_size > 1 else None)
+        weights = self.policy.state_dict(full) if lead else None
+        ema_weights = distributed.to_full(self.ema.state_dict()) if self.ema is not None else None
         if not lead:
             return {"start": first, "end": last_eval}
         atomic_write(out / "weights.safetensors", lambda tmp: save_file(weights, str(tmp)))
         if self.ema is not None:
             atomic_write(out / "weights_ema.safetensors", lambda tmp: save_file(ema_weights, str(tmp)))
-        self.policy.export(out)  # the library's own format: LoRA for load_lora_weights, or a from_pretrained directory
+        self.policy.export(out, weights if full is not None else None)  # the library's own format: LoRA for load_lora_weights, or a from_pretrained directory
         if cfg.log.save_images:
             rows = read_metrics(out / "metrics.jsonl", log=self.log)
             keys = ("reward",) + tuple(k for k in last_eval if k.startswith("eval/rewards/"))

@@ -33,7 +33,7 @@ import torch
 import torch.nn as nn
 
 from ..cache import cache_lock, cache_root, save_dir_atomic
-from ..distributed import fully_shard_each, is_initialized, launched_local_rank, resolve_device, sharded
+from ..distributed import fully_shard_each, is_initialized, launched_local_rank, resolve_device
 from ..distributed import transformer_blocks as root_blocks
 from ..dllm.tasks import VOCAB, get_task, pad_right
 from ..errors import ConfigError
@@ -88,24 +88,20 @@ class MaskedLMPolicy:
     def named_trainable_parameters(self) -> dict[str, nn.Parameter]:
         return {n: p for n, p in self.model.named_parameters() if p.requires_grad}
 
-    def export(self, run_dir) -> Path:
+    def export(self, run_dir, weights: dict[str, torch.Tensor] | None = None) -> Path:
         """Save the trained model into ``run_dir``: a LoRA as a peft adapter directory ``<run_dir>/lora``
         (``PeftModel.from_pretrained(base, <run_dir>/lora)``), a full fine-tune as a ``from_pretrained`` directory
-        ``<run_dir>/model``; with the tokenizer when it has a transformers one. Under FSDP2 (sharded weights, only
-        rank 0 exports) the full weights come from the run's ``weights.safetensors``."""
-        from safetensors.torch import load_file, save_file
-
-        full = None
-        if sharded(self.trainable_parameters()):
-            full = load_file(str(Path(run_dir) / "weights.safetensors"))
+        ``<run_dir>/model``; with the tokenizer when it has a transformers one. ``weights``: the trainable weights
+        as full tensors (``state_dict(full)``, an FSDP2 run's gathered state) instead of the live module's."""
+        from safetensors.torch import save_file
 
         def write(d: Path) -> None:
             if self.lora:
                 self.model.peft_config["default"].save_pretrained(str(d))  # adapter_config.json
-                save_file(full if full is not None else self.state_dict(), str(d / "adapter_model.safetensors"))
-            elif full is not None:
+                save_file(weights if weights is not None else self.state_dict(), str(d / "adapter_model.safetensors"))
+            elif weights is not None:
                 with own_class(self.model):
-                    self.model.save_pretrained(str(d), state_dict=full)
+                    self.model.save_pretrained(str(d), state_dict=weights)
             else:
                 self.model.save_pretrained(str(d))
             if isinstance(self.vocab, HFTokenizerVocab):
@@ -125,13 +121,16 @@ class MaskedLMPolicy:
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """The trainable weights: the whole model, or the LoRA adapter under peft's saved names."""
+    def state_dict(self, full: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """The trainable weights: the whole model, or the LoRA adapter under peft's saved names. ``full``: take
+        them from the model's full state dict gathered from FSDP2 shards (``distributed.full_model_state``)
+        instead of the live (sharded) module."""
         if self.lora:
             from peft.utils import get_peft_model_state_dict
 
-            return {k: v.detach().contiguous() for k, v in get_peft_model_state_dict(self.model).items()}
-        return untied_state_dict(self.model)
+            layers = get_peft_model_state_dict(self.model, state_dict=full)
+            return {k: v.detach().contiguous() for k, v in layers.items()}
+        return untied_state_dict(self.model) if full is None else {k: v.contiguous() for k, v in full.items()}
 
     def load_state_dict(self, sd):
         if self.lora:
