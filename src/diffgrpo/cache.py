@@ -8,6 +8,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from .fileio import check_below
+
 
 def cache_root(cache_dir: str = "") -> Path:
     """Cache directory: explicit argument, else $DIFFGRPO_CACHE, else ~/.cache/diffgrpo."""
@@ -31,7 +33,9 @@ def cache_lock(path: Path):
 
 
 def save_dir_atomic(target: Path, write) -> Path:
-    """Call ``write(tmp_dir)`` then atomically move the directory into place (no half-written cache)."""
+    """Call ``write(tmp_dir)`` then atomically move the directory into place (no half-written cache). Below a
+    guarded run directory (``fileio.run_root``) no folder on the way may be a symbolic link."""
+    check_below(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:

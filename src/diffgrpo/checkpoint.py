@@ -40,7 +40,7 @@ from safetensors.torch import load_file, save_file
 
 from . import distributed
 from .errors import TrainingError
-from .fileio import atomic_write
+from .fileio import atomic_write, check_below
 
 _DIR_RE = re.compile(r"^iter_(\d{6,})$")
 
@@ -62,6 +62,7 @@ def save_checkpoint(run_dir: Path, iteration: int, *, trainable: dict[str, torch
     ``write_files(directory)`` adds files of its own (e.g. the policy's ``lora/``) to the checkpoint before it is
     checksummed and renamed into place."""
     root = Path(run_dir) / "checkpoints"
+    check_below(root / "latest.json")  # a planted checkpoints/ link: refused, never written into or pruned
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"iter_{iteration:06d}"
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp_iter_{iteration:06d}.", dir=root))
@@ -85,6 +86,7 @@ def save_checkpoint(run_dir: Path, iteration: int, *, trainable: dict[str, torch
 def _publish(run_dir: Path, tmp: Path, final: Path, iteration: int, keep_last: int) -> Path:
     """Rename the sealed temporary directory into place, point the manifest at it, prune to ``keep_last``."""
     root = final.parent
+    check_below(final / "state.json")
     if final.is_symlink():
         final.unlink()
     elif final.exists():
@@ -121,9 +123,10 @@ def save_sharded_checkpoint(run_dir: Path, iteration: int, *, write_shards: Call
     tmp, error = None, None
     if lead:
         try:
+            check_below(root / "latest.json")
             root.mkdir(parents=True, exist_ok=True)
             tmp = Path(tempfile.mkdtemp(prefix=f".tmp_iter_{iteration:06d}.", dir=root))
-        except OSError as e:
+        except (OSError, TrainingError) as e:
             error = str(e).splitlines()[0] if str(e) else type(e).__name__
     tmp, error = distributed.all_gather_object((tmp, error))[0]
     if error is None:

@@ -10,9 +10,15 @@ redirect them elsewhere.
                             ``write`` call.
   read_jsonl(path)          the rows of a JSON-lines log; a torn last line (a write cut short by a full disk or a
                             kill) is dropped with a warning, a damaged line elsewhere is an error naming the line.
+  run_root(directory)       inside the block ``directory`` is guarded: every write, append and delete below it
+                            (``atomic_write``, ``append_line``, ``check_below`` called by the checkpoint and export
+                            writers) refuses a path one of whose folders below ``directory`` is a symbolic link, so
+                            a planted ``samples/`` or ``checkpoints/`` link never receives files or has its
+                            contents pruned. The directory itself may be a link (the user's choice of disk).
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -23,9 +29,41 @@ from typing import Callable
 from .errors import TrainingError
 
 
+_ROOTS: list[Path] = []  # the guarded run directories (absolute, not resolved), see run_root
+
+
+@contextlib.contextmanager
+def run_root(directory: str | Path):
+    """Guard ``directory`` for the block's duration (see the module docstring)."""
+    root = Path(os.path.abspath(directory))
+    _ROOTS.append(root)
+    try:
+        yield root
+    finally:
+        _ROOTS.remove(root)
+
+
+def check_below(path: str | Path) -> None:
+    """TrainingError when a folder between a guarded run directory and ``path`` (``path``'s parents below the
+    root, not ``path`` itself: a link there is replaced, never written through) is a symbolic link."""
+    p = Path(os.path.abspath(path))
+    for root in _ROOTS:
+        try:
+            parts = p.relative_to(root).parts[:-1]
+        except ValueError:
+            continue
+        cur = root
+        for part in parts:
+            cur = cur / part
+            if cur.is_symlink():
+                raise TrainingError(f"{cur} is a symbolic link inside the run directory {root}; refusing to write "
+                                    "or delete through it (remove the link)")
+
+
 def atomic_write(path: str | Path, data: bytes | str | Callable[[Path], None]) -> Path:
     """Write ``data`` (bytes, text, or ``writer(tmp_path)``) to ``path`` through a temporary file + rename."""
     path = Path(path)
+    check_below(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     tmp = Path(tmp_name)
@@ -55,6 +93,7 @@ def atomic_write(path: str | Path, data: bytes | str | Callable[[Path], None]) -
 
 def append_line(path: str | Path, text: str) -> None:
     """Append ``text`` + newline to ``path`` (created if missing), refusing to follow a symlink at ``path``."""
+    check_below(path)
     try:
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
     except OSError as e:
@@ -93,4 +132,4 @@ def read_jsonl(path: str | Path, log=print) -> list[dict]:
     return rows
 
 
-__all__ = ["atomic_write", "append_line", "read_jsonl"]
+__all__ = ["append_line", "atomic_write", "check_below", "read_jsonl", "run_root"]

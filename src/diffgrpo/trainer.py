@@ -34,7 +34,7 @@ from .dllm.family import DLLMFamily
 from .ema import EMA
 from .errors import ConfigError, TrainingError
 from .family import Family, Sync
-from .fileio import atomic_write
+from .fileio import atomic_write, run_root
 from .flow.family import FlowFamily
 from .media import SampleTable, caption_of, side_by_side
 from .models import POLICIES
@@ -436,7 +436,8 @@ class Trainer:
             except OSError as e:  # e.g. a symlink planted at .lock: never followed
                 raise TrainingError(f"log.output_dir: cannot lock {str(out / '.lock')!r} ({e.strerror})") from None
         try:
-            return self._train(out, resume)
+            with run_root(out):  # no write or delete below out goes through a planted symlinked folder
+                return self._train(out, resume)
         finally:
             if lock.is_locked:
                 lock.release()
