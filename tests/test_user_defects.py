@@ -42,6 +42,7 @@ def _planted(tmp_path: Path, name: str) -> tuple[Path, Path]:
     """A run directory whose ``name`` subfolder is a link to a folder holding a user's file and iter_* folders."""
     run, target = tmp_path / "run", tmp_path / "elsewhere"
     run.mkdir()
+    (run / ".diffgrpo-run").write_text('{"tool": "diffgrpo"}')  # a run directory of this tool
     target.mkdir()
     (target / "keep.txt").write_text("mine")
     for i in (1, 2, 3):
@@ -100,3 +101,97 @@ def test_two_sigterms_end_a_run_whose_background_reward_hangs(tmp_path):
         p.kill()
         pytest.fail("two SIGTERMs did not end a run whose reward hangs")
     assert p.returncode == 130, text
+
+
+# ------------------------------------------------------------------------------------------ H-3 prompts files
+def test_prompts_file_is_pinned_by_absolute_path_and_content(tmp_path, monkeypatch, capsys):
+    first, second = tmp_path / "a", tmp_path / "b"
+    for d in (first, second):
+        d.mkdir()
+        (d / "prompts.txt").write_text("a handwritten digit 3\na handwritten digit 4\n" if d is first
+                                       else "a handwritten digit 8\n")
+    out = tmp_path / "run"
+    monkeypatch.chdir(first)
+    assert main(["train", *FAST, "train.num_iterations=1", "train.save_every=1", "train.prompts_file=prompts.txt",
+                 f"log.output_dir={out}"]) == 0
+    saved = (out / "config.yaml").read_text()
+    assert f"prompts_file: {first / 'prompts.txt'}" in saved
+    monkeypatch.chdir(second)  # a resume from elsewhere reads the run's own file, not ./prompts.txt
+    assert main(["train", "--resume", str(out), "train.num_iterations=2"]) == 0
+    assert f"prompts_file: {first / 'prompts.txt'}" in (out / "config.yaml").read_text()
+    (first / "prompts.txt").write_text("a handwritten digit 9\n")
+    capsys.readouterr()
+    assert main(["train", "--resume", str(out), "train.num_iterations=3"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: train.prompts_file: ") and "changed since the run started" in err[0]
+
+
+# ------------------------------------------------------------------------------------------ H-4 YAML scalars
+@pytest.mark.parametrize("typed", ["001", "010", "12:30", "on", "0x1F", "1e3", "2024-01-01"])
+def test_string_keys_get_the_text_as_typed(typed):
+    from diffgrpo import RunConfig
+
+    assert RunConfig.from_overrides([f"log.output_dir={typed}"]).log.output_dir == typed
+    assert RunConfig.from_overrides([f"model.negative_prompt={typed}"]).model.negative_prompt == typed
+
+
+def test_words_and_numbers_parse_as_yaml_1_2():
+    from diffgrpo import RunConfig
+
+    cfg = RunConfig.from_overrides(["model.negative_prompt=no", "reward.weights={digit_alignment: 1e-3}",
+                                    "train.lr=1e-3", "train.num_iterations=010", "log.progress=on"])
+    assert cfg.model.negative_prompt == "no" and cfg.reward.weights == {"digit_alignment": 0.001}
+    assert cfg.train.lr == 0.001 and cfg.train.num_iterations == 10 and cfg.log.progress is True
+    assert type(cfg.train.lr) is float and type(cfg.reward.weights["digit_alignment"]) is float
+    assert RunConfig.from_yaml  # the file loader is the same strict one
+    again = RunConfig.from_overrides([], base=None)
+    assert again.to_yaml()  # plain values dump
+
+
+def test_yaml_files_refuse_duplicate_keys_and_alias_bombs(tmp_path):
+    from diffgrpo import RunConfig
+    from diffgrpo.errors import ConfigError
+
+    dup = tmp_path / "dup.yaml"
+    dup.write_text("train:\n  lr: 0.1\ntrain:\n  lr: 0.2\n")
+    with pytest.raises(ConfigError, match=r"duplicate key 'train' at line 3 \(first at line 1\)"):
+        RunConfig.from_yaml(dup)
+    with pytest.raises(ConfigError, match=r"^reward\.weights: duplicate key 'a'"):
+        RunConfig.from_overrides(["reward.weights={a: 1, a: 2}"])
+    levels = ["a: &a [x, x, x, x, x, x, x, x, x]"] + [
+        f"{c}: &{c} [{', '.join([f'*{p}'] * 9)}]" for p, c in zip("abcdefgh", "bcdefghi")]
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text("\n".join(levels) + "\n")
+    assert bomb.stat().st_size < 400
+    t0 = time.perf_counter()
+    with pytest.raises(ConfigError) as err:
+        RunConfig.from_yaml(bomb)
+    assert "aliases expand to" in str(err.value) and len(str(err.value)) < 300
+    assert time.perf_counter() - t0 < 5
+
+
+def test_echoed_values_are_bounded():
+    from diffgrpo import RunConfig
+    from diffgrpo.errors import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        RunConfig.from_overrides(["train.lr=[" + ", ".join(["123456789"] * 5000) + "]"])
+    assert len(str(err.value)) < 400 and "characters)" in str(err.value)
+
+
+# ------------------------------------------------------------------------------------------ H-5 output_dir
+def test_output_dir_must_be_empty_or_a_run_directory(tmp_path, capsys):
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "config.yaml").write_text("mine: true\n")
+    (project / "summary.json").write_text("{}")
+    assert main(["train", *FAST, "train.num_iterations=1", f"log.output_dir={project}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is not empty and is not a diffgrpo run directory" in err[0]
+    assert (project / "config.yaml").read_text() == "mine: true\n" and (project / "summary.json").read_text() == "{}"
+    assert sorted(p.name for p in project.iterdir()) == ["config.yaml", "summary.json"]
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    assert main(["train", *FAST, "train.num_iterations=1", "train.save_every=1", f"log.output_dir={fresh}"]) == 0
+    assert (fresh / ".diffgrpo-run").is_file()
+    assert main(["train", "--resume", str(fresh), "train.num_iterations=2"]) == 0  # a run directory: resumable

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import yaml
 
+from . import rundir, yamlio
 from .config import RunConfig, from_dict
 from .errors import ConfigError, RewardError, TrainingError
 from .fileio import atomic_write
@@ -68,7 +69,7 @@ def _flat(d: dict, prefix: str = "") -> dict:
 def _saved_data(run: Path, command: str) -> dict:
     path = run / "config.yaml"
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yamlio.load(path.read_text(), str(path))
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
         raise ConfigError(f"{command}: cannot read {str(path)!r} ({type(e).__name__})") from None
     if not isinstance(data, dict):
@@ -131,6 +132,8 @@ def cmd_train(args) -> int:
             print("--resume auto: no unfinished run found; starting a new one")
         cfg = _load_cfg(args)
     _threads()
+    if cfg.log.output_dir:  # before any model loads: a run directory (or a new one), its data files unchanged
+        rundir.check(cfg.log.output_dir, cfg, resume=run is not None)
     if cfg.log.output_dir and int(os.environ.get("RANK", "0")) == 0:  # before any model loads
         try:
             Path(cfg.log.output_dir).mkdir(parents=True, exist_ok=True)

@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 from torch.distributed.checkpoint.api import CheckpointException
 from tqdm.auto import tqdm
 
-from . import distributed
+from . import distributed, rundir
 from .checkpoint import latest_complete, load_checkpoint, save_checkpoint, save_sharded_checkpoint, states_equal
 from .config import MODEL_FAMILIES, RunConfig, validate
 from .dllm.family import DLLMFamily
@@ -48,6 +48,7 @@ class Trainer:
     def __init__(self, cfg: RunConfig | None = None, *, policy=None, log=print):
         self.cfg = cfg = cfg or RunConfig()
         validate(cfg)  # also for configs built in Python rather than read by RunConfig.from_overrides
+        rundir.absolute_data_paths(cfg)  # the saved config names the files read, wherever the run resumes from
         self.log = log
         if cfg.model.cache_dir:
             os.environ["DIFFGRPO_CACHE"] = cfg.model.cache_dir
@@ -426,6 +427,7 @@ class Trainer:
         continue from the run directory's newest complete checkpoint. SIGINT/SIGTERM finish the current
         iteration, save a checkpoint and return (``summary["interrupted"]`` = the signal number)."""
         out = self.run_dir()
+        rundir.claim(out, self.cfg, resume, write=self.world.rank == 0)  # a run directory, its data files unchanged
         lock = FileLock(str(out / ".lock"))
         if self.world.rank == 0:  # rank 0 holds it for the whole job
             try:
