@@ -195,3 +195,117 @@ def test_output_dir_must_be_empty_or_a_run_directory(tmp_path, capsys):
     assert main(["train", *FAST, "train.num_iterations=1", "train.save_every=1", f"log.output_dir={fresh}"]) == 0
     assert (fresh / ".diffgrpo-run").is_file()
     assert main(["train", "--resume", str(fresh), "train.num_iterations=2"]) == 0  # a run directory: resumable
+
+
+# ------------------------------------------------------------------------------------------ medium defects
+@pytest.fixture(scope="module")
+def small_run(tmp_path_factory):
+    """A finished one-iteration run of the built-in model with a checkpoint."""
+    out = tmp_path_factory.mktemp("small") / "run"
+    assert main(["train", *FAST, "train.num_iterations=1", "train.save_every=1", f"log.output_dir={out}"]) == 0
+    return out
+
+
+def test_jsonl_prompt_may_hold_a_raw_line_separator(tmp_path):  # M-1 (and the text-file split, low)
+    from diffgrpo.data_sources import load_prompts
+
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "a handwritten\\u2028 digit 3"}\n'.replace("\\u2028", "\u2028"), encoding="utf-8")
+    assert load_prompts(str(f)) == [{"prompt": "a handwritten\u2028 digit 3"}]
+    t = tmp_path / "p.txt"
+    t.write_text("one\u2028two\nthree\n", encoding="utf-8")
+    assert [r["prompt"] for r in load_prompts(str(t))] == ["one\u2028two", "three"]
+
+
+@pytest.mark.parametrize("line, why", [("[" * 100_000 + "]" * 100_000, "nested too deeply"),
+                                       ('{"prompt": "x", "n": ' + "7" * 5000 + "}", "Exceeds the limit")])
+def test_unparseable_prompt_lines_are_one_line_errors(tmp_path, line, why):  # M-2
+    from diffgrpo.data_sources import load_prompts
+    from diffgrpo.errors import ConfigError
+
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "fine"}\n' + line + "\n")
+    with pytest.raises(ConfigError) as err:
+        load_prompts(str(f))
+    assert str(err.value).startswith(f"train.prompts_file: file {str(f)!r} line 2 cannot be read") and why in str(err.value)
+    assert "\n" not in str(err.value) and len(str(err.value)) < 300
+
+
+def zap(images, prompts, metadata):
+    """A careless reward: edits its inputs in place."""
+    images.mul_(0)
+    for m in metadata:
+        m["digit"] = -1
+    return torch.zeros(len(prompts))
+
+
+def test_a_reward_editing_its_input_cannot_change_other_rewards_or_the_samples():  # M-3
+    from diffgrpo.rewards import compute_rewards
+
+    images = torch.rand(3, 1, 8, 8, generator=torch.Generator().manual_seed(0))
+    before, meta = images.clone(), [{"digit": d} for d in (1, 2, 3)]
+    _, comps = compute_rewards({"tests.test_user_defects:zap": 1.0, "tests.test_user_defects:brightness": 1.0},
+                               images, ["a", "b", "c"], meta, log=lambda *a: None)
+    assert torch.equal(images, before) and [m["digit"] for m in meta] == [1, 2, 3]
+    assert torch.equal(comps["tests.test_user_defects:brightness"], before.flatten(1).mean(1))
+
+
+def test_model_card_with_a_null_evaluation_reward():  # M-5
+    from diffgrpo.export import last_held_out, model_card
+
+    rows = [{"iteration": 0, "eval/reward": 0.5}, {"iteration": 1, "eval/reward": None, "eval/rewards/x": None}]
+    held = last_held_out(rows, 1)
+    assert held == rows[0]
+    assert "0.5000 at iteration 0" in model_card({"model": {"name": "tiny"}}, 1, held, "adapter")
+    assert "n/a" in model_card({"model": {"name": "tiny"}}, 1, last_held_out(rows[1:], 1), "adapter")
+
+
+def test_export_into_the_current_empty_folder_keeps_it(small_run, tmp_path, monkeypatch):  # M-7
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    assert main(["export", str(small_run), "--out", "."]) == 0
+    assert here.is_dir() and (here / "README.md").is_file() and (here / "diffusion_pytorch_model.safetensors").is_file()
+    assert not [p for p in here.iterdir() if p.name.startswith(".")]
+
+
+def test_a_checkpoint_of_another_model_size_is_a_one_line_error(make_trainer, tmp_path):  # M-8
+    from diffgrpo.checkpoint import latest_complete, load_checkpoint
+
+    run = tmp_path / "r"
+    make_trainer(f"log.output_dir={run}", "train.num_iterations=1", "train.save_every=1",
+                 "eval.seeds_per_prompt=1").train()
+    other = make_trainer("model.num_layers=2")
+    with pytest.raises(TrainingError) as err:
+        other.load_state(load_checkpoint(latest_complete(run)))
+    assert "cannot load checkpoint" in str(err.value) and "\n" not in str(err.value) and len(str(err.value)) < 600
+
+
+def test_report_survives_odd_rows_and_never_follows_links(small_run, tmp_path):  # M-16, M-17
+    import shutil
+
+    from diffgrpo.report import write_report
+
+    run = tmp_path / "run"
+    shutil.copytree(small_run, run, symlinks=True)
+    good = (run / "metrics.jsonl").read_text()
+    odd = ['[1, 2]', '"text"', '{"iteration": "x", "reward": 1.0}', '{"iteration": 2, "reward": NaN}',
+           '{"iteration": 3, "reward": Infinity, "time/rollout": Infinity}', '{"iteration": 4, "eval/reward": NaN}']
+    (run / "metrics.jsonl").write_text(good + "\n".join(odd) + "\n")
+    secret = tmp_path / "secret.txt"
+    secret.write_text("TOP-SECRET-CONTENT")
+    (run / "config.yaml").unlink()
+    (run / "config.yaml").symlink_to(secret)
+    (run / "samples_start.png").unlink(missing_ok=True)
+    (run / "samples_start.png").symlink_to(secret)
+    page = write_report(run).read_text()
+    assert "TOP-SECRET-CONTENT" not in page and base64_of(secret) not in page
+    (run / "config.yaml").unlink()
+    (run / "config.yaml").write_bytes(b"model:\n  name: \xff\xfe tiny\n")
+    assert "tiny" in write_report(run).read_text()
+
+
+def base64_of(path: Path) -> str:
+    import base64
+
+    return base64.b64encode(path.read_bytes()).decode()

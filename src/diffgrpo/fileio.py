@@ -117,14 +117,14 @@ def read_jsonl(path: str | Path, log=print) -> list[dict]:
     p = Path(path)
     if not p.exists():
         return []
-    lines = p.read_text(errors="replace").splitlines()
+    lines = p.read_text(errors="replace").split("\n")  # only newlines end a row (not U+2028 inside a string)
     rows = []
     for i, line in enumerate(lines):
         if not line.strip():
             continue
         try:
             rows.append(json.loads(line))
-        except ValueError:
+        except (ValueError, RecursionError):  # also a nesting too deep to parse, a 5000-digit integer
             if i == len(lines) - 1:
                 log(f"warning: {p}: the last line is incomplete (a write cut short); it is ignored")
                 continue

@@ -1,10 +1,18 @@
 """``diffgrpo report <run_dir>``: one self-contained HTML page (images inlined as base64) with the resolved
-config, reward / loss-side curves, timing per phase and the start/end sample grids."""
+config, reward / loss-side curves, timing per phase and the start/end sample grids.
+
+Whatever the run directory holds, the page is written or a one-line error given: rows that are not objects, a
+non-numeric iteration and non-finite values are left out of the plots and tables, a config that is not UTF-8 is
+shown with replacement characters, and a ``config.yaml`` or ``samples_*.png`` that is a symbolic link is not
+followed (its content could be any file of the user's)."""
 from __future__ import annotations
 
 import base64
 import html
 import io
+import math
+import os
+import stat
 import statistics
 from pathlib import Path
 
@@ -12,8 +20,31 @@ from .fileio import atomic_write
 from .runlog import read_metrics
 
 
+def _read_own(path: Path) -> bytes | None:
+    """The bytes of a regular file of the run directory; None when absent, a link or not a regular file."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_NONBLOCK", 0))
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        with os.fdopen(fd, "rb") as f:
+            fd = -1
+            return f.read()
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
 def _png_b64(path: Path) -> str | None:
-    return base64.b64encode(path.read_bytes()).decode() if path.is_file() else None
+    data = _read_own(path)
+    return base64.b64encode(data).decode() if data is not None else None
+
+
+def _num(v) -> bool:
+    """A finite real number (not a bool)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def _plot_b64(rows: list[dict], keys: list[str], title: str) -> str | None:
@@ -25,7 +56,7 @@ def _plot_b64(rows: list[dict], keys: list[str], title: str) -> str | None:
     fig, ax = plt.subplots(figsize=(6, 3.2))
     drew = False
     for k in keys:
-        pts = [(r["iteration"], r[k]) for r in rows if isinstance(r.get(k), (int, float)) and "iteration" in r]
+        pts = [(r["iteration"], r[k]) for r in rows if _num(r.get(k)) and _num(r.get("iteration"))]
         if pts:
             xs, ys = zip(*pts)
             ax.plot(xs, ys, marker="o" if len(pts) < 20 else None, label=k)
@@ -49,10 +80,11 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     run = Path(run_dir)
     if not (run / "metrics.jsonl").is_file():
         raise FileNotFoundError(f"{run} has no metrics.jsonl: not a diffgrpo run directory")
-    rows = read_metrics(run / "metrics.jsonl")
+    rows = [r for r in read_metrics(run / "metrics.jsonl") if isinstance(r, dict)]
     train = [r for r in rows if "reward" in r]
-    evals = [r for r in rows if any(k.startswith("eval/") for k in r)]
-    config = (run / "config.yaml").read_text() if (run / "config.yaml").is_file() else "(no config.yaml)"
+    evals = [r for r in rows if any(isinstance(k, str) and k.startswith("eval/") for k in r)]
+    raw = _read_own(run / "config.yaml")
+    config = raw.decode("utf-8", errors="replace") if raw is not None else "(no config.yaml)"
     eval_keys = sorted({k for r in evals for k in r if k.startswith("eval/")})
     reward_keys = ["reward"] + sorted({k for r in train for k in r if k.startswith("rewards/")})
     plots = [
@@ -62,8 +94,8 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
                                         "kl / clip ratio / zero-std groups / grad norm")),
     ]
     timing_keys = sorted({k for r in train for k in r if k.startswith("time/")})
-    timing = [(k, statistics.mean(r[k] for r in train if isinstance(r.get(k), (int, float)))) for k in timing_keys
-              if any(isinstance(r.get(k), (int, float)) for r in train)]
+    timing = [(k, statistics.mean(r[k] for r in train if _num(r.get(k)))) for k in timing_keys
+              if any(_num(r.get(k)) for r in train)]
     parts = ["<!doctype html><html><head><meta charset='utf-8'><title>diffgrpo run report</title>",
              "<style>body{font-family:sans-serif;max-width:960px;margin:2em auto;color:#222}"
              "pre{background:#f6f6f6;padding:1em;overflow:auto;font-size:12px}"
@@ -76,7 +108,7 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
         parts.append("<h2>Held-out evaluation, start → end</h2><table><tr><th>metric</th><th>start</th>"
                      "<th>end</th><th>change</th></tr>")
         for k in eval_keys:
-            if isinstance(first.get(k), (int, float)) and isinstance(last.get(k), (int, float)):
+            if _num(first.get(k)) and _num(last.get(k)):
                 parts.append(f"<tr><td>{html.escape(k)}</td><td>{first[k]:.4f}</td><td>{last[k]:.4f}</td>"
                              f"<td>{last[k] - first[k]:+.4f}</td></tr>")
         parts.append("</table>")

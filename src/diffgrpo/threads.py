@@ -4,7 +4,7 @@ background scorer of ``reward.background``.
   call_with_timeout(fn, s, *a)  ``fn(*a)`` in a daemon thread, waited for at most ``s`` seconds (``s`` <= 0: called
                                 in this thread, no limit). Past the limit ``CallTimeout`` is raised and the call is
                                 left behind: a daemon thread cannot be stopped, but it never keeps the process alive.
-                                The caller's autograd mode is the thread's. A KeyboardInterrupt raised by ``fn``
+                                The caller's autograd mode is the thread's; its name is the caller's + ``:timed``. A KeyboardInterrupt raised by ``fn``
                                 itself (signals only reach the main thread, so it is not one) becomes a RuntimeError.
   SerialWorker(name)            one daemon thread running submitted calls in order (``submit`` → a Future); leaving
                                 its ``with`` block does not wait for calls still queued or running, so a signal or an
@@ -45,7 +45,7 @@ def call_with_timeout(fn: Callable, timeout: float, *args, **kwargs):
         return fn(*args, **kwargs)
     fut: Future = Future()
     threading.Thread(target=_run_into, args=(fut, fn, args, kwargs, torch.is_grad_enabled()),
-                     name="diffgrpo-call", daemon=True).start()
+                     name=f"{threading.current_thread().name}:timed", daemon=True).start()
     try:
         return fut.result(timeout)
     except TimeoutError:

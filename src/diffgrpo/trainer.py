@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 from torch.distributed.checkpoint.api import CheckpointException
 from tqdm.auto import tqdm
 
-from . import distributed, rundir
+from . import distributed, rundir, yamlio
 from .checkpoint import latest_complete, load_checkpoint, save_checkpoint, save_sharded_checkpoint, states_equal
 from .config import MODEL_FAMILIES, RunConfig, validate
 from .dllm.family import DLLMFamily
@@ -275,10 +275,15 @@ class Trainer:
             if self.dist_mode == "fsdp2" and self.world.world_size > 1:
                 raise TrainingError("this checkpoint holds full tensors (train.checkpoint_format=files), which "
                                     "dist.mode=fsdp2 cannot load; resume it with dist.mode=ddp or in one process")
-            self.policy.load_state_dict(ck["trainable"])
             opt = dict(ck["optimizer"])
             sched = opt.pop("lr_scheduler", None)
-            self.optimizer.load_state_dict(opt)
+            try:  # another model size or LoRA layout: one line, not the state dicts' key lists
+                self.policy.load_state_dict(ck["trainable"])
+                self.optimizer.load_state_dict(opt)
+            except (KeyError, ValueError, RuntimeError) as e:
+                raise TrainingError(f"cannot load checkpoint {ck.get('path', 'iteration ' + str(ck.get('iteration')))} "
+                                    f"into this run (a different model or trainable set?): "
+                                    f"{yamlio.short(str(e).splitlines()[0] if str(e) else type(e).__name__)}") from None
         if sched is not None:
             self.scheduler.load_state_dict(sched)
         else:  # checkpoints before schedules: every update so far ran at a constant lr

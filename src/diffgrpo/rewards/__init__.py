@@ -16,6 +16,7 @@ not take, a reward whose optional package is missing, and a reward that cannot a
 """
 from __future__ import annotations
 
+import copy
 import importlib
 import importlib.util
 import math
@@ -113,7 +114,9 @@ def _call_with_retry(name: str, fn: RewardFn, images, prompts, metadata, log):
     process without a word about the reward: it becomes a RewardError at once (a bug, not retried)."""
     for attempt in (1, 2):
         try:
-            return fn(images, prompts, metadata)
+            # every call gets its own copy of the inputs: a reward that edits them in place cannot change a later
+            # reward's input, a retry's, or the saved samples
+            return fn(images.clone(), list(prompts), copy.deepcopy(metadata))
         except (KeyboardInterrupt, RewardTimeout):
             raise
         except Exception as e:  # noqa: BLE001 - reported with the reward's name
