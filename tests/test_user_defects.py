@@ -309,3 +309,24 @@ def base64_of(path: Path) -> str:
     import base64
 
     return base64.b64encode(path.read_bytes()).decode()
+
+
+# ------------------------------------------------------------------------------------------ fidelity notes
+@pytest.mark.parametrize("std_mode", ["group", "global"])
+def test_population_std_advantages_match_numpy_convention(std_mode):
+    from diffgrpo import RunConfig
+    from diffgrpo.advantages import group_advantages
+
+    g = torch.Generator().manual_seed(0)
+    r, gid = torch.randn(12, generator=g), torch.arange(3).repeat_interleave(4)
+    kw = {"std_mode": std_mode, "eps": 0.0, "clip": 1e9}
+    pop, _ = group_advantages(r, gid, std="population", **kw)
+    unb, _ = group_advantages(r, gid, **kw)
+    groups = [r[gid == k] for k in range(3)]
+    if std_mode == "group":
+        ref = torch.cat([(x - x.mean()) / x.std(correction=0) for x in groups])
+    else:
+        ref = torch.cat([x - x.mean() for x in groups]) / r.std(correction=0)
+    torch.testing.assert_close(pop, ref)
+    torch.testing.assert_close(pop, unb * (12 / 11 if std_mode == "global" else 4 / 3) ** 0.5)
+    assert RunConfig.from_overrides(["advantage.std=population"]).advantage.std == "population"

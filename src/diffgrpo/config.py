@@ -141,6 +141,9 @@ class AdvantageConfig:
     clip: float = _f(5.0, lo=0.0)
     eps: float = _f(1e-4, lo=0.0)
     filter_zero_std: bool = _f(False, doc="drop groups whose rewards are all equal from the loss")
+    std: str = _f("unbiased", choices=("unbiased", "population"),
+                  doc="the std estimate: n−1 (torch.std, TRL) or n (np.std: FlowGRPO / DiffusionNFT / AWM's "
+                      "per-prompt trackers; advantages larger by √(n/(n−1)))")
 
 
 @dataclass
