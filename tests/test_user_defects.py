@@ -330,3 +330,37 @@ def test_population_std_advantages_match_numpy_convention(std_mode):
     torch.testing.assert_close(pop, ref)
     torch.testing.assert_close(pop, unb * (12 / 11 if std_mode == "global" else 4 / 3) ** 0.5)
     assert RunConfig.from_overrides(["advantage.std=population"]).advantage.std == "population"
+
+
+# ------------------------------------------------------------------------------------------ low ones
+def test_sample_tables_are_strict_json(tmp_path):
+    import json
+
+    from diffgrpo.media import SampleTable
+
+    table = SampleTable(tmp_path, 0, save_media=False)
+    table.add_sample(0, "p", {"score": float("nan"), "deep": [float("inf")]}, {"r": float("nan")}, float("inf"), None)
+    rows = table.close()
+    strict = [json.loads(line, parse_constant=lambda c: pytest.fail(f"bare {c} in a sample table"))
+              for line in table.path.read_text().splitlines()]
+    assert strict[0]["metadata"] == {"score": None, "deep": [None]} and strict[0]["reward"] is None and rows
+
+
+def test_wd1_token_mean_against_the_released_normalisation_is_tokens_per_group():
+    """The released trainer: per micro-batch (one group) Σ_i c_i Σ_j ℓ_ij, averaged over the groups; ours: the token
+    mean. Their ratio is the completion tokens per group (the wd1 docstring's statement)."""
+    from diffgrpo.dllm.wd1 import wd1_coefficients, wd1_token_loss
+    from diffgrpo.losses import aggregation_weights
+
+    g = torch.Generator().manual_seed(0)
+    G, n, L = 3, 6, 12
+    gid = torch.arange(G).repeat_interleave(n)
+    lengths = torch.randint(3, L + 1, (G * n,), generator=g)
+    mask = torch.arange(L).unsqueeze(0) < lengths.unsqueeze(1)  # (B, L) completion tokens
+    lp = -torch.rand(G * n, L, generator=g)
+    coef = wd1_coefficients(torch.rand(G * n, generator=g), gid)
+    per_token = wd1_token_loss(lp, coef) * mask
+    ours = (aggregation_weights(mask, "mean") * per_token).sum()
+    released = torch.stack([per_token[gid == k].sum() for k in range(G)]).mean()
+    torch.testing.assert_close(released / ours, mask.sum().float() / G)
+    assert abs(float(mask.sum()) / G - float(lengths.float().mean())) > 1  # not the mean completion length
