@@ -364,3 +364,18 @@ def test_wd1_token_mean_against_the_released_normalisation_is_tokens_per_group()
     released = torch.stack([per_token[gid == k].sum() for k in range(G)]).mean()
     torch.testing.assert_close(released / ours, mask.sum().float() / G)
     assert abs(float(mask.sum()) / G - float(lengths.float().mean())) > 1  # not the mean completion length
+
+
+def test_spg_batch_token_mean_against_the_released_per_group_normalisation():
+    from diffgrpo.losses import aggregation_weights
+
+    g = torch.Generator().manual_seed(1)
+    G, n, L = 3, 4, 10
+    gid = torch.arange(G).repeat_interleave(n)
+    lengths = torch.randint(2, L + 1, (G * n,), generator=g)
+    mask = torch.arange(L).unsqueeze(0) < lengths.unsqueeze(1)
+    terms = torch.randn(G * n, L, generator=g) * mask  # −A_i·ℓ_ij
+    T_g = torch.stack([mask[gid == k].sum() for k in range(G)]).float()
+    per_group_ours = torch.stack([(aggregation_weights(mask, "mean") * terms)[gid == k].sum() for k in range(G)])
+    per_group_released = torch.stack([terms[gid == k].sum() / T_g[k] for k in range(G)]) / G
+    torch.testing.assert_close(per_group_ours / per_group_released, G * T_g / T_g.sum())
