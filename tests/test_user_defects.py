@@ -93,7 +93,7 @@ def test_two_sigterms_end_a_run_whose_background_reward_hangs(tmp_path):
         time.sleep(0.05)
     assert mark.exists(), p.communicate()[0] if p.poll() is not None else "the reward was never called"
     p.send_signal(signal.SIGTERM)
-    time.sleep(0.5)
+    time.sleep(2.0)  # later than SIGNAL_REPEAT_S: a second request, which stops at once
     p.send_signal(signal.SIGTERM)
     try:
         text = p.communicate(timeout=30)[0]
@@ -379,3 +379,22 @@ def test_spg_batch_token_mean_against_the_released_per_group_normalisation():
     per_group_ours = torch.stack([(aggregation_weights(mask, "mean") * terms)[gid == k].sum() for k in range(G)])
     per_group_released = torch.stack([terms[gid == k].sum() / T_g[k] for k in range(G)]) / G
     torch.testing.assert_close(per_group_ours / per_group_released, G * T_g / T_g.sum())
+
+
+def test_a_signal_delivered_twice_still_checkpoints(tmp_path):  # M-10
+    from diffgrpo.checkpoint import latest_complete
+
+    out = tmp_path / "run"
+    p = subprocess.Popen([sys.executable, "-m", "diffgrpo.cli", "train", *FAST, "train.num_iterations=200",
+                          "train.save_every=50", f"log.output_dir={out}"], env=dict(os.environ, OMP_NUM_THREADS="1"),
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 240
+    while time.time() < deadline and p.poll() is None and not (out / "metrics.jsonl").is_file():
+        time.sleep(0.05)
+    while time.time() < deadline and p.poll() is None and len((out / "metrics.jsonl").read_text().splitlines()) < 2:
+        time.sleep(0.05)  # the start evaluation and one iteration: inside the training loop
+    p.send_signal(signal.SIGTERM)
+    p.send_signal(signal.SIGTERM)  # e.g. a scheduler signalling the process group and the process
+    text = p.communicate(timeout=120)[0]
+    assert p.returncode == 143 and "interrupted by signal 15" in text, text[-2000:]
+    assert latest_complete(out) is not None

@@ -42,6 +42,7 @@ from .runlog import MetricsWriter, plot_curves, read_metrics, save_grid
 from .types import EngineStats, Rollout
 
 FAMILIES: dict[str, type] = {"flow": FlowFamily, "dllm": DLLMFamily}  # config.MODEL_FAMILIES maps model.name here
+SIGNAL_REPEAT_S = 1.0  # a second SIGINT/SIGTERM this soon after the first is the same stop request
 
 
 class Trainer:
@@ -420,9 +421,11 @@ class Trainer:
         return bool(torch.isfinite(torch.stack(norms)).all()) if norms else True
 
     def _on_signal(self, signum, frame):
-        if self._stop_signal is not None:  # second signal: stop now
+        if self._stop_signal is not None:  # second signal: stop now, unless it is the first one delivered twice
+            if time.monotonic() - self._stop_time < SIGNAL_REPEAT_S:  # (to the process group and to the process)
+                return
             raise KeyboardInterrupt
-        self._stop_signal = signum
+        self._stop_signal, self._stop_time = signum, time.monotonic()
         self.log(f"received signal {signum}: finishing the current iteration, then saving a checkpoint")
 
     # ------------------------------------------------------------------ the whole job
