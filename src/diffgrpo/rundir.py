@@ -11,7 +11,8 @@
                                specs are kept as they are).
   check(out, cfg, resume)      the checks above before anything loads; on a resume also that every recorded data
                                file still has its recorded content (a one-line ConfigError naming the key).
-  claim(out, cfg, resume)      ``check``, then the marker written (a new run, or a run from before markers).
+  claim(out, cfg, resume)      ``check``, then the marker written (a new run, or a run from before markers);
+                               under several ranks rank 0 decides for all (a collective).
 
 Cost: one SHA-256 pass over each local data file per start or resume.
 """
@@ -22,6 +23,7 @@ import json
 import os
 from pathlib import Path
 
+from . import distributed
 from .errors import ConfigError
 from .fileio import atomic_write
 
@@ -99,13 +101,22 @@ def check(out: str | Path, cfg, resume: bool) -> None:
                               f"≠ {str(rec.get('sha256'))[:12]}…); restore the file or start a new run")
 
 
-def claim(out: str | Path, cfg, resume: bool, *, write: bool = True) -> None:
-    """``check``, then (``write``: rank 0) the marker: written for a new run, and for a run from before markers
-    (its data files as they are now); an existing run's marker is kept."""
+def claim(out: str | Path, cfg, resume: bool, *, lead: bool = True) -> None:
+    """``check``, then the marker: written for a new run, and for a run from before markers (its data files as
+    they are now); an existing run's marker is kept. Under several ranks only rank 0 (``lead``) checks and writes,
+    and its verdict is every rank's (a collective: the other ranks would otherwise see its files half-made)."""
     out = Path(out)
-    check(out, cfg, resume)
-    if write and (read_marker(out) is None or not (resume or (out / "metrics.jsonl").exists())):
-        atomic_write(out / MARKER, json.dumps({"tool": "diffgrpo", "data_files": data_hashes(cfg)}, indent=1))
+    error = None
+    if lead:
+        try:
+            check(out, cfg, resume)
+            if read_marker(out) is None or not (resume or (out / "metrics.jsonl").exists()):
+                atomic_write(out / MARKER, json.dumps({"tool": "diffgrpo", "data_files": data_hashes(cfg)}, indent=1))
+        except ConfigError as e:
+            error = str(e)
+    error = distributed.all_gather_object(error)[0]
+    if error is not None:
+        raise ConfigError(error)
 
 
 __all__ = ["MARKER", "absolute_data_paths", "check", "claim", "data_hashes", "is_run_dir", "read_marker", "sha256_of"]

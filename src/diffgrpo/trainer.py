@@ -435,7 +435,7 @@ class Trainer:
         continue from the run directory's newest complete checkpoint. SIGINT/SIGTERM finish the current
         iteration, save a checkpoint and return (``summary["interrupted"]`` = the signal number)."""
         out = self.run_dir()
-        rundir.claim(out, self.cfg, resume, write=self.world.rank == 0)  # a run directory, its data files unchanged
+        rundir.claim(out, self.cfg, resume, lead=self.world.rank == 0)  # a run directory, its data files unchanged
         lock = FileLock(str(out / ".lock"))
         if self.world.rank == 0:  # rank 0 holds it for the whole job
             try:
