@@ -93,7 +93,7 @@ def test_two_sigterms_end_a_run_whose_background_reward_hangs(tmp_path):
         time.sleep(0.05)
     assert mark.exists(), p.communicate()[0] if p.poll() is not None else "the reward was never called"
     p.send_signal(signal.SIGTERM)
-    time.sleep(2.0)  # later than SIGNAL_REPEAT_S: a second request, which stops at once
+    time.sleep(2.0)  # later than 1 s (job.Job._on_signal): a second request, which stops at once
     p.send_signal(signal.SIGTERM)
     try:
         text = p.communicate(timeout=30)[0]

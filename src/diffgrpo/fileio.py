@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
-from .errors import TrainingError
+from .errors import ConfigError, TrainingError
 
 
 _ROOTS: list[Path] = []  # the guarded run directories (absolute, not resolved), see run_root
@@ -132,4 +132,19 @@ def read_jsonl(path: str | Path, log=print) -> list[dict]:
     return rows
 
 
-__all__ = ["append_line", "atomic_write", "check_below", "read_jsonl", "run_root"]
+def read_utf8(p: Path, key: str, spec: str | None = None) -> str:
+    """The UTF-8 text of ``p`` (a byte-order mark is dropped); an unreadable or non-UTF-8 file is a one-line
+    ConfigError naming ``key`` and the file as the user gave it (``spec``, default the path)."""
+    spec = str(p) if spec is None else spec
+    try:
+        data = p.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"{key}: file {spec!r} cannot be read ({e.strerror or e})") from None
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{key}: file {spec!r} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset "
+                          f"{e.start}); save it as UTF-8") from None
+
+
+__all__ = ["append_line", "atomic_write", "check_below", "read_jsonl", "read_utf8", "run_root"]

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import base64
 import html
-import io
 import math
 import os
 import stat
@@ -17,7 +16,7 @@ import statistics
 from pathlib import Path
 
 from .fileio import atomic_write
-from .runlog import read_metrics
+from .runlog import curve_png, read_metrics
 
 
 def _read_own(path: Path) -> bytes | None:
@@ -48,32 +47,11 @@ def _num(v) -> bool:
 
 
 def _plot_b64(rows: list[dict], keys: list[str], title: str) -> str | None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.2))
-    drew = False
-    for k in keys:
-        pts = [(r["iteration"], r[k]) for r in rows if _num(r.get(k)) and _num(r.get("iteration"))]
-        if pts:
-            xs, ys = zip(*pts)
-            ax.plot(xs, ys, marker="o" if len(pts) < 20 else None, label=k)
-            drew = True
-    if not drew:
-        plt.close(fig)
-        return None
-    ax.set_title(title)
-    ax.set_xlabel("iteration")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100)
-    plt.close(fig)
-    return base64.b64encode(buf.getvalue()).decode()
-
+    # only finite numbers against a numeric iteration reach the plot (a hand-edited log may hold anything)
+    clean = [{"iteration": r["iteration"], **{k: r[k] for k in keys if _num(r.get(k))}}
+             for r in rows if _num(r.get("iteration"))]
+    png = curve_png(clean, keys, title, size=(6, 3.2), dpi=100, fontsize=7)
+    return base64.b64encode(png).decode() if png is not None else None
 
 def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     """Write ``report.html`` (or ``out``) for a run directory; returns its path."""
