@@ -399,3 +399,13 @@ def test_a_signal_delivered_twice_still_checkpoints(tmp_path):  # M-10
     text = p.communicate(timeout=120)[0]
     assert p.returncode == 143 and "interrupted by signal 15" in text, text[-2000:]
     assert latest_complete(out) is not None
+
+
+def test_short_masked_lm_pretraining_runs():  # found by the user-path matrix: pretrain.steps=20 divided by zero
+    from diffgrpo import RunConfig
+    from diffgrpo.models.hf_masked_lm import pretrain_tiny_mlm
+    from diffgrpo.tasks import get_task
+
+    cfg = RunConfig.from_overrides(["model.name=tiny_mlm", "pretrain.steps=20", "pretrain.batch_size=8"])
+    net = pretrain_tiny_mlm(get_task(cfg.dllm.task), cfg.pretrain, progress=False)
+    assert all(torch.isfinite(p).all() for p in net.parameters())

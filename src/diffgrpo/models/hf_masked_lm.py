@@ -319,7 +319,9 @@ def pretrain_tiny_mlm(task, pcfg: PretrainConfig, *, progress: bool = True, arch
     slips = [task.slip(e) for e in pool]
     slips = None if slips[0] is None else VOCAB.encode_completions(slips, task.gen_length)  # (n, L)
     opt = torch.optim.AdamW(net.parameters(), lr=pcfg.lr, weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=pcfg.lr, total_steps=pcfg.steps, pct_start=0.05)
+    # a warmup of >= 2 steps: OneCycleLR divides by (warmup steps − 1), so pretrain.steps=20 (0.05 × 20 = 1) crashed
+    warmup = min(max(0.05, 2.0 / pcfg.steps), 0.5)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=pcfg.lr, total_steps=pcfg.steps, pct_start=warmup)
     net.train()
 
     def fn(x):
