@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.test_reliability import TINY_CLI
 
 from diffgrpo.cli import main
 from diffgrpo.errors import RewardError, TrainingError
+from tests.test_reliability import TINY_CLI
 
 FAST = [*TINY_CLI, "train.ema_decay=0.0"]
 HANG_MARK = "DIFFGRPO_TEST_HANG_MARK"

@@ -26,11 +26,16 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from tests.dllm_remote_models import build_remote_model
-from tests.test_diffusers_models import PROMPTS, _t5_tokenizer, sd3_dir, tiny_transformer  # noqa: F401
 
 from diffgrpo.checkpoint import latest_complete
 from diffgrpo.cli import main
+from tests.dllm_remote_models import build_remote_model
+from tests.test_diffusers_models import (  # noqa: F401
+    PROMPTS,
+    _t5_tokenizer,
+    sd3_dir,
+    tiny_transformer,
+)
 
 LAUNCHES = ("one", "ddp", "fsdp2")
 MODELS = ("builtin", "sd3", "wan", "mlm", "llada")
@@ -116,7 +121,8 @@ def _env() -> dict:
 
 
 def _run(cmd: list[str], timeout: float = 540) -> tuple[int, str]:
-    p = subprocess.run(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
+    p = subprocess.run(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout,
+                       check=False)
     return p.returncode, p.stdout
 
 
@@ -141,8 +147,8 @@ def _train_interrupted(cmd: list[str], run: Path) -> tuple[int, str]:
 # ------------------------------------------------------------------------------------------ reload and sample
 def _assert_same(a: dict, b: dict) -> None:
     assert set(a) == set(b), (sorted(set(a) ^ set(b)))[:5]
-    for k in a:
-        torch.testing.assert_close(a[k].float(), b[k].float(), rtol=0, atol=0, msg=k)
+    for k, v in a.items():
+        torch.testing.assert_close(v.float(), b[k].float(), rtol=0, atol=0, msg=k)
 
 
 def _reload_and_sample(model: str, lora: bool, run: Path, exp: Path, merged: Path | None, request, tmp: Path):

@@ -338,7 +338,10 @@ def full_model_state(module: torch.nn.Module, *, trainable_only: bool = False) -
     CPU; an empty dict on the other ranks. ``get_model_state_dict`` with ``full_state_dict`` and ``cpu_offload``
     gathers one tensor at a time and moves it to rank 0's host memory, so no device ever holds the whole model.
     ``trainable_only``: frozen parameters left out (a LoRA run's base weights). A collective: call on every rank."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+    )
 
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only)
     return get_model_state_dict(module, options=opts)

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections.abc import Callable
+from typing import Self
 from concurrent.futures import Future
-from typing import Callable
 
 import torch
 
@@ -78,7 +79,7 @@ class SerialWorker:
         """Let the thread end after the queued calls; never waits for them."""
         self._jobs.put(None)
 
-    def __enter__(self) -> SerialWorker:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:

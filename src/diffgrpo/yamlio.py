@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import re
+from typing import ClassVar
 
 import yaml
 
@@ -63,7 +64,7 @@ _FLOAT = re.compile(r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]
 class _Loader(yaml.SafeLoader):
     """SafeLoader with the YAML 1.2 core resolvers only (see the module docstring)."""
 
-    yaml_implicit_resolvers: dict = {}
+    yaml_implicit_resolvers: ClassVar[dict] = {}
 
     def construct_mapping(self, node, deep=False):
         if isinstance(node, yaml.MappingNode):
