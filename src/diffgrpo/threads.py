@@ -18,8 +18,8 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable
-from typing import Self
 from concurrent.futures import Future
+from typing import Self
 
 import torch
 
