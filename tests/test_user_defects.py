@@ -397,7 +397,9 @@ def test_a_signal_delivered_twice_still_checkpoints(tmp_path):  # M-10
     time.sleep(0.3)  # handled apart (two signals sent at once may merge into one in the kernel)
     p.send_signal(signal.SIGTERM)  # e.g. a scheduler signalling the process group, then the process
     text = p.communicate(timeout=120)[0]
-    assert p.returncode == 143 and "interrupted by signal 15" in text, text[-2000:]
+    # 143: the stop, once; -15: the second signal arrived after the run had restored the default handlers on its
+    # way out, its checkpoint written. Never 130 (stopped before a checkpoint could be written).
+    assert p.returncode in (143, -signal.SIGTERM) and "received signal 15" in text, text[-2000:]
     assert latest_complete(out) is not None
 
 

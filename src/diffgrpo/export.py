@@ -107,10 +107,10 @@ def _network(policy):
 
 
 def _load_weights(policy, ck: dict) -> None:
-    if ck.get("sharded") is not None:
-        distributed.load_sharded_model(_network(policy), ck["sharded"])
+    if ck.sharded is not None:  # a checkpoint.RunState
+        distributed.load_sharded_model(_network(policy), ck.sharded)
     else:
-        policy.load_state_dict(ck["trainable"])  # the files format: full tensors under the policy's names
+        policy.load_state_dict(ck.trainable)  # the files format: full tensors under the policy's names
 
 
 def _config(ckpt: Path, overrides: list[str]):
@@ -162,7 +162,7 @@ def export(src: str | Path, out: str | Path, *, merge: bool = False, overrides: 
         rows = []
         if (run / "metrics.jsonl").is_file():
             rows = read_metrics(run / "metrics.jsonl", log=lambda *a: None)
-        (tmp / "README.md").write_text(model_card(raw, ck["iteration"], last_held_out(rows, ck["iteration"]), kind),
+        (tmp / "README.md").write_text(model_card(raw, ck.iteration, last_held_out(rows, ck.iteration), kind),
                                        encoding="utf-8")
 
     if out.is_dir():  # an empty folder the user made (or "."): kept, the export written into it
