@@ -53,7 +53,7 @@ BAD_OVERRIDES = [
     (["train.lr=[1,"], "train.lr: value '[1,' is not valid YAML (line 1, column 4: "),
     (["engine.name={a: b"], "engine.name: value '{a: b' is not valid YAML (line 1, column 6: "),
     (["train.digits=[1, 2]]"], "train.digits: value '[1, 2]]' is not valid YAML (line 1, column 7: "),
-    (["train.lr=2020-13-45"], "train.lr: value '2020-13-45' is not valid YAML (ValueError: month must be in 1..12)"),
+    (["train.lr=2020-13-45"], "train.lr: value '2020-13-45' is not a valid float"),  # YAML 1.2: a date is text
     # 5. plug-ins given as module:Class / module:function
     (["engine.name=foo:Bar"], "engine.name: value 'foo:Bar' cannot be imported (ModuleNotFoundError: No module named "
                               "'foo'); choose one of ['awm', 'jagg', 'nft', 'recompute', 'retain', 'reweight', 'single_step'] or "

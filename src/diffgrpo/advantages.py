@@ -4,6 +4,9 @@ A_i = (r_i − b_i) / (s_i + eps), clipped to ±clip, where for trajectory i in 
   baseline  "mean":          b_i = mean of the valid rewards of g
             "leave_one_out": b_i = mean of the other valid rewards of g (RLOO)
   scale     "group": s_i = std of g; "global": s_i = std of every valid reward in the batch; "none": s_i = 1 − eps
+  std       "unbiased": the n−1 estimate (torch.std; TRL, FlowGRPO's GRPO code); "population": the n estimate
+            (numpy's np.std, the per-prompt stat trackers of FlowGRPO / DiffusionNFT / AWM): advantages larger by
+            √(n/(n−1)) (4 samples: ×1.155; 16: ×1.033)
 Trajectories whose reward is not usable (``valid`` False: NaN or a failed reward call) get A = 0 and are kept
 out of every statistic. Pure torch; no config objects.
 """
@@ -13,6 +16,7 @@ import torch
 
 STD_MODES = ("group", "global", "none")
 BASELINES = ("mean", "leave_one_out")
+STD_ESTIMATES = ("unbiased", "population")
 
 
 def group_advantages(
@@ -24,6 +28,7 @@ def group_advantages(
     baseline: str = "mean",
     clip: float = 5.0,
     eps: float = 1e-4,
+    std: str = "unbiased",
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """rewards (B,), group_ids (B,) long, valid (B,) bool → advantages (B,) float32 and statistics.
 
@@ -34,6 +39,9 @@ def group_advantages(
         raise ValueError(f"advantage std_mode must be one of {STD_MODES}, got {std_mode!r}")
     if baseline not in BASELINES:
         raise ValueError(f"advantage baseline must be one of {BASELINES}, got {baseline!r}")
+    if std not in STD_ESTIMATES:
+        raise ValueError(f"advantage std must be one of {STD_ESTIMATES}, got {std!r}")
+    ddof = 1 if std == "unbiased" else 0
     r = rewards.detach().float()
     if valid is None:
         valid = torch.isfinite(r)
@@ -45,8 +53,8 @@ def group_advantages(
     sum_g = torch.zeros(len(groups), device=r.device).index_add_(0, inv, r0)
     mean_g = sum_g / n_g.clamp(min=1)
     sq_g = torch.zeros(len(groups), device=r.device).index_add_(0, inv, w * (r0 - mean_g[inv]) ** 2)
-    # unbiased std per group, as torch.std (FlowGRPO / TRL use the unbiased estimate)
-    std_g = torch.sqrt(sq_g / (n_g - 1).clamp(min=1))
+    # std per group: the n−1 (unbiased, torch.std) or n (population, np.std) estimate
+    std_g = torch.sqrt(sq_g / (n_g - ddof).clamp(min=1))
     if baseline == "mean":
         b = mean_g[inv]
     else:
@@ -55,7 +63,7 @@ def group_advantages(
     if std_mode == "group":
         scale = std_g[inv]
     elif std_mode == "global":
-        scale = r[valid].std() if int(valid.sum()) > 1 else torch.zeros((), device=r.device)
+        scale = r[valid].std(correction=ddof) if int(valid.sum()) > 1 else torch.zeros((), device=r.device)
         scale = scale.expand_as(r)
     else:
         scale = torch.full_like(r, 1 - eps)

@@ -7,7 +7,7 @@ import os
 import shutil
 from pathlib import Path
 
-from .fileio import share_tree, temp_dir
+from .fileio import check_below, share_tree, temp_dir
 
 
 def cache_root(cache_dir: str = "") -> Path:
@@ -32,7 +32,9 @@ def cache_lock(path: Path):
 
 
 def save_dir_atomic(target: Path, write) -> Path:
-    """Call ``write(tmp_dir)`` then atomically move the directory into place (no half-written cache)."""
+    """Call ``write(tmp_dir)`` then atomically move the directory into place (no half-written cache). Below a
+    guarded run directory (``fileio.run_root``) no folder on the way may be a symbolic link."""
+    check_below(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_dir(f".{target.name}.", target.parent)
     try:

@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from . import distributed
 from .config import RunConfig
 from .errors import TrainingError
-from .fileio import atomic_write, share_tree, temp_dir
+from .fileio import atomic_write, check_below, share_tree, temp_dir
 
 _DIR_RE = re.compile(r"^iter_(\d{6,})$")
 
@@ -85,6 +85,7 @@ def save_checkpoint(run_dir: Path, iteration: int, *, trainable: dict[str, torch
     ``write_files(directory)`` adds files of its own (e.g. the policy's ``lora/``) to the checkpoint before it is
     checksummed and renamed into place."""
     root = Path(run_dir) / "checkpoints"
+    check_below(root / "latest.json")  # a planted checkpoints/ link: refused, never written into or pruned
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"iter_{iteration:06d}"
     tmp = temp_dir(f".tmp_iter_{iteration:06d}.", root)
@@ -108,6 +109,7 @@ def save_checkpoint(run_dir: Path, iteration: int, *, trainable: dict[str, torch
 def _publish(run_dir: Path, tmp: Path, final: Path, iteration: int, keep_last: int) -> Path:
     """Rename the sealed temporary directory into place, point the manifest at it, prune to ``keep_last``."""
     root = final.parent
+    check_below(final / "state.json")
     if final.is_symlink():
         final.unlink()
     elif final.exists():
@@ -145,9 +147,10 @@ def save_sharded_checkpoint(run_dir: Path, iteration: int, *, write_shards: Call
     tmp, error = None, None
     if lead:
         try:
+            check_below(root / "latest.json")
             root.mkdir(parents=True, exist_ok=True)
             tmp = temp_dir(f".tmp_iter_{iteration:06d}.", root)
-        except OSError as e:
+        except (OSError, TrainingError) as e:
             error = str(e).splitlines()[0] if str(e) else type(e).__name__
     tmp, error = distributed.all_gather_object((tmp, error))[0]
     if error is None:
@@ -305,10 +308,15 @@ def restore(trainer, st: RunState) -> None:
         if trainer.dist_mode == "fsdp2" and trainer.world.world_size > 1:
             raise TrainingError("this checkpoint holds full tensors (train.checkpoint_format=files), which "
                                 "dist.mode=fsdp2 cannot load; resume it with dist.mode=ddp or in one process")
-        trainer.policy.load_state_dict(st.trainable)
         opt = dict(st.optimizer)
         sched = opt.pop("lr_scheduler", None)
-        trainer.optimizer.load_state_dict(opt)
+        try:  # another model size or LoRA layout: one line, not the state dicts' key lists
+            trainer.policy.load_state_dict(st.trainable)
+            trainer.optimizer.load_state_dict(opt)
+        except (KeyError, ValueError, RuntimeError) as e:
+            msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise TrainingError(f"cannot load checkpoint {st.iteration} into this run (a different model or "
+                                f"trainable set?): {msg[:200]}") from None
     if sched is not None:
         trainer.scheduler.load_state_dict(sched)
     else:  # checkpoints before schedules: every update so far ran at a constant lr

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import yaml
 
-from . import flags, recipes
+from . import flags, recipes, rundir
 from ._version import __version__
 from .config import MODEL_FAMILIES, RunConfig, from_dict
 from .console import end_summary
@@ -90,6 +90,8 @@ def cmd_train(args) -> int:
         cfg = _load_cfg(args)
     _threads(cfg)
     check_hub(cfg)  # a hub model that cannot be had fails here, in one line, before any model loads
+    if cfg.log.output_dir:  # before any model loads: a run directory (or a new one), its data files unchanged
+        rundir.check(cfg.log.output_dir, cfg, resume=run is not None)
     if cfg.log.output_dir and int(os.environ.get("RANK", "0")) == 0:  # before any model loads
         try:
             Path(cfg.log.output_dir).mkdir(parents=True, exist_ok=True)

@@ -25,6 +25,7 @@ from typing import Any, ClassVar
 
 import yaml
 
+from . import yamlio
 from .errors import ConfigError, suggest
 from .fileio import read_utf8
 
@@ -136,6 +137,9 @@ class RewardConfig:
                                      "the next one samples (FlowGRPO's overlap); the samples and rewards equal "
                                      "background=false's. Needs sampler.batch_size > 0; engines that keep rollout "
                                      "graphs (retain, reweight, evaluation=retain) score after sampling")
+    timeout: float = _f(3600.0, lo=0.0, doc="seconds one call of one reward may take; a longer one stops the run "
+                                             "with a one-line error (a hung call is left in a daemon thread, so "
+                                             "it never blocks the exit); 0: no limit")
 
 
 @dataclass
@@ -145,6 +149,9 @@ class AdvantageConfig:
     clip: float = _f(5.0, lo=0.0)
     eps: float = _f(1e-4, lo=0.0)
     filter_zero_std: bool = _f(False, doc="drop groups whose rewards are all equal from the loss")
+    std: str = _f("unbiased", choices=("unbiased", "population"),
+                  doc="the std estimate: n−1 (torch.std, TRL) or n (np.std: FlowGRPO / DiffusionNFT / AWM's "
+                      "per-prompt trackers; advantages larger by √(n/(n−1)))")
 
 
 @dataclass
@@ -437,7 +444,9 @@ class RunConfig:
             raise ConfigError(f"--config: file {str(p)!r} does not exist")
         text = read_utf8(p, "--config")
         try:
-            data = yaml.safe_load(text) or {}
+            data = yamlio.load(text, f"--config: file {str(p)!r}") or {}
+        except ConfigError:
+            raise
         except Exception as e:  # noqa: BLE001 - YAMLError, or a constructor's ValueError (e.g. a bad date)
             raise ConfigError(f"--config: file {str(p)!r} is not valid YAML ({_yaml_problem(e)}); fix the syntax "
                               f"there") from None
@@ -480,7 +489,9 @@ def _yaml_problem(e: Exception) -> str:
 def _parse_value(key: str, raw: str):
     """An override's value as YAML (a scalar, list or mapping); a syntax error names the key."""
     try:
-        return yaml.safe_load(raw)
+        return yamlio.load(raw, _show_key(key))
+    except ConfigError:
+        raise
     except Exception as e:  # noqa: BLE001 - YAMLError, or a constructor's ValueError (e.g. 2024-13-45)
         raise ConfigError(f"{_show_key(key)}: value {raw!r} is not valid YAML ({_yaml_problem(e)}); give a scalar, a list "
                           f"[a, b] or a mapping {{k: v}}, quoting text that contains YAML syntax") from None
@@ -514,9 +525,9 @@ def _coerce(key: str, value, tp, meta):
     origin = typing.get_origin(tp) or tp
     try:
         if origin is bool:
-            if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
-                value = value.lower() in ("true", "1", "yes")
-            if type(value) is int and value in (0, 1):  # YAML reads 1 / 0 as ints
+            if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no", "on", "off"):
+                value = value.lower() in ("true", "1", "yes", "on")
+            if isinstance(value, int) and not isinstance(value, bool) and value in (0, 1):  # 1 / 0 are ints
                 value = bool(value)
             if not isinstance(value, bool):
                 raise TypeError
@@ -531,6 +542,7 @@ def _coerce(key: str, value, tp, meta):
                 raise TypeError
             value = float(value)
         elif origin is str:
+            value = yamlio.text_of(value)  # a number as it was typed: 001 stays "001"
             if value is None:
                 value = ""
             if isinstance(value, bool):  # YAML 1.1 reads no / yes / true / off as booleans: the word was meant
@@ -539,7 +551,7 @@ def _coerce(key: str, value, tp, meta):
             if isinstance(value, (list, tuple)):
                 if not all(isinstance(v, _SCALARS) for v in value):
                     raise TypeError
-                value = ",".join(str(v) for v in value)
+                value = ",".join(str(yamlio.text_of(v)) for v in value)
             if not isinstance(value, _SCALARS):
                 raise TypeError
             value = str(value)
@@ -575,10 +587,12 @@ def _coerce(key: str, value, tp, meta):
     except (TypeError, ValueError, OverflowError) as e:
         if isinstance(e, ConfigError):
             raise
-        raise ConfigError(f"{key}: value {value!r} is not a valid {origin.__name__}") from None
+        raise ConfigError(f"{key}: value {yamlio.short(yamlio.echo(value))} is not a valid {origin.__name__}"
+                          ) from None
+    value = yamlio.plain(value)
     choices, lo, hi, gt = meta.get("choices"), meta.get("lo"), meta.get("hi"), meta.get("gt")
     if choices is not None and value not in choices:
-        raise ConfigError(f"{key}: value {value!r} is not allowed; choose one of {list(choices)}")
+        raise ConfigError(f"{key}: value {yamlio.short(value)} is not allowed; choose one of {list(choices)}")
     if isinstance(value, float) and not math.isfinite(value):
         raise ConfigError(f"{key}: value {value!r} is not a finite number; {_range_text(lo, hi, gt)}")
     if lo is not None and value < lo:

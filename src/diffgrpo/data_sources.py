@@ -56,13 +56,16 @@ def _record(row: dict, column: str, where: str, spec: str, key: str) -> dict:
 
 def _parse_jsonl(text: str, column: str, spec: str, key: str) -> list[dict]:
     out = []
-    for n, line in enumerate(text.splitlines(), 1):
+    for n, line in enumerate(text.split("\n"), 1):  # JSON lines end at newlines only (U+2028 may sit in a string)
         if not line.strip():
             continue
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
             raise ConfigError(f"{key}: file {spec!r} line {n} is not JSON ({e.msg})") from None
+        except (RecursionError, ValueError) as e:  # nesting too deep to parse, an integer beyond Python's limit
+            why = "nested too deeply" if isinstance(e, RecursionError) else str(e).split(";")[0]
+            raise ConfigError(f"{key}: file {spec!r} line {n} cannot be read ({why})") from None
         if not isinstance(row, dict):
             raise ConfigError(f"{key}: file {spec!r} line {n} is a JSON {type(row).__name__}, not an object")
         out.append(_record(row, column, f"line {n}", spec, key))
@@ -175,7 +178,7 @@ def load_prompts(spec: str, *, key: str = "train.prompts_file", column: str = "p
         elif suffix == ".csv":
             records = _parse_csv(text, column, spec, key)
         else:
-            records = [{"prompt": line.strip()} for line in text.splitlines() if line.strip()]
+            records = [{"prompt": line.strip()} for line in text.split("\n") if line.strip()]  # not at U+2028
     if not records:
         raise ConfigError(f"{key}: file {spec!r} holds no prompts")
     return records

@@ -20,6 +20,9 @@ RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT) :func:`init_from_env` creates the
   all_reduce_sum(t)       sum over ranks (not counted: statistics, not gradients)
   all_gather_object(o)    list of every rank's picklable object
   to_full(obj)            DTensor leaves (FSDP2 shards) of a nested state dict → full tensors (collective)
+  full_model_state(m)     the whole unsharded state dict of ``m`` on rank 0, on the CPU, gathered one tensor at a
+                          time (``get_model_state_dict``, full + CPU offload; {} on the other ranks): end-of-run
+                          exports of an FSDP2 run
   sharded_state(m, opt)   model + optimizer state as DCP sees it (``get_state_dict``): this rank's shards only
   save_sharded(t, d)      ``dcp.save`` of a tensor tree into directory d: every rank writes its own shards
   load_sharded(m, opt, …) ``dcp.load`` into this process's layout (any world size: DCP reshards), then
@@ -330,6 +333,20 @@ def to_full(obj):
     return obj
 
 
+def full_model_state(module: torch.nn.Module, *, trainable_only: bool = False) -> dict[str, torch.Tensor]:
+    """The full state dict of ``module`` (FSDP2 shards gathered; names as ``module.state_dict()``) on rank 0, on the
+    CPU; an empty dict on the other ranks. ``get_model_state_dict`` with ``full_state_dict`` and ``cpu_offload``
+    gathers one tensor at a time and moves it to rank 0's host memory, so no device ever holds the whole model.
+    ``trainable_only``: frozen parameters left out (a LoRA run's base weights). A collective: call on every rank."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+    )
+
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only)
+    return get_model_state_dict(module, options=opts)
+
+
 def _tensor_tree(obj) -> bool:
     """Whether a nested dict holds tensors only (what a safetensors-backed DCP checkpoint can store)."""
     if isinstance(obj, dict):
@@ -460,5 +477,5 @@ __all__ = ["COUNTERS", "WorldInfo", "info", "init_from_env", "launched_world_siz
            "resolve_mode", "resolve_device", "all_gather", "gather_groups", "rank_rows",
            "all_gather_object", "all_reduce_mean_",
            "add_mean_grad_", "all_reduce_sum", "no_sync", "reshard", "sharded", "wrap", "wrap_ddp", "wrap_fsdp2", "fully_shard_each",
-           "transformer_blocks", "to_full", "seed_for", "is_initialized", "sharded_state", "save_sharded",
+           "transformer_blocks", "to_full", "full_model_state", "seed_for", "is_initialized", "sharded_state", "save_sharded",
            "load_sharded", "load_sharded_model"]

@@ -13,9 +13,15 @@ redirect them elsewhere.
                             team's umask 002 or 022 lets teammates read a run).
   read_jsonl(path)          the rows of a JSON-lines log; a torn last line (a write cut short by a full disk or a
                             kill) is dropped with a warning, a damaged line elsewhere is an error naming the line.
+  run_root(directory)       inside the block ``directory`` is guarded: every write, append and delete below it
+                            (``atomic_write``, ``append_line``, ``check_below`` called by the checkpoint and export
+                            writers) refuses a path one of whose folders below ``directory`` is a symbolic link, so
+                            a planted ``samples/`` or ``checkpoints/`` link never receives files or has its
+                            contents pruned. The directory itself may be a link (the user's choice of disk).
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -77,9 +83,41 @@ def share_tree(root: str | Path) -> None:
                 os.close(fd)
 
 
+_ROOTS: list[Path] = []  # the guarded run directories (absolute, not resolved), see run_root
+
+
+@contextlib.contextmanager
+def run_root(directory: str | Path):
+    """Guard ``directory`` for the block's duration (see the module docstring)."""
+    root = Path(os.path.abspath(directory))
+    _ROOTS.append(root)
+    try:
+        yield root
+    finally:
+        _ROOTS.remove(root)
+
+
+def check_below(path: str | Path) -> None:
+    """TrainingError when a folder between a guarded run directory and ``path`` (``path``'s parents below the
+    root, not ``path`` itself: a link there is replaced, never written through) is a symbolic link."""
+    p = Path(os.path.abspath(path))
+    for root in _ROOTS:
+        try:
+            parts = p.relative_to(root).parts[:-1]
+        except ValueError:
+            continue
+        cur = root
+        for part in parts:
+            cur = cur / part
+            if cur.is_symlink():
+                raise TrainingError(f"{cur} is a symbolic link inside the run directory {root}; refusing to write "
+                                    "or delete through it (remove the link)")
+
+
 def atomic_write(path: str | Path, data: bytes | str | Callable[[Path], None]) -> Path:
     """Write ``data`` (bytes, text, or ``writer(tmp_path)``) to ``path`` through a temporary file + rename."""
     path = Path(path)
+    check_below(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     tmp = Path(tmp_name)
@@ -113,6 +151,7 @@ def atomic_write(path: str | Path, data: bytes | str | Callable[[Path], None]) -
 
 def append_line(path: str | Path, text: str) -> None:
     """Append ``text`` + newline to ``path`` (created if missing), refusing to follow a symlink at ``path``."""
+    check_below(path)
     try:
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o666)  # the umask applies
     except OSError as e:
@@ -136,14 +175,14 @@ def read_jsonl(path: str | Path, log=print) -> list[dict]:
     p = Path(path)
     if not p.exists():
         return []
-    lines = p.read_text(errors="replace").splitlines()
+    lines = p.read_text(errors="replace").split("\n")  # only newlines end a row (not U+2028 inside a string)
     rows = []
     for i, line in enumerate(lines):
         if not line.strip():
             continue
         try:
             rows.append(json.loads(line))
-        except ValueError:
+        except (ValueError, RecursionError):  # also a nesting too deep to parse, a 5000-digit integer
             if i == len(lines) - 1:
                 log(f"warning: {p}: the last line is incomplete (a write cut short); it is ignored")
                 continue
@@ -166,5 +205,5 @@ def read_utf8(p: Path, key: str, spec: str | None = None) -> str:
                           f"{e.start}); save it as UTF-8") from None
 
 
-__all__ = ["append_line", "atomic_write", "current_umask", "dir_mode", "file_mode", "read_jsonl", "read_utf8",
-           "share_tree", "temp_dir"]
+__all__ = ["append_line", "atomic_write", "check_below", "current_umask", "dir_mode", "file_mode", "read_jsonl",
+           "read_utf8", "run_root", "share_tree", "temp_dir"]

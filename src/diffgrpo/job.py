@@ -17,12 +17,12 @@ import torch
 from filelock import FileLock, Timeout
 from safetensors.torch import save_file
 
-from . import checkpoint, distributed
+from . import checkpoint, distributed, rundir
 from .config import RunConfig
 from .console import Progress
 from .distributed import WorldInfo
 from .errors import ConfigError, TrainingError
-from .fileio import atomic_write
+from .fileio import atomic_write, run_root
 from .media import SampleTable, caption_of, side_by_side
 from .runlog import MetricsWriter, plot_curves, read_metrics, save_grid
 
@@ -88,6 +88,7 @@ class Job:
         """The whole job in the run directory, which is locked for the run's life (a second run or resume of it is
         refused). SIGINT/SIGTERM finish the current iteration, save a checkpoint and return."""
         out = run_dir(self.cfg, self.trainer.world)
+        rundir.claim(out, self.cfg, resume_run, lead=self.lead)  # a run directory, its data files unchanged
         lock = FileLock(str(out / ".lock"))
         if self.lead:  # rank 0 holds it for the whole job
             try:
@@ -98,7 +99,8 @@ class Job:
             except OSError as e:  # e.g. a symlink planted at .lock: never followed
                 raise TrainingError(f"log.output_dir: cannot lock {str(out / '.lock')!r} ({e.strerror})") from None
         try:
-            return self._run(out, resume_run)
+            with run_root(out):  # no write or delete below out goes through a planted symlinked folder
+                return self._run(out, resume_run)
         finally:
             if lock.is_locked:
                 lock.release()
@@ -126,14 +128,16 @@ class Job:
     def _outputs(self, out: Path, summary: dict) -> dict:
         """Final weights (and EMA), the exported model, the reward curve and ``summary.json`` (rank 0)."""
         tr = self.trainer
-        weights = distributed.to_full(tr.policy.state_dict())  # a collective under FSDP2
-        ema_weights = tr.ema.state_dict() if tr.ema is not None else None
+        full = (distributed.full_model_state(tr.family.network(), trainable_only=self.cfg.model.lora_rank > 0)
+                if tr.dist_mode == "fsdp2" and tr.world.world_size > 1 else None)  # FSDP2: onto rank 0's CPU
+        weights = tr.policy.state_dict(full) if self.lead else None
+        ema_weights = distributed.to_full(tr.ema.state_dict()) if tr.ema is not None else None
         if not self.lead:
             return summary
         atomic_write(out / "weights.safetensors", lambda tmp: save_file(weights, str(tmp)))
         if ema_weights is not None:
             atomic_write(out / "weights_ema.safetensors", lambda tmp: save_file(ema_weights, str(tmp)))
-        tr.policy.export(out)  # the library's own format: LoRA for load_lora_weights, or a from_pretrained directory
+        tr.policy.export(out, weights if full is not None else None)  # the library's own format: LoRA for load_lora_weights, or a from_pretrained directory
         if self.cfg.log.save_images:
             rows = read_metrics(out / "metrics.jsonl", log=self.log)
             keys = ("reward",) + tuple(k for k in summary["end"] if k.startswith("eval/rewards/"))
@@ -207,9 +211,11 @@ class Job:
         return {"start": first, "end": last_eval}
 
     def _on_signal(self, signum, frame):
-        if self.stop_signal is not None:  # second signal: stop now
+        if self.stop_signal is not None:  # second signal: stop now, unless it is the first one delivered twice
+            if time.monotonic() - self._stop_time < 1.0:  # (within 1 s: to the process group, then the process)
+                return
             raise KeyboardInterrupt
-        self.stop_signal = signum
+        self.stop_signal, self._stop_time = signum, time.monotonic()
         self.log(f"received signal {signum}: finishing the current iteration, then saving a checkpoint")
 
 

@@ -61,7 +61,7 @@ def grpo_loss_weights(rewards: torch.Tensor, group_ids: torch.Tensor, planned: t
         all_rewards, all_gids = distributed.gather_groups(rewards, all_gids, spread=spread)
     adv, stats = group_advantages(all_rewards, all_gids, valid=torch.isfinite(all_rewards),
                                   std_mode=std_mode or adv_cfg.std_mode, baseline=baseline or adv_cfg.baseline,
-                                  clip=adv_cfg.clip, eps=adv_cfg.eps)
+                                  clip=adv_cfg.clip, eps=adv_cfg.eps, std=adv_cfg.std)
     adv = adv[rank * B:(rank + 1) * B] if W > 1 else adv
     keep = valid.clone()
     if adv_cfg.filter_zero_std:

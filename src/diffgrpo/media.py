@@ -113,8 +113,21 @@ class SampleTable:
 
     def close(self) -> list[dict]:
         self.rows.sort(key=lambda r: r["index"])
-        atomic_write(self.path, "".join(json.dumps(r, default=str) + "\n" for r in self.rows))
+        # strict JSON: a NaN / infinity anywhere (e.g. in a prompt's metadata) is written as null
+        atomic_write(self.path, "".join(json.dumps(_finite(r), default=str, allow_nan=False) + "\n"
+                                        for r in self.rows))
         return self.rows
+
+
+def _finite(v):
+    """``v`` with every non-finite float (also inside dicts and lists) as None."""
+    if isinstance(v, float):
+        return v if math.isfinite(v) else None
+    if isinstance(v, dict):
+        return {k: _finite(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_finite(x) for x in v]
+    return v
 
 
 def caption_of(row: dict) -> str:

@@ -21,7 +21,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from .fileio import append_line, atomic_write, read_jsonl
+from .errors import TrainingError
+from .fileio import append_line, atomic_write, check_below, read_jsonl
 from .media import captioned_grid, grid_frames, table_columns
 
 
@@ -47,7 +48,12 @@ class TensorBoardTracker:
     def __init__(self, run_dir: Path):
         from torch.utils.tensorboard import SummaryWriter
 
-        self._w = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+        d = Path(run_dir) / "tensorboard"
+        check_below(d / "events")  # a planted tensorboard/ link is refused, never written through
+        try:
+            self._w = SummaryWriter(str(d))
+        except OSError as e:  # e.g. a file named tensorboard: one line, before any training
+            raise TrainingError(f"log.tensorboard: cannot create {str(d)!r} ({e.strerror or e})") from None
 
     def log(self, values: dict[str, float], step: int) -> None:
         for k, v in values.items():

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import yaml
 
+from . import yamlio
 from .config import RunConfig
 from .errors import ConfigError
 
@@ -32,7 +33,7 @@ def flat(d: dict, prefix: str = "") -> dict:
 def saved_data(run: Path, command: str) -> dict:
     path = run / "config.yaml"
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yamlio.load(path.read_text(), str(path))
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
         raise ConfigError(f"{command}: cannot read {str(path)!r} ({type(e).__name__})") from None
     if not isinstance(data, dict):

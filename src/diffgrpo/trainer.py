@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from . import checkpoint, distributed, job
+from . import checkpoint, distributed, job, rundir
 from .checkpoint import RunState
 from .config import MODEL_FAMILIES, RunConfig
 from .console import emit
@@ -42,6 +42,7 @@ class Trainer:
         cfg = cfg or RunConfig()
         self.cfg = cfg = with_supplied(cfg, rewards) if rewards else cfg
         validate(cfg)  # also for configs built in Python rather than read by RunConfig.from_overrides
+        rundir.absolute_data_paths(cfg)  # the saved config names the files read, wherever the run resumes from
         self.log = log
         if cfg.model.cache_dir:
             os.environ["DIFFGRPO_CACHE"] = cfg.model.cache_dir

@@ -10,6 +10,12 @@ likelihood). n_i = valid completion tokens (up to and including the first <eos>)
 normaliser of :func:`diffgrpo.losses.aggregation_weights`, so the loss is Σ_ij w_ij·(−A_i·ℓ_ij) with per-token
 terms ℓ_ij that sum to the sequence bound.
 
+Normalisation against the released trainer: it normalises per device micro-batch, one group g of completions,
+L_released = mean_g (1/T_g) · Σ_{i∈g} A_i·ℓ̂_i (T_g: group g's completion tokens), where the loss here divides the
+whole batch by T = Σ_g T_g. Both agree when every group has T/G tokens; otherwise group g's terms here weigh
+G·T_g/T times what they weigh there (groups of long completions count more here, short ones more there; measured
+in tests/test_user_defects.py). ``loss.aggregation=sample_mean`` is neither: it normalises each sequence by n_i.
+
 Masks (:func:`block_masks`, SPG's ``block_random``): each of M forwards picks one completion block k (a random
 permutation of the blocks, reduced modulo the row's number of valid blocks; blocks are reused when M exceeds
 them), keeps the blocks before k visible, masks c tokens of block k's valid part (c uniform on

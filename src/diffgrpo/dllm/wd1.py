@@ -15,8 +15,9 @@ released "NP" runs use none). A group whose rewards are all equal has c ≡ 0 an
 
 Normalisation: the released trainer sums token log-probs per sequence and sums c-weighted sequences over a group
 (one group per device micro-batch, averaged over accumulation steps); here the per-token terms go through the
-shared aggregation (``loss.aggregation``, token mean by default), which differs from that by the batch's mean
-completion length, a per-batch scale that Adam largely absorbs.
+shared aggregation (``loss.aggregation``, token mean by default): the released loss is ours times the completion
+tokens per group, T/G (T completion tokens in the batch, G groups; group_size × the mean completion length, e.g.
+6 × 8.17 = 49.0), a per-batch scale that Adam largely absorbs (tests/test_user_defects.py measures it).
 
 Exactness: the gradient of the weighted likelihood under the mean-field estimate; exact in the estimate, biased as
 the mean field is relative to the model's likelihood (benchmarks/results/dllm_study/bias.md).

@@ -22,7 +22,6 @@ noise (shared x_0 in the spread layout). A prompt record's metadata travels with
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -41,6 +40,7 @@ from ..rewards import compute_rewards, make_rewards
 from ..samplers import flow_sde
 from ..samplers import options as rollout_options
 from ..samplers.rollout import sample_trajectories
+from ..threads import SerialWorker
 from ..types import BatchPlan, EngineStats, FlowTrajectory, Rollout
 from . import rules
 from .waves import merge_rollouts, split_waves
@@ -78,7 +78,7 @@ class FlowFamily:
         self.records = load_prompts(t.prompts_file, column=t.prompt_column) if t.prompts_file else []
         self.sampler = EpochSampler(len(self.records), cfg.seed) if self.records else None
         # reward callables on the policy's device with reward.options bound (models load on first use)
-        self.reward_fns = make_rewards(cfg.reward.weights, cfg.reward.options, self.device)
+        self.reward_fns = make_rewards(cfg.reward.weights, cfg.reward.options, self.device, timeout=cfg.reward.timeout)
         self.plans_made = 0  # training batches planned (the sliding SDE window's clock)
 
     # ------------------------------------------------------------------ the family protocol
@@ -264,7 +264,7 @@ class FlowFamily:
         noise = torch.stack([torch.randn(plan.x0.shape, generator=self.gen_noise, device=self.device)
                              for _ in range(T)], 1)  # (B, T, *S): the interleaved sampler's draws
         outs, images, futures = [], [], []
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="diffgrpo-reward") as pool:
+        with SerialWorker("diffgrpo-reward") as pool:  # a daemon thread: a hung reward never blocks the exit
             for lo in range(0, B, n):
                 failed = next((f for f in futures if f.done() and f.exception() is not None), None)
                 if failed is not None:  # stop sampling at once: the run ends with this micro-batch's error

@@ -42,6 +42,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from safetensors.torch import save_file
 
 from ..cache import save_dir_atomic
 from ..config import RunConfig
@@ -456,11 +457,14 @@ class DiffusersFlowPolicy:
         return self._decoder(x)
 
     # ---------------------------------------------------------------- weights
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """The trainable weights: the LoRA adapter (peft names) or the whole transformer."""
+    def state_dict(self, full: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """The trainable weights: the LoRA adapter (peft names) or the whole transformer. ``full``: take them from
+        the transformer's full state dict gathered from FSDP2 shards (``distributed.full_model_state``) instead of
+        the live (sharded) module."""
         if self.lora_rank > 0:
-            return lora_state_dict(self.transformer)
-        return {k: v.detach().contiguous() for k, v in self.transformer.state_dict().items()}
+            return lora_state_dict(self.transformer, full)
+        sd = self.transformer.state_dict() if full is None else full
+        return {k: v.detach().contiguous() for k, v in sd.items()}
 
     def load_state_dict(self, sd):
         if self.lora_rank > 0:
@@ -468,17 +472,19 @@ class DiffusersFlowPolicy:
         else:
             self.transformer.load_state_dict(sd)
 
-    def export(self, run_dir: str | Path) -> Path:
+    def export(self, run_dir: str | Path, weights: dict[str, torch.Tensor] | None = None) -> Path:
         """The end-of-run export into ``run_dir``: ``lora/`` (diffusers LoRA format) or ``transformer/``, written
-        into a temporary directory renamed into place."""
+        into a temporary directory renamed into place. ``weights``: the trainable weights as full tensors
+        (``state_dict(full)``, an FSDP2 run's gathered state) instead of the live module's."""
         target = Path(run_dir) / ("lora" if self.lora_rank > 0 else "transformer")
-        return save_dir_atomic(target, self.save_adapter)
+        return save_dir_atomic(target, lambda d: self.save_adapter(d, weights))
 
     def save_adapter(self, directory: str | Path, weights: dict[str, torch.Tensor] | None = None) -> Path | None:
         """LoRA: save in diffusers format (``<Pipeline>.save_lora_weights``), loadable with the pipeline's
         ``load_lora_weights``. Full fine-tune: ``transformer.save_pretrained``. Returns the directory.
-        ``weights``: the adapter's full tensors under peft's names (``state_dict()``, gathered from FSDP2 shards)
-        instead of the live module's."""
+        ``weights``: the trainable weights' full tensors (``state_dict(full)``: the adapter under peft's names, or
+        the whole transformer), gathered from FSDP2 shards, instead of the live module's; a full fine-tune is then
+        written as ``save_pretrained`` writes it (``config.json`` + ``diffusion_pytorch_model.safetensors``)."""
         import diffusers
         from peft.utils import get_peft_model_state_dict
 
@@ -490,6 +496,10 @@ class DiffusersFlowPolicy:
             pipe_cls.save_lora_weights(
                 str(d), transformer_lora_layers={k: v.detach().contiguous().cpu() for k, v in layers.items()},
                 transformer_lora_adapter_metadata=self.transformer.peft_config["default"].to_dict())
+        elif weights is not None:  # the live module is sharded: its config, and the gathered weights
+            self.transformer.save_config(str(d))
+            save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()},
+                      str(d / "diffusion_pytorch_model.safetensors"), metadata={"format": "pt"})
         else:
             self.transformer.save_pretrained(str(d))
         return d

@@ -39,7 +39,6 @@ from ..distributed import (
     is_initialized,
     launched_local_rank,
     resolve_device,
-    sharded,
 )
 from ..distributed import transformer_blocks as root_blocks
 from ..errors import ConfigError
@@ -95,24 +94,20 @@ class MaskedLMPolicy:
     def named_trainable_parameters(self) -> dict[str, nn.Parameter]:
         return {n: p for n, p in self.model.named_parameters() if p.requires_grad}
 
-    def export(self, run_dir) -> Path:
+    def export(self, run_dir, weights: dict[str, torch.Tensor] | None = None) -> Path:
         """Save the trained model into ``run_dir``: a LoRA as a peft adapter directory ``<run_dir>/lora``
         (``PeftModel.from_pretrained(base, <run_dir>/lora)``), a full fine-tune as a ``from_pretrained`` directory
-        ``<run_dir>/model``; with the tokenizer when it has a transformers one. Under FSDP2 (sharded weights, only
-        rank 0 exports) the full weights come from the run's ``weights.safetensors``."""
-        from safetensors.torch import load_file, save_file
-
-        full = None
-        if sharded(self.trainable_parameters()):
-            full = load_file(str(Path(run_dir) / "weights.safetensors"))
+        ``<run_dir>/model``; with the tokenizer when it has a transformers one. ``weights``: the trainable weights
+        as full tensors (``state_dict(full)``, an FSDP2 run's gathered state) instead of the live module's."""
+        from safetensors.torch import save_file
 
         def write(d: Path) -> None:
             if self.lora:
                 self.model.peft_config["default"].save_pretrained(str(d))  # adapter_config.json
-                save_file(full if full is not None else self.state_dict(), str(d / "adapter_model.safetensors"))
-            elif full is not None:
+                save_file(weights if weights is not None else self.state_dict(), str(d / "adapter_model.safetensors"))
+            elif weights is not None:
                 with own_class(self.model):
-                    self.model.save_pretrained(str(d), state_dict=full)
+                    self.model.save_pretrained(str(d), state_dict=weights)
             else:
                 self.model.save_pretrained(str(d))
             if isinstance(self.vocab, HFTokenizerVocab):
@@ -132,13 +127,16 @@ class MaskedLMPolicy:
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """The trainable weights: the whole model, or the LoRA adapter under peft's saved names."""
+    def state_dict(self, full: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """The trainable weights: the whole model, or the LoRA adapter under peft's saved names. ``full``: take
+        them from the model's full state dict gathered from FSDP2 shards (``distributed.full_model_state``)
+        instead of the live (sharded) module."""
         if self.lora:
             from peft.utils import get_peft_model_state_dict
 
-            return {k: v.detach().contiguous() for k, v in get_peft_model_state_dict(self.model).items()}
-        return untied_state_dict(self.model)
+            layers = get_peft_model_state_dict(self.model, state_dict=full)
+            return {k: v.detach().contiguous() for k, v in layers.items()}
+        return untied_state_dict(self.model) if full is None else {k: v.contiguous() for k, v in full.items()}
 
     def load_state_dict(self, sd):
         if self.lora:
@@ -321,7 +319,9 @@ def pretrain_tiny_mlm(task, pcfg: PretrainConfig, *, progress: bool = True, arch
     slips = [task.slip(e) for e in pool]
     slips = None if slips[0] is None else VOCAB.encode_completions(slips, task.gen_length)  # (n, L)
     opt = torch.optim.AdamW(net.parameters(), lr=pcfg.lr, weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=pcfg.lr, total_steps=pcfg.steps, pct_start=0.05)
+    # a warmup of >= 2 steps: OneCycleLR divides by (warmup steps − 1), so pretrain.steps=20 (0.05 × 20 = 1) crashed
+    warmup = min(max(0.05, 2.0 / pcfg.steps), 0.5)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=pcfg.lr, total_steps=pcfg.steps, pct_start=warmup)
     net.train()
 
     def fn(x):

@@ -54,11 +54,13 @@ def adapter_disabled(transformer: nn.Module):
         transformer.enable_adapters()
 
 
-def lora_state_dict(transformer: nn.Module) -> dict[str, torch.Tensor]:
-    """The adapter weights under peft's names (no adapter name), detached and contiguous."""
+def lora_state_dict(transformer: nn.Module, full: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """The adapter weights under peft's names (no adapter name), detached and contiguous; from ``full`` (the
+    transformer's state dict gathered from FSDP2 shards, ``distributed.full_model_state``) when given."""
     from peft.utils import get_peft_model_state_dict
 
-    return {k: v.detach().contiguous() for k, v in get_peft_model_state_dict(transformer).items()}
+    layers = get_peft_model_state_dict(transformer, state_dict=full)
+    return {k: v.detach().contiguous() for k, v in layers.items()}
 
 
 def load_lora_state_dict(transformer: nn.Module, sd: dict[str, torch.Tensor]) -> None:

@@ -20,6 +20,7 @@ not take, a reward whose optional package is missing, and a reward that cannot a
 """
 from __future__ import annotations
 
+import copy
 import importlib
 import importlib.util
 import math
@@ -31,6 +32,7 @@ from typing import Callable, Mapping
 import torch
 
 from ..errors import ConfigError, RewardError, suggest
+from ..threads import CallTimeout, call_with_timeout
 from ..types import DTYPES
 from . import calling, clip_models, geneval, ocr, verifiers
 from .http import http as http_reward
@@ -162,8 +164,10 @@ def _call_with_retry(name: str, fn: RewardFn, images, prompts, metadata, log):
     process without a word about the reward: it becomes a RewardError at once (a bug, not retried)."""
     for attempt in (1, 2):
         try:
-            return fn(images, prompts, metadata)
-        except (KeyboardInterrupt, RewardError):  # a RewardError is final (e.g. http after its own retries)
+            # every call gets its own copy of the inputs: a reward that edits them in place cannot change a later
+            # reward's input, a retry's, or the saved samples
+            return fn(images.clone(), list(prompts), copy.deepcopy(metadata))
+        except (KeyboardInterrupt, RewardError):  # final: a timeout, or e.g. http after its own retries
             raise
         except Exception as e:  # noqa: BLE001 - reported with the reward's name
             if attempt == 2:
@@ -229,21 +233,38 @@ def compute_rewards(weights: dict[str, float], images: torch.Tensor, prompts: li
     return total, comps
 
 
-def make_rewards(weights: Mapping[str, float], options: Mapping[str, Mapping] | None = None, device=None
-                 ) -> dict[str, RewardFn]:
+def make_rewards(weights: Mapping[str, float], options: Mapping[str, Mapping] | None = None, device=None, *,
+                 timeout: float = 0.0) -> dict[str, RewardFn]:
     """name → reward callable for ``compute_rewards(..., rewards=...)``: model rewards built for ``device`` (the
     policy's; ``reward.options.<name>.device`` overrides it) with their ``reward.options``; other names resolved
-    through the registry. Nothing loads here: models load on the first call, once per process."""
+    through the registry. Nothing loads here: models load on the first call, once per process. ``timeout``
+    (``reward.timeout``, seconds; 0: none): a call taking longer stops the run with a one-line RewardError (not
+    retried), its thread left behind as a daemon (``threads.call_with_timeout``)."""
     options = options or {}
     out: dict[str, RewardFn] = {}
     for name in weights:
         if name in MODEL_REWARDS:
             opts = dict(options.get(name) or {})
             dev = opts.pop("device", "") or device
-            out[name] = MODEL_REWARDS[name].build(None if dev is None else str(dev), **opts)
+            fn = MODEL_REWARDS[name].build(None if dev is None else str(dev), **opts)
         else:  # a plug-in: its options as keywords, TRL's keyword convention spread by name
-            out[name] = calling.bind(resolve_reward(name), options.get(name))
+            fn = calling.bind(resolve_reward(name), options.get(name))
+        out[name] = fn if not timeout else _time_limited(name, fn, float(timeout))
     return out
+
+
+class RewardTimeout(RewardError):
+    """A reward call ran past ``reward.timeout`` (never retried: it would hang again)."""
+
+
+def _time_limited(name: str, fn: RewardFn, timeout: float) -> RewardFn:
+    def call(images, prompts, metadata):
+        try:
+            return call_with_timeout(fn, timeout, images, prompts, metadata)
+        except CallTimeout:
+            raise RewardTimeout(f"reward {name!r} returned nothing within reward.timeout={timeout:g} s; the run "
+                                "stops (raise reward.timeout for a slow reward, or 0 for no limit)") from None
+    return call
 
 
 _DTYPES = tuple(DTYPES)  # float32, bfloat16, float16

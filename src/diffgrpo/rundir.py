@@ -1,0 +1,122 @@
+"""What a run directory is, and the data files a run was started on.
+
+  MARKER                       ``.diffgrpo-run``: written when a run is created in a directory (JSON: the tool and
+                               the SHA-256 of each local data file the run reads). ``log.output_dir`` must be a new
+                               or empty folder, or a run directory: one holding the marker, or, from versions before
+                               the marker, both ``config.yaml`` and ``metrics.jsonl``. Any other folder (a project,
+                               a diffusers pipeline) is refused, so a run never overwrites files it did not write.
+  absolute_data_paths(cfg)     local data-file paths (``train.prompts_file``, ``eval.prompts_file``,
+                               ``dllm.data_file``, ``dllm.eval_file``) made absolute, in place: the saved config
+                               names the file the run read, wherever it is resumed from (``hf:`` and ``builtin:``
+                               specs are kept as they are).
+  check(out, cfg, resume)      the checks above before anything loads; on a resume also that every recorded data
+                               file still has its recorded content (a one-line ConfigError naming the key).
+  claim(out, cfg, resume)      ``check``, then the marker written (a new run, or a run from before markers);
+                               under several ranks rank 0 decides for all (a collective).
+
+Cost: one SHA-256 pass over each local data file per start or resume.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from . import distributed
+from .errors import ConfigError
+from .fileio import atomic_write
+
+MARKER = ".diffgrpo-run"
+DATA_KEYS = (("train", "prompts_file"), ("eval", "prompts_file"), ("dllm", "data_file"), ("dllm", "eval_file"))
+_REMOTE = ("hf:", "builtin:")
+
+
+def _local(spec: str) -> bool:
+    return bool(spec) and not spec.startswith(_REMOTE)
+
+
+def absolute_data_paths(cfg) -> None:
+    """Make every local data-file path of ``cfg`` absolute (in place; ``~`` already expanded by the parser)."""
+    for sec, name in DATA_KEYS:
+        section = getattr(cfg, sec)
+        spec = getattr(section, name)
+        if _local(spec):
+            setattr(section, name, os.path.abspath(spec))
+
+
+def sha256_of(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def data_hashes(cfg) -> dict[str, dict[str, str]]:
+    """``{key: {"path", "sha256"}}`` of the local data files ``cfg`` names (files that exist)."""
+    out = {}
+    for sec, name in DATA_KEYS:
+        spec = getattr(getattr(cfg, sec), name)
+        if _local(spec) and os.path.isfile(spec):
+            out[f"{sec}.{name}"] = {"path": os.path.abspath(spec), "sha256": sha256_of(spec)}
+    return out
+
+
+def read_marker(out: Path) -> dict | None:
+    """The marker's content, or None when ``out`` has none (a link or a damaged marker counts as none)."""
+    p = Path(out) / MARKER
+    if p.is_symlink() or not p.is_file():
+        return None
+    try:
+        data = json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    return data if isinstance(data, dict) and data.get("tool") == "diffgrpo" else None
+
+
+def is_run_dir(out: Path) -> bool:
+    out = Path(out)
+    return read_marker(out) is not None or ((out / "config.yaml").is_file() and (out / "metrics.jsonl").is_file())
+
+
+def check(out: str | Path, cfg, resume: bool) -> None:
+    """Refuse a non-empty ``out`` that is not a run directory, and a resume whose data files changed."""
+    out = Path(out)
+    if out.is_dir() and not is_run_dir(out) and any(p.name != ".lock" for p in out.iterdir()):
+        raise ConfigError(f"log.output_dir: {str(out)!r} is not empty and is not a diffgrpo run directory (no "
+                          f"{MARKER}); choose a new or empty directory, so that no file of yours is overwritten")
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"log.output_dir: {str(out)!r} exists and is not a directory")
+    if not resume:
+        return
+    recorded = (read_marker(out) or {}).get("data_files") or {}
+    now = data_hashes(cfg)
+    for key, rec in recorded.items():
+        cur = now.get(key)
+        if cur is None or rec.get("path") != cur["path"]:
+            continue  # a path change is refused by the resume's config comparison; a missing file by validate
+        if rec.get("sha256") != cur["sha256"]:
+            raise ConfigError(f"{key}: {cur['path']!r} changed since the run started (SHA-256 {cur['sha256'][:12]}… "
+                              f"≠ {str(rec.get('sha256'))[:12]}…); restore the file or start a new run")
+
+
+def claim(out: str | Path, cfg, resume: bool, *, lead: bool = True) -> None:
+    """``check``, then the marker: written for a new run, and for a run from before markers (its data files as
+    they are now); an existing run's marker is kept. Under several ranks only rank 0 (``lead``) checks and writes,
+    and its verdict is every rank's (a collective: the other ranks would otherwise see its files half-made)."""
+    out = Path(out)
+    error = None
+    if lead:
+        try:
+            check(out, cfg, resume)
+            if read_marker(out) is None or not (resume or (out / "metrics.jsonl").exists()):
+                atomic_write(out / MARKER, json.dumps({"tool": "diffgrpo", "data_files": data_hashes(cfg)}, indent=1))
+        except ConfigError as e:
+            error = str(e)
+    error = distributed.all_gather_object(error)[0]
+    if error is not None:
+        raise ConfigError(error)
+
+
+__all__ = ["MARKER", "absolute_data_paths", "check", "claim", "data_hashes", "is_run_dir", "read_marker", "sha256_of"]

@@ -1,0 +1,273 @@
+"""The user-path matrix: launch {one process, torchrun 2 ranks DDP, torchrun 2 ranks FSDP2} × model {built-in, a tiny
+StableDiffusion3Pipeline directory, a tiny Wan pipeline directory, the built-in masked LM, a tiny remote-code
+LLaDA-style model} × {full fine-tune, LoRA}, each cell through the command line to the very end:
+
+    train with a checkpoint every iteration → SIGTERM once the first checkpoint exists (the run finishes its
+    iteration, checkpoints, exits 143) → ``train --resume`` → finish (exit 0, every promised file) → ``export``
+    (and ``--merge`` for diffusers pipelines) → reload with diffusers / peft / transformers and compare with the
+    run's own weights, and sample → ``report``.
+
+A cell that cannot apply is refused at validation with one line (asserted). Every model is built here with seeded
+random weights and saved locally; nothing is downloaded. Two ranks run on CPU with gloo. The fast cells run by
+default; the rest are ``slow`` (``python -m pytest -q -m slow tests/test_user_paths.py``); docs/user_paths.md holds
+the measured table.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from diffgrpo.checkpoint import latest_complete
+from diffgrpo.cli import main
+from tests.dllm_remote_models import build_remote_model
+from tests.test_diffusers_models import (  # noqa: F401
+    PROMPTS,
+    _t5_tokenizer,
+    sd3_dir,
+    tiny_transformer,
+)
+
+LAUNCHES = ("one", "ddp", "fsdp2")
+MODELS = ("builtin", "sd3", "wan", "mlm", "llada")
+LLADA_MASK = 2
+COMMON = ["log.progress=false", "log.save_images=false", "train.prompts_per_batch=2", "train.group_size=4",
+          "seed=0", "train.save_every=1", "train.ema_decay=0.0"]
+# one line, at validation, for the cells that cannot apply (none at present: every cell runs)
+REFUSED: dict[tuple[str, str], str] = {}
+FAST = {("one", "builtin", "full")}
+
+
+# ------------------------------------------------------------------------------------------ tiny models on disk
+@pytest.fixture(scope="module")
+def wan_dir(tmp_path_factory):
+    """A WanPipeline of tiny random components (UMT5 text encoder, Wan VAE, Wan transformer), save_pretrained."""
+    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    torch.manual_seed(0)
+    vae = AutoencoderKLWan(base_dim=8, z_dim=4, dim_mult=[1, 2], num_res_blocks=1, attn_scales=[],
+                           temperal_downsample=[True], latents_mean=[0.0] * 4, latents_std=[1.0] * 4)
+    enc = UMT5EncoderModel(UMT5Config(vocab_size=100, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2))
+    pipe = WanPipeline(tokenizer=_t5_tokenizer(), text_encoder=enc, transformer=tiny_transformer("wan"), vae=vae,
+                       scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0))
+    d = tmp_path_factory.mktemp("tiny-wan")
+    pipe.save_pretrained(str(d))
+    (d / "prompts.txt").write_text("\n".join(PROMPTS) + "\n")
+    return d
+
+
+@pytest.fixture(scope="module")
+def llada_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny-llada")
+    model = build_remote_model(root / "llada", "llada")
+    data = root / "gsm8k.jsonl"
+    data.write_text("".join(json.dumps({"question": f"{a}+{a + 1}=?", "answer": f"#### {2 * a + 1}"}) + "\n"
+                            for a in range(1, 9)))
+    return model, data
+
+
+def _model_args(model: str, lora: bool, request) -> list[str]:
+    if model == "builtin":
+        args = ["model.image_size=8", "model.num_layers=2", "model.num_heads=2", "model.head_dim=8",
+                "model.text_dim=16", "pretrain.steps=20", "pretrain.batch_size=16", "sampler.num_steps=4",
+                "eval.seeds_per_prompt=1", "reward.weights={jpeg_incompressibility: 1.0}", "train.lr=1e-3"]
+    elif model in ("sd3", "wan"):
+        d = request.getfixturevalue(f"{model}_dir")
+        args = ["model.name=diffusers", f"model.pretrained={d}", "model.resolution=16", "model.max_sequence_length=8",
+                "model.guidance_scale=3.0", "sampler.num_steps=3", "reward.weights={jpeg_incompressibility: 1.0}",
+                f"train.prompts_file={d / 'prompts.txt'}", f"eval.prompts_file={d / 'prompts.txt'}",
+                "eval.seeds_per_prompt=1", "train.lr=0.05", *(["model.num_frames=5"] if model == "wan" else [])]
+    elif model == "mlm":
+        args = ["model.name=tiny_mlm", "dllm.eval_size=4", "pretrain.steps=20"]
+    else:
+        d, data = request.getfixturevalue("llada_dir")
+        args = ["model.name=hf_masked_lm", f"dllm.model_path={d}", "dllm.trust_remote_code=true",
+                f"dllm.mask_token_id={LLADA_MASK}", "dllm.task=gsm8k", f"dllm.data_file={data}",
+                "dllm.prompt_field=question", "dllm.prompt_length=16", "dllm.gen_length=8", "dllm.diffusion_steps=8",
+                "dllm.eval_size=4"]
+    lora_key = "dllm.lora_rank" if model in ("mlm", "llada") else "model.lora_rank"
+    return [*args, *COMMON, *([f"{lora_key}=4"] if lora else [])]
+
+
+# ------------------------------------------------------------------------------------------ launching
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launcher(launch: str) -> tuple[list[str], list[str]]:
+    """(command prefix, extra overrides) of a launch mode."""
+    if launch == "one":
+        return [sys.executable, "-m", "diffgrpo.cli"], []
+    return ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+             "--master_port", str(_free_port()), "-m", "diffgrpo.cli"],
+            [f"dist.mode={launch}", "dist.backend=gloo"])
+
+
+def _env() -> dict:
+    root = str(Path(__file__).resolve().parents[1])
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([root + "/src", root]))
+
+
+def _run(cmd: list[str], timeout: float = 540) -> tuple[int, str]:
+    p = subprocess.run(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout,
+                       check=False)
+    return p.returncode, p.stdout
+
+
+def _train_interrupted(cmd: list[str], run: Path) -> tuple[int, str]:
+    """Start training, SIGTERM it (torchrun forwards the signal to its ranks) once the first checkpoint exists."""
+    p = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         start_new_session=True)
+    deadline = time.time() + 480
+    while time.time() < deadline and p.poll() is None and not (run / "checkpoints" / "latest.json").is_file():
+        time.sleep(0.05)
+    if p.poll() is None:
+        p.send_signal(signal.SIGTERM)
+    try:
+        text = p.communicate(timeout=240)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        text = p.communicate()[0]
+        pytest.fail(f"the run did not end after SIGTERM:\n{text[-3000:]}")
+    return p.returncode, text
+
+
+# ------------------------------------------------------------------------------------------ reload and sample
+def _assert_same(a: dict, b: dict) -> None:
+    assert set(a) == set(b), (sorted(set(a) ^ set(b)))[:5]
+    for k, v in a.items():
+        torch.testing.assert_close(v.float(), b[k].float(), rtol=0, atol=0, msg=k)
+
+
+def _reload_and_sample(model: str, lora: bool, run: Path, exp: Path, merged: Path | None, request, tmp: Path):
+    weights = load_file(str(run / "weights.safetensors"))
+    if model in ("builtin", "mlm"):  # the library's own sampling from the run directory
+        out = tmp / ("s.png" if model == "builtin" else "s.jsonl")
+        prompt = ["--prompt", "a handwritten digit 3"] if model == "builtin" else []
+        assert main(["sample", "--weights", str(run), "--num", "1", "--out", str(out), *prompt]) == 0
+        assert out.is_file() and out.stat().st_size > 0
+        if model == "mlm":
+            from transformers import AutoModelForMaskedLM
+
+            net = AutoModelForMaskedLM.from_pretrained(str(exp))
+            _assert_same({k: v for k, v in net.state_dict().items() if k in weights}, weights)
+            logits = net(input_ids=torch.tensor([[1, 2, 3, 4]])).logits
+            assert torch.isfinite(logits).all()
+        else:
+            exported = load_file(str(exp / ("pytorch_lora_weights.safetensors" if lora
+                                            else "diffusion_pytorch_model.safetensors")))
+            _assert_same({k.removeprefix("transformer."): v for k, v in exported.items()}, weights)
+        return
+    if model in ("sd3", "wan"):
+        import diffusers
+
+        d = request.getfixturevalue(f"{model}_dir")
+        cls = diffusers.StableDiffusion3Pipeline if model == "sd3" else diffusers.WanPipeline
+        kw = {"height": 16, "width": 16, "num_inference_steps": 2, "output_type": "pt", "max_sequence_length": 8}
+        if model == "wan":
+            kw["num_frames"] = 5
+        if lora:
+            pipe = cls.from_pretrained(str(d))
+            pipe.load_lora_weights(str(exp))
+        else:
+            tr_cls = type(cls.from_pretrained(str(d)).transformer)
+            pipe = cls.from_pretrained(str(d), transformer=tr_cls.from_pretrained(str(exp)))
+            _assert_same(pipe.transformer.state_dict(), weights)
+        out = pipe(PROMPTS[:1], generator=torch.Generator().manual_seed(0), **kw)
+        images = out.images if model == "sd3" else out.frames
+        assert torch.isfinite(torch.as_tensor(images)).all()
+        full = cls.from_pretrained(str(merged))
+        assert not any("lora" in n for n, _ in full.transformer.named_parameters())
+        if not lora:
+            _assert_same(full.transformer.state_dict(), weights)
+        again = full(PROMPTS[:1], generator=torch.Generator().manual_seed(0), **kw)
+        assert torch.isfinite(torch.as_tensor(again.images if model == "sd3" else again.frames)).all()
+        return
+    from transformers import AutoModel
+
+    d, _ = request.getfixturevalue("llada_dir")
+    if lora:
+        from peft import PeftModel
+
+        net = PeftModel.from_pretrained(AutoModel.from_pretrained(str(d), trust_remote_code=True), str(exp))
+        exported = load_file(str(exp / "adapter_model.safetensors"))
+        _assert_same(exported, weights)
+    else:
+        net = AutoModel.from_pretrained(str(exp), trust_remote_code=True)
+        _assert_same({k: v for k, v in net.state_dict().items() if k in weights}, weights)
+    out = net(input_ids=torch.tensor([[5, 6, 7, LLADA_MASK]]))
+    assert torch.isfinite(out.logits if hasattr(out, "logits") else out[0]).all()
+
+
+# ------------------------------------------------------------------------------------------ the cells
+def _cell(launch: str, model: str, kind: str, request, tmp_path: Path) -> None:
+    lora = kind == "lora"
+    prefix, dist_args = _launcher(launch)
+    run = tmp_path / "run"
+    args = [*_model_args(model, lora, request), *dist_args]
+    refused = REFUSED.get((model, kind))
+    if refused is not None:
+        rc, text = _run([*prefix, "train", *args, "train.num_iterations=3", f"log.output_dir={run}"])
+        errors = sorted({line for line in text.splitlines() if line.startswith("error: ")})
+        assert rc != 0 and len(errors) == 1 and errors[0].startswith(refused), text[-3000:]
+        assert not (run / "config.yaml").exists()
+        return
+    rc, text = _train_interrupted([*prefix, "train", *args, "train.num_iterations=3", f"log.output_dir={run}"], run)
+    assert rc != 0 and "interrupted by signal 15; resume with" in text, text[-4000:]
+    assert latest_complete(run) is not None, text[-4000:]
+    if launch == "one":  # (torchrun itself prints its own SignalException traceback; the ranks exit cleanly)
+        assert rc == 143 and "Traceback" not in text, text[-3000:]
+    else:
+        assert "[rank0]: Traceback" not in text and "[rank1]: Traceback" not in text, text[-4000:]
+    code = ["dllm.trust_remote_code=true"] if model == "llada" else []  # code keys are never taken from a run dir
+    rc, text = _run([*prefix, "train", "--resume", str(run), *dist_args, *code])
+    assert rc == 0, text[-4000:]
+    assert "resumed from" in text
+    exported_name = {"builtin": "lora" if lora else "transformer", "sd3": "lora" if lora else "transformer",
+                     "wan": "lora" if lora else "transformer", "mlm": "model", "llada": "lora" if lora else "model"}
+    for name in ("config.yaml", "metrics.jsonl", "summary.json", "weights.safetensors", ".diffgrpo-run",
+                 exported_name[model]):
+        assert (run / name).exists(), (name, sorted(p.name for p in run.iterdir()))
+    summary = json.loads((run / "summary.json").read_text())
+    assert set(summary) == {"start", "end"}
+    its = [r["iteration"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "reward" in r]
+    assert its == [1, 2, 3], its  # every iteration once: the interrupted run's rows after its checkpoint dropped
+    exp = tmp_path / "export"
+    assert main(["export", str(run), *code, "--out", str(exp)]) == 0 and (exp / "README.md").is_file()
+    merged = None
+    if model in ("sd3", "wan"):
+        merged = tmp_path / "merged"
+        assert main(["export", str(run), "--out", str(merged), "--merge"]) == 0
+    _reload_and_sample(model, lora, run, exp, merged, request, tmp_path)
+    assert main(["report", str(run)]) == 0 and (run / "report.html").stat().st_size > 0
+
+
+CELLS = [(launch, model, kind) for launch in LAUNCHES for model in MODELS for kind in ("full", "lora")]
+
+
+@pytest.mark.parametrize("launch, model, kind", [
+    pytest.param(*c, marks=() if c in FAST else pytest.mark.slow, id="-".join(c)) for c in CELLS])
+def test_user_path(launch, model, kind, request, tmp_path):
+    _cell(launch, model, kind, request, tmp_path)
+
+
+def test_a_key_that_does_not_apply_is_refused_in_one_line_before_anything_loads(tmp_path):
+    """The image models' LoRA key given to the masked LM (whose key is dllm.lora_rank): one line, exit 2, no run."""
+    run = tmp_path / "run"
+    rc, text = _run([sys.executable, "-m", "diffgrpo.cli", "train", *_model_args("mlm", False, None),
+                     "model.lora_rank=4", f"log.output_dir={run}"])
+    assert rc == 2 and text.strip().splitlines() == [text.strip()], text
+    assert text.startswith("error: model.lora_rank: does not apply to model.name=tiny_mlm")
+    assert not run.exists()
