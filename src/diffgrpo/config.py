@@ -26,6 +26,7 @@ import yaml
 
 from .data_sources import check_prompts, read_utf8
 from .distributed import launched_world_size
+from .dllm.code_tasks import check_config as check_code_config
 from .dllm.tasks import FILE_TASKS, TASKS, VOCAB, examples_from_file, get_task
 from .engines import ENGINES, FORWARD_ENGINES
 from .errors import ConfigError, suggest
@@ -241,9 +242,11 @@ class DLLMConfig:
     """Masked diffusion LMs (model.name=tiny_mlm / hf_masked_lm). TRL names: num_generations = train.group_size,
     beta = loss.beta, epsilon = dllm.clip_range, num_iterations = train.num_inner_epochs,
     scale_rewards = advantage.std_mode (when method_defaults is false)."""
-    task: str = _f("arithmetic", choices=("arithmetic", "sudoku", "countdown", "json_schema", "gsm8k"),
-                   doc="task with a verifiable reward (diffgrpo.dllm.tasks); gsm8k: numeric answers, instances from "
-                       "dllm.data_file")
+    task: str = _f("arithmetic", choices=("arithmetic", "sudoku", "countdown", "json_schema", "gsm8k", "code_toy",
+                                          "code", "math"),
+                   doc="task with a verifiable reward (diffgrpo.dllm.tasks); gsm8k: numeric answers, code: MBPP / "
+                       "HumanEval records run in a sandbox, math: math-verify equivalence, all three with instances "
+                       "from dllm.data_file")
     method: str = _f("diffu_grpo", choices=("diffu_grpo", "coupled_grpo", "random_mask", "spg", "wd1"),
                      doc="base method: likelihood estimator + advantage baseline (+ objective: spg, wd1)")
     method_defaults: bool = _f(True, doc="use the method's advantage baseline/std (else the advantage section)")
@@ -306,6 +309,15 @@ class DLLMConfig:
     spg_t_max: float = _f(1.0, lo=0.0, hi=1.0, doc="spg: largest fraction of the chosen block's tokens masked")
     spg_block_length: int = _f(0, lo=0, doc="spg: masking block length, a divisor of gen_length; 0 = "
                                             "dllm.block_length (the sampler's blocks)")
+    # code tasks (diffgrpo.dllm.code_tasks, diffgrpo.sandbox)
+    sandbox: str = _f("auto", choices=("auto", "local", "bwrap", "remote"),
+                      doc="code / code_toy: where completions run; auto = bwrap when it starts here, else local "
+                          "(see docs/code_and_math.md)")
+    sandbox_workers: int = _f(0, lo=0, doc="code / code_toy: programs run at once; 0 = this process's CPUs")
+    sandbox_timeout: float = _f(10.0, gt=0.0, doc="code / code_toy: wall-clock seconds per completion (all its tests); "
+                                                  "its process group is killed then")
+    sandbox_memory_mb: int = _f(512, lo=64, doc="code / code_toy: address-space limit per completion (MiB)")
+    sandbox_url: str = _f("", doc="dllm.sandbox=remote: the SandboxFusion-style service (POST <url>/run_code)")
 
 
 @dataclass
@@ -784,6 +796,7 @@ def _validate_dllm(cfg: RunConfig) -> None:
     if cfg.model.name == "hf_masked_lm" and not d.model_path:
         raise ConfigError("dllm.model_path: required for model.name=hf_masked_lm (a local model directory or hub id)")
     task = get_task(d.task)
+    check_code_config(d)
     _validate_dllm_scale(cfg, task)
     if d.data_file:
         examples = examples_from_file(d.data_file, task, prompt_field=d.prompt_field, answer_field=d.answer_field)

@@ -25,6 +25,7 @@ from typing import Callable, Mapping
 import torch
 
 from ..errors import ConfigError, RewardError, suggest
+from ..sandbox import BACKENDS as SANDBOX_BACKENDS
 from ..types import DTYPES
 from . import clip_models, geneval, ocr, verifiers
 from .image import digit_alignment, jpeg_compressibility, jpeg_incompressibility
@@ -41,6 +42,9 @@ REWARDS: dict[str, RewardFn] = {
     "verify_sudoku": verifiers.verify_sudoku,
     "verify_json_schema": verifiers.verify_json_schema,
     "d1_format": verifiers.d1_format,
+    "verify_math": verifiers.verify_math,
+    "verify_code": verifiers.verify_code,
+    "verify_code_pass_at_1": verifiers.verify_code_pass_at_1,
 }
 
 
@@ -80,6 +84,14 @@ def _default_model_reward(name: str) -> RewardFn:
 
 
 REWARDS.update({name: _default_model_reward(name) for name in MODEL_REWARDS})
+
+# text rewards built with reward.options (a sandbox pool: no model, no device)
+_CODE_OPTS = {"backend": str, "workers": int, "timeout": float, "memory_mb": int, "url": str}
+OPTION_REWARDS: dict[str, ModelReward] = {
+    "verify_code": ModelReward(verifiers.build_verify_code, dict(_CODE_OPTS)),
+    "verify_code_pass_at_1": ModelReward(lambda device=None, **o: verifiers.build_verify_code(device, pass_at_1=True,
+                                                                                            **o), dict(_CODE_OPTS)),
+}
 
 
 def resolve_reward(name: str) -> RewardFn:
@@ -191,6 +203,8 @@ def make_rewards(weights: Mapping[str, float], options: Mapping[str, Mapping] | 
             opts = dict(options.get(name) or {})
             dev = opts.pop("device", "") or device
             out[name] = MODEL_REWARDS[name].build(None if dev is None else str(dev), **opts)
+        elif name in OPTION_REWARDS:
+            out[name] = OPTION_REWARDS[name].build(None, **dict(options.get(name) or {}))
         else:
             out[name] = resolve_reward(name)
     return out
@@ -217,11 +231,13 @@ def _check_option(key: str, value, tp) -> object:
         name = key.rsplit(".", 1)[-1]
         if name in ("threshold", "nms_iou", "min_confidence") and not 0.0 <= value <= 1.0:
             raise ConfigError(f"{key}: value {value!r} is out of range; must be in [0, 1]")
-        if name == "divide_by" and not value > 0:
+        if name in ("divide_by", "timeout") and not value > 0:
             raise ConfigError(f"{key}: value {value!r} is out of range; must be > 0")
         return float(value)
     if not isinstance(value, str) or not value.strip():
         raise ConfigError(f"{key}: value {value!r} must be a non-empty string")
+    if key.endswith(".backend") and value not in SANDBOX_BACKENDS:
+        raise ConfigError(f"{key}: value {value!r} is not allowed; choose one of {list(SANDBOX_BACKENDS)}")
     if key.endswith(".dtype") and value not in _DTYPES:
         raise ConfigError(f"{key}: value {value!r} is not allowed; choose one of {list(_DTYPES)}")
     if key.endswith(".device"):
@@ -236,17 +252,18 @@ def _check_option(key: str, value, tp) -> object:
 def check_options(weights: Mapping[str, float], options: Mapping[str, Mapping]) -> None:
     """``reward.options``: each key a model reward listed in ``reward.weights``, each option one it takes, with a
     value of the right type and range. Raises a one-line ConfigError naming the key."""
+    takes = {**MODEL_REWARDS, **OPTION_REWARDS}
     for name, opts in options.items():
         key = f"reward.options.{name}"
-        if name not in MODEL_REWARDS:
-            raise ConfigError(f"{key}: {name!r} takes no options{suggest(name, list(MODEL_REWARDS))}; options "
-                              f"apply to {sorted(MODEL_REWARDS)}")
+        if name not in takes:
+            raise ConfigError(f"{key}: {name!r} takes no options{suggest(name, list(takes))}; options "
+                              f"apply to {sorted(takes)}")
         if name not in weights:
             raise ConfigError(f"{key}: reward {name!r} is not in reward.weights {sorted(weights)}; add it there "
                               f"or remove its options")
         if not isinstance(opts, Mapping):
             raise ConfigError(f"{key}: value {opts!r} must be a mapping of options, e.g. {{batch_size: 8}}")
-        allowed = MODEL_REWARDS[name].options
+        allowed = takes[name].options
         for opt, value in opts.items():
             if opt not in allowed:
                 raise ConfigError(f"{key}.{opt}: unknown option{suggest(str(opt), list(allowed))}; {name} takes "
@@ -263,7 +280,8 @@ def missing_packages(name: str) -> list[str]:
 
 
 # registry rewards that read text completions (masked diffusion LMs), never images
-TEXT_REWARDS = frozenset({"verify_gsm8k", "verify_countdown", "verify_sudoku", "verify_json_schema", "d1_format"})
+TEXT_REWARDS = frozenset({"verify_gsm8k", "verify_countdown", "verify_sudoku", "verify_json_schema", "d1_format",
+                          "verify_math", "verify_code", "verify_code_pass_at_1"})
 
 
 def check_rewards(weights: Mapping[str, float], options: Mapping[str, Mapping], *, model_name: str) -> None:
