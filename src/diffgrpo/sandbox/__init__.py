@@ -96,6 +96,7 @@ class Result:
     confined: tuple[str, ...] = ()
     truncated: bool = False
     loaded: bool = False
+    pid: int | None = None
 
     @property
     def fraction(self) -> float:
@@ -220,7 +221,8 @@ def run_process(argv: list[str], job: dict, limits: Limits, *, cwd: str, env: di
                                             len(job["tests"]))
     status = "cancelled" if cancelled is not None and cancelled.is_set() else ("timeout" if timed_out else "ok")
     return Result(passed, status, proc.returncode, outs["stdout"].decode("utf-8", "replace"),
-                  outs["stderr"].decode("utf-8", "replace"), time.monotonic() - t0, confined, truncated, loaded)
+                  outs["stderr"].decode("utf-8", "replace"), time.monotonic() - t0, confined, truncated, loaded,
+                  proc.pid)
 
 
 def _job(program: Program, limits: Limits, **flags) -> dict:
@@ -339,7 +341,8 @@ class RemoteBackend:
 
     def code_for(self, job: dict) -> str:
         """The code sent: the harness, told to report on stdout without confining itself (the service does)."""
-        return HARNESS_SOURCE + f"\nrun(json.loads({json.dumps(job)!r}), 1)\n"
+        body = HARNESS_SOURCE.rsplit('\nif __name__ == "__main__":', 1)[0]  # the functions, not the entry point
+        return body + f"\nrun(json.loads({json.dumps(job)!r}), 1)\n"
 
     def run(self, program: Program, limits: Limits, cancelled=None) -> Result:
         job = _job(program, limits, confine=False)
