@@ -63,7 +63,7 @@ def program_for(code: str, meta: dict) -> Program:
     """The program one completion's code makes with an instance's tests."""
     entry, head = meta.get("entry_point"), meta.get("prompt_code") or ""
     if head and entry and not re.search(rf"^\s*def\s+{re.escape(entry)}\s*\(", code, re.MULTILINE):
-        code = head + code
+        code = head.rstrip("\n") + "\n" + code  # (prompt fields are read stripped)
     return Program(code=code, tests=list(meta["tests"]), setup=meta.get("setup", ""))
 
 
