@@ -14,7 +14,8 @@ MBPP's ``text`` or HumanEval's ``prompt``):
 
 The completion's code is its first fenced block (```python … ``` or ``` … ```), else the content of a whole
 ``<answer>…</answer>``, else the completion itself. Every completion runs in its own sandboxed process (the task's
-:class:`~diffgrpo.sandbox.SandboxPool`, ``dllm.sandbox*`` keys); identical programs in one batch run once.
+:class:`~diffgrpo.sandbox.SandboxPool`, ``dllm.sandbox*`` keys); identical programs run once (a bounded
+memo of results: :class:`SandboxScorer`).
 Loading a data file checks the layout only: no reference solution runs before training starts.
 Estimator: none (exact test outcomes). Cost: one interpreter start per distinct completion, ``workers`` at once.
 """
@@ -24,6 +25,7 @@ import hashlib
 import itertools
 import random
 import re
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -97,11 +99,14 @@ def _program_key(p: Program) -> str:
 
 
 class SandboxScorer:
-    """Runs programs in a pool (made on first use with defaults unless :meth:`use` gave one); identical programs in
-    one call run once."""
+    """Runs programs in a pool (made on first use with defaults unless :meth:`use` gave one). Identical programs
+    in one call run once, and the results of programs that ended by themselves are remembered (the last
+    ``memo`` of them): a program is scored as a function of its text (setup, code, tests)."""
 
-    def __init__(self):
+    def __init__(self, memo: int = 8192):
         self.pool: SandboxPool | None = None
+        self.memo: OrderedDict[str, Result] = OrderedDict()
+        self.memo_size = memo
 
     def use(self, pool: SandboxPool) -> None:
         self.pool = pool
@@ -110,9 +115,14 @@ class SandboxScorer:
         if self.pool is None:
             self.pool = make_sandbox("auto", key="dllm.sandbox")
         keys = [_program_key(p) for p in programs]
-        distinct = {k: p for k, p in zip(keys, programs)}
-        done = dict(zip(distinct, self.pool.run_many(list(distinct.values()))))
-        return [done[k] for k in keys]
+        todo = {k: p for k, p in zip(keys, programs) if k not in self.memo}
+        done = dict(zip(todo, self.pool.run_many(list(todo.values()))))
+        for k, r in done.items():
+            if r.status == "ok":
+                self.memo[k] = r
+                if len(self.memo) > self.memo_size:
+                    self.memo.popitem(last=False)
+        return [done[k] if k in done else self.memo[k] for k in keys]
 
 
 def _is_test(key: str, test_fraction: float, seed: int) -> bool:

@@ -29,6 +29,7 @@ reach the caller, its files, the network or other processes.
 from __future__ import annotations
 
 import json
+import marshal
 import os
 import secrets
 import selectors
@@ -231,19 +232,19 @@ def _job(program: Program, limits: Limits, **flags) -> dict:
 
 
 class _PrivateDir:
-    """``<tmp>/diffgrpo-sandbox-*/{job.json, work/}``, mode 0700, removed on exit without following links."""
+    """``<tmp>/diffgrpo-sandbox-*/{job.bin, work/}``, mode 0700, removed on exit without following links."""
 
     def __enter__(self):
         self.root = tempfile.mkdtemp(prefix="diffgrpo-sandbox-")
         self.work = os.path.join(self.root, "work")
         os.mkdir(self.work, 0o700)
-        self.job_path = os.path.join(self.root, "job.json")
+        self.job_path = os.path.join(self.root, "job.bin")
         return self
 
     def write_job(self, job: dict) -> None:
         fd = os.open(self.job_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(job, f)
+        with os.fdopen(fd, "wb") as f:
+            marshal.dump(job, f)
 
     def __exit__(self, *exc):
         shutil.rmtree(self.root, ignore_errors=True)  # fd-based on Linux: links are removed, never followed
@@ -310,10 +311,10 @@ class BwrapBackend:
             if os.path.islink(link):
                 a += ["--symlink", os.readlink(link), link]
         a += ["--dev", "/dev", "--size", str(limits.disk_mb * 1024 * 1024), "--tmpfs", "/work",
-              "--ro-bind", job_path, "/job.json", "--chdir", "/work",
+              "--ro-bind", job_path, "/job.bin", "--chdir", "/work",
               "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/work", "--setenv", "LANG", "C.UTF-8",
               "--setenv", "PYTHONDONTWRITEBYTECODE", "1", "--setenv", "PYTHONHASHSEED", "0"]
-        return a + ["--", os.path.realpath(sys.executable), "-I", "-S", "-c", HARNESS_SOURCE, "/job.json"]
+        return a + ["--", os.path.realpath(sys.executable), "-I", "-S", "-c", HARNESS_SOURCE, "/job.bin"]
 
     def run(self, program: Program, limits: Limits, cancelled=None) -> Result:
         # bwrap makes the namespaces and the tmpfs; the harness adds limits, Landlock and seccomp inside. Its
@@ -342,7 +343,7 @@ class RemoteBackend:
     def code_for(self, job: dict) -> str:
         """The code sent: the harness, told to report on stdout without confining itself (the service does)."""
         body = HARNESS_SOURCE.rsplit('\nif __name__ == "__main__":', 1)[0]  # the functions, not the entry point
-        return body + f"\nrun(json.loads({json.dumps(job)!r}), 1)\n"
+        return body + f"\nrun({job!r}, 1)\n"  # plain dicts, lists, strings and numbers: a literal
 
     def run(self, program: Program, limits: Limits, cancelled=None) -> Result:
         job = _job(program, limits, confine=False)

@@ -1,7 +1,9 @@
 """The program a sandbox runs: it confines its own process, then runs a solution and its tests one by one.
 
-Stdlib only, no import of the package: the sandbox backends read this file's text and run it as
-``python -I -S -c <text> <job.json>`` (local, bwrap) or embed it with the job in the code they send (remote).
+Stdlib only, no import of the package, few imports (each costs start-up time per completion): the sandbox
+backends read this file's text and run it as ``python -I -S -c <text> <job file> <result fd>`` (local, bwrap; the
+job is ``marshal`` data of plain dicts, lists and strings) or embed it with the job as a literal in the code they
+send (remote).
 It is trusted code; everything after :func:`confine` (the solution, the tests) is not.
 
 Confinement, in order (each step only when the job asks for it and the machine allows it; what was applied is
@@ -25,9 +27,8 @@ it is known, so that a later hang or crash keeps the earlier results. A solution
 from inside its own process (any in-process test runner shares that limit); it cannot reach the caller.
 """
 import ctypes
-import json
+import marshal
 import os
-import platform
 import resource
 import signal
 import struct
@@ -183,7 +184,7 @@ def confine(job: dict) -> list:
         except OSError:
             pass
     resource.setrlimit(resource.RLIMIT_AS, (int(lim["memory_mb"] * mb),) * 2)
-    arch = platform.machine()
+    arch = os.uname().machine
     if job.get("seccomp") and arch in _AUDIT_ARCH:
         try:
             _install_seccomp(libc, arch)
@@ -245,8 +246,8 @@ def run(job: dict, out_fd: int) -> None:
 
 def main(argv) -> None:
     path, out_fd = argv[1], int(argv[2])
-    with open(path) as f:
-        job = json.load(f)
+    with open(path, "rb") as f:  # written by the caller in its private directory (marshal: no code, no imports)
+        job = marshal.load(f)
     run(job, out_fd)
     sys.stdout.flush()
     os._exit(0)
