@@ -112,6 +112,8 @@ class SandboxScorer:
         self.pool = pool
 
     def run(self, programs: list[Program]) -> list[Result]:
+        if not programs:
+            return []
         if self.pool is None:
             self.pool = make_sandbox("auto", key="dllm.sandbox")
         keys = [_program_key(p) for p in programs]
