@@ -44,7 +44,7 @@ def main() -> None:
             sb.run_process([sys.executable, "-I", "-S", "-c", sb.HARNESS_SOURCE, d.job_path], job, lim, cwd=d.work,
                            env=sb._scrubbed_env(d.work), job_path=d.job_path)
 
-    rows = {"bare interpreter start": timed(lambda: subprocess.run([sys.executable, "-I", "-S", "-c", "pass"]),
+    rows = {"bare interpreter start": timed(lambda: subprocess.run([sys.executable, "-I", "-S", "-c", "pass"], check=True),
                                             args.runs),
             "harness, no confinement": timed(unconfined, args.runs)}
     backends = [LocalBackend()] + ([BwrapBackend()] if sb.find_bwrap() else [])
@@ -58,9 +58,9 @@ def main() -> None:
     cmd = "OMP_NUM_THREADS=1 python benchmarks/sandbox_overhead.py " + " ".join(sys.argv[1:])
     (out / "overhead.json").write_text(json.dumps({"command": cmd, "loadavg": load, "cpus": os.cpu_count(),
                                                    "rows": rows}, indent=2) + "\n")
-    lines = ["# Sandbox overhead per completion", "", f"Command: `{cmd}`", "",
-             f"Machine: {os.cpu_count()} CPUs, load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} "
-             "(1 / 5 / 15 min) during the run.", "",
+    machine = (f"Machine: {os.cpu_count()} CPUs, load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} "
+               "(1 / 5 / 15 min) during the run.")
+    lines = ["# Sandbox overhead per completion", "", f"Command: `{cmd}`", "", machine, "",
              "| what runs | median ms | quartiles ms |", "|---|---|---|"]
     lines += [f"| {k} | {v['median_ms']:.0f} | {v['q1_ms']:.0f} – {v['q3_ms']:.0f} |" for k, v in rows.items()]
     (out / "overhead.md").write_text("\n".join(lines) + "\n")

@@ -10,9 +10,14 @@ import pytest
 import torch
 
 import diffgrpo
-
 from diffgrpo.config import RunConfig, validate
-from diffgrpo.dllm.code_tasks import CodeTask, CodeToy, extract_code, read_records, toy_functions
+from diffgrpo.dllm.code_tasks import (
+    CodeTask,
+    CodeToy,
+    extract_code,
+    read_records,
+    toy_functions,
+)
 from diffgrpo.dllm.math_tasks import MathTask, math_equal, parse_answer
 from diffgrpo.dllm.tasks import VOCAB, examples_from_file, get_task
 from diffgrpo.errors import ConfigError

@@ -19,8 +19,16 @@ from pathlib import Path
 import pytest
 
 import diffgrpo.sandbox as sb
-from diffgrpo.sandbox import (BwrapBackend, Limits, LocalBackend, Program, RemoteBackend, SandboxError, SandboxPool,
-                              make_sandbox)
+from diffgrpo.sandbox import (
+    BwrapBackend,
+    Limits,
+    LocalBackend,
+    Program,
+    RemoteBackend,
+    SandboxError,
+    SandboxPool,
+    make_sandbox,
+)
 
 BACKENDS = ["local"] + (["bwrap"] if sb.find_bwrap() else [])
 FAST = Limits(timeout_s=4.0, test_s=2.0, memory_mb=256)
@@ -47,7 +55,7 @@ def _sandbox_dirs() -> set[str]:
 
 def _caller_unharmed() -> None:
     """This process can still start a process, open a file and allocate memory."""
-    assert subprocess.run([sys.executable, "-c", "print(1)"], capture_output=True, timeout=60).stdout.strip() == b"1"
+    assert subprocess.run([sys.executable, "-c", "print(1)"], capture_output=True, timeout=60, check=True).stdout.strip() == b"1"
     assert len(bytearray(64 * 1024 * 1024)) == 64 * 1024 * 1024
 
 
@@ -276,7 +284,7 @@ def test_killing_the_parent_fails(backend, tmp_path):
     script.write_text(PARENT_KILLER)
     env = {**os.environ, "PYTHONPATH": str(Path(sb.__file__).parents[2])}
     out = subprocess.run([sys.executable, str(script), backend.name], capture_output=True, text=True, timeout=60,
-                         env=env, start_new_session=True)
+                         env=env, start_new_session=True, check=False)
     assert out.returncode == 0 and "alive [True]" in out.stdout, out.stdout + out.stderr
 
 
@@ -431,12 +439,12 @@ def _sandbox_children(pid: int) -> list[int]:
 class _Service(BaseHTTPRequestHandler):
     """A SandboxFusion-style /run_code endpoint on 127.0.0.1 running the code in a local sandbox process."""
 
-    def do_POST(self):  # noqa: N802 - http.server's name
+    def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         assert self.path == "/run_code" and body["language"] == "python"
         try:
             out = subprocess.run([sys.executable, "-I", "-c", body["code"]], capture_output=True, text=True,
-                                 timeout=body["run_timeout"])
+                                 timeout=body["run_timeout"], check=False)
             rr = {"status": "Finished", "return_code": out.returncode, "stdout": out.stdout, "stderr": out.stderr}
         except subprocess.TimeoutExpired:
             rr = {"status": "TimeLimitExceeded", "return_code": None, "stdout": "", "stderr": ""}
