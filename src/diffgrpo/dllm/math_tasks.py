@@ -12,7 +12,7 @@ numbers to 6 decimals, fractions, radicals, intervals, sets, percentages as frac
 numeric rule (:func:`diffgrpo.dllm.tasks.numeric_correct`).
 
 Timeouts: math-verify bounds parsing and comparison with ``signal.alarm``, which works only in the main thread.
-In the main thread each call gets ``timeout_s`` seconds; in any other thread (a background reward) the calls run
+In the main thread each call gets ``timeout_s`` (10) seconds; in any other thread (a background reward) the calls run
 without the alarm, and the bound is the input's size: answers longer than ``MAX_ANSWER_CHARS`` are not parsed.
 Estimator: none. Cost: a sympy parse of two short strings and one comparison per completion.
 """
@@ -77,7 +77,7 @@ def answer_latex(completion: str) -> str | None:
     return nums[-1] if nums else None
 
 
-def parse_answer(latex: str | None, timeout_s: int = 5) -> list:
+def parse_answer(latex: str | None, timeout_s: int = 10) -> list:
     """math-verify's parse of one answer (LaTeX extraction only) → its parsed forms ([] when none)."""
     mv = _math_verify()
     if mv is None or not latex or len(latex) > MAX_ANSWER_CHARS:
@@ -97,7 +97,7 @@ def reference_latex(answer: str) -> str | None:
     return (boxed if boxed is not None else answer).strip().strip("$").strip() or None
 
 
-def math_equal(completion: str, reference: str, timeout_s: int = 5) -> bool:
+def math_equal(completion: str, reference: str, timeout_s: int = 10) -> bool:
     """Whether the completion's answer equals the reference mathematically (math-verify). Never raises."""
     mv = _math_verify()
     gold = parse_answer(reference_latex(reference), timeout_s)
