@@ -10,21 +10,22 @@ import pytest
 import torch
 
 import diffgrpo
-from diffgrpo.config import RunConfig, validate
-from diffgrpo.dllm.code_tasks import (
+from diffgrpo.config import RunConfig
+from diffgrpo.errors import ConfigError
+from diffgrpo.models.hf_masked_lm import MaskedLMPolicy, tiny_bert
+from diffgrpo.rewards import check_options, compute_rewards, make_rewards
+from diffgrpo.sandbox import LocalBackend, SandboxPool
+from diffgrpo.tasks import VOCAB, examples_from_file, get_task
+from diffgrpo.tasks.code import (
     CodeTask,
     CodeToy,
     extract_code,
     read_records,
     toy_functions,
 )
-from diffgrpo.dllm.math_tasks import MathTask, math_equal, parse_answer
-from diffgrpo.dllm.tasks import VOCAB, examples_from_file, get_task
-from diffgrpo.errors import ConfigError
-from diffgrpo.models.hf_masked_lm import MaskedLMPolicy, tiny_bert
-from diffgrpo.rewards import check_options, compute_rewards, make_rewards
-from diffgrpo.sandbox import LocalBackend, SandboxPool
+from diffgrpo.tasks.competition_math import MathTask, math_equal, parse_answer
 from diffgrpo.trainer import Trainer
+from diffgrpo.validation import validate
 
 
 @pytest.fixture(scope="module")

@@ -13,13 +13,14 @@ Numeric answers (GSM8K, MATH-style integers and decimals):
   * a reference is read the same way, GSM8K's ``#### 72`` tail first.
   Literals longer than 40 digits are not numbers (no huge-integer work).
 
-The numeric reading lives with the other task verifiers in :mod:`diffgrpo.dllm.tasks` (re-exported here).
+The numeric reading lives with the other task verifiers in :mod:`diffgrpo.tasks` (re-exported here).
 
 Registry rewards (``reward.weights``; signature ``fn(completions, prompts, metadata) -> (B,)``): ``verify_gsm8k``
 (reference: ``metadata["answer"]``), ``verify_math`` (math-verify equivalence with ``metadata["answer"]``),
 ``verify_code`` / ``verify_code_pass_at_1`` (the completion's code run in a sandbox against the record's tests:
-fraction passed / all passed; options backend, workers, timeout, memory_mb, url), ``verify_countdown`` / ``verify_sudoku`` / ``verify_json_schema`` (the task's
-own verifier of :mod:`diffgrpo.dllm.tasks`; the instance is read from the prompt and ``metadata["answer"]``, which
+fraction passed / all passed; options backend, workers, timeout, memory_mb, url), ``verify_countdown`` /
+``verify_sudoku`` / ``verify_json_schema`` (the task's own verifier of :mod:`diffgrpo.tasks`; the instance is read
+from the prompt and ``metadata["answer"]``, which
 sudoku needs: its solution) and ``d1_format``. A completion that is not a string (an image tensor) scores 0.
 
 d1's format rewards (Zhao et al., 2025, ``diffu_grpo`` reward functions for GSM8K): strict XML format (0.5),
@@ -30,11 +31,20 @@ from __future__ import annotations
 
 import re
 
-from ..dllm.code_tasks import SandboxScorer, extract_code, program_for, record_meta
-from ..dllm.math_tasks import math_equal
 from ..sandbox import Limits, make_sandbox
-from ..dllm.tasks import (NUMERIC_MAX_CHARS, extract_boxed, get_task, last_answer_tag, last_number, numeric_correct,
-                          parse_number, predicted_number, reference_number)
+from ..tasks import (
+    NUMERIC_MAX_CHARS,
+    extract_boxed,
+    get_task,
+    last_answer_tag,
+    last_number,
+    numeric_correct,
+    parse_number,
+    predicted_number,
+    reference_number,
+)
+from ..tasks.code import SandboxScorer, extract_code, program_for, record_meta
+from ..tasks.competition_math import math_equal
 
 MAX_CHARS = NUMERIC_MAX_CHARS  # completions longer than this are not parsed (reward 0)
 
@@ -134,7 +144,7 @@ verify_json_schema = _task_reward("json_schema")
 
 def verify_math(completions, prompts, metadata) -> list[float]:
     """1.0 when the completion's answer equals ``metadata["answer"]`` mathematically (math-verify: boxed LaTeX,
-    fractions, radicals, intervals, percentages; :mod:`diffgrpo.dllm.math_tasks`), else 0.0."""
+    fractions, radicals, intervals, percentages; :mod:`diffgrpo.tasks.competition_math`), else 0.0."""
     return [float(math_equal(c, str(_meta(metadata, i).get("answer", "")))) for i, c in enumerate(completions)]
 
 

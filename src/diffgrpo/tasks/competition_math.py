@@ -9,7 +9,7 @@ LaTeX ``$...$`` answer, else the content of its last ``<answer>`` tag, else its 
 Only LaTeX extraction is used: math-verify's plain-expression extraction goes through ``sympy.parse_expr``, which
 calls ``eval`` on the text, and a completion is hostile input. Equivalence is math-verify's ``verify`` (sympy:
 numbers to 6 decimals, fractions, radicals, intervals, sets, percentages as fractions); GSM8K keeps its exact
-numeric rule (:func:`diffgrpo.dllm.tasks.numeric_correct`).
+numeric rule (:func:`diffgrpo.tasks.numeric_correct`).
 
 Timeouts: math-verify bounds parsing and comparison with ``signal.alarm``, which works only in the main thread.
 In the main thread each call gets ``timeout_s`` (10) seconds; in any other thread (a background reward) the calls run
