@@ -38,7 +38,7 @@ METHODS = {"diffu_grpo": ["dllm.method=diffu_grpo"],
            "wd1": ["dllm.method=wd1"]}
 DPS = ["daca.dps_score=entropy", "daca.dps_mix=0.5"]
 SML = ["daca.likelihood=sml", "daca.sml_strata=2", "daca.sml_partition=decode_order", "daca.sml_mode=chain"]
-TASKS = ("arithmetic", "sudoku", "countdown", "json_schema")
+TASKS = ("arithmetic", "sudoku", "countdown", "json_schema", "code_toy")
 # per-task sampler settings of this study (json_schema decodes 2 tokens per step: 16 steps for its 32 tokens, which
 # halves its rollout and evaluation cost, the study's largest)
 TASK_OVERRIDES = {"json_schema": ["dllm.diffusion_steps=16"]}

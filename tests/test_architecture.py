@@ -206,7 +206,8 @@ def test_the_import_graph_has_no_cycles_cli_included():
 # Floors of the package, lowest first: a module imports only from its own floor or below.
 FLOORS = [
     {"errors", "types", "fileio", "config", "cache", "data", "data_sources", "media", "losses", "advantages",
-     "prompts", "tasks", "_version", "recipes", "flags", "configdoc", "console", "yamlio", "threads"},
+     "prompts", "tasks", "_version", "recipes", "flags", "configdoc", "console", "yamlio", "threads",
+     "sandbox"},
     {"distributed", "ema", "samplers", "loss_weights", "runlog", "report", "models", "rewards", "quality", "runtime",
      "hub", "rundir"},
     {"engines", "family", "checkpoint", "saved_config"},

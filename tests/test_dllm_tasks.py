@@ -124,7 +124,7 @@ def test_slips_are_wrong_answers_in_the_right_format(name):
         r = task.reward(s, ex)
         assert r["correct"] == 0.0
         assert len(VOCAB.encode(s)) <= task.gen_length
-        if name in ("arithmetic", "countdown"):
+        if name in ("arithmetic", "countdown", "code_toy"):
             assert r["format"] == 1.0
         elif name == "sudoku":
             assert _valid_grid([int(c) for c in s])  # a valid grid that contradicts the givens

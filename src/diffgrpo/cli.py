@@ -314,7 +314,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(func=cmd_train)
     sp = sub.add_parser("pretrain", help="pretrain and cache the built-in model and reward classifier")
     common(sp)
-    sp.add_argument("--task", choices=["arithmetic", "sudoku", "countdown", "json_schema"],
+    sp.add_argument("--task", choices=["arithmetic", "sudoku", "countdown", "json_schema", "code_toy"],
                     help="pretrain the built-in masked diffusion LM on this task instead")
     sp.set_defaults(func=cmd_pretrain)
     sp = sub.add_parser("sample", help="write samples (an image grid, or text completions for diffusion LMs) "

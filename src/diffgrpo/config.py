@@ -260,9 +260,11 @@ class DLLMConfig:
     beta = loss.beta, epsilon = dllm.clip_range, num_iterations = train.num_inner_epochs,
     scale_rewards = advantage.std_mode (when method_defaults is false)."""
     FAMILY: ClassVar[str] = "dllm"
-    task: str = _f("arithmetic", choices=("arithmetic", "sudoku", "countdown", "json_schema", "gsm8k"),
-                   doc="task with a verifiable reward (diffgrpo.tasks); gsm8k: numeric answers, instances from "
-                       "dllm.data_file")
+    task: str = _f("arithmetic", choices=("arithmetic", "sudoku", "countdown", "json_schema", "gsm8k", "code_toy",
+                                          "code", "math"),
+                   doc="task with a verifiable reward (diffgrpo.tasks); gsm8k: numeric answers, code: MBPP / "
+                       "HumanEval records run in a sandbox, math: math-verify equivalence, all three with instances "
+                       "from dllm.data_file")
     method: str = _f("diffu_grpo", choices=("diffu_grpo", "coupled_grpo", "random_mask", "spg", "wd1"),
                      doc="base method: likelihood estimator + advantage baseline (+ objective: spg, wd1)")
     method_defaults: bool = _f(True, doc="use the method's advantage baseline/std (else the advantage section)")
@@ -335,6 +337,15 @@ class DLLMConfig:
     spg_t_max: float = _f(1.0, lo=0.0, hi=1.0, doc="spg: largest fraction of the chosen block's tokens masked")
     spg_block_length: int = _f(0, lo=0, doc="spg: masking block length, a divisor of gen_length; 0 = "
                                             "dllm.block_length (the sampler's blocks)")
+    # code tasks (diffgrpo.tasks.code, diffgrpo.sandbox)
+    sandbox: str = _f("auto", choices=("auto", "local", "bwrap", "remote"),
+                      doc="code / code_toy: where completions run; auto = bwrap when it starts here, else local "
+                          "(see docs/code_and_math.md)")
+    sandbox_workers: int = _f(0, lo=0, doc="code / code_toy: programs run at once; 0 = this process's CPUs")
+    sandbox_timeout: float = _f(10.0, gt=0.0, doc="code / code_toy: wall-clock seconds per completion (all its tests); "
+                                                  "its process group is killed then")
+    sandbox_memory_mb: int = _f(512, lo=64, doc="code / code_toy: address-space limit per completion (MiB)")
+    sandbox_url: str = _f("", doc="dllm.sandbox=remote: the SandboxFusion-style service (POST <url>/run_code)")
 
 
 @dataclass

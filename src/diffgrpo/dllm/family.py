@@ -35,6 +35,7 @@ from ..models.kv_cache import KVCache
 from ..rewards.verifiers import d1_format_components
 from ..samplers import masked
 from ..tasks import Example, examples_from_file, get_task
+from ..tasks.code import attach_sandbox
 from ..types import EngineStats, Rollout, TokenTrajectory
 from . import credit, decoding, rules
 from .grpo import METHODS, TokenGRPO
@@ -54,6 +55,7 @@ class DLLMFamily:
         self.device = policy.device
         self.vocab = policy.vocab
         self.task = get_task(self.d.task)
+        attach_sandbox(self.task, self.d, log)  # code tasks: the dllm.sandbox pool, checked now
         # dllm.data_file replaces the task's generated train split (drawn the same way: uniformly, seeded)
         fields = {"prompt_field": self.d.prompt_field, "answer_field": self.d.answer_field}
         self.train_pool = examples_from_file(self.d.data_file, self.task, **fields) if self.d.data_file else None

@@ -9,6 +9,7 @@ from ..config import RunConfig
 from ..errors import ConfigError
 from ..samplers.masked import schedule
 from ..tasks import FILE_TASKS, TASKS, VOCAB, examples_from_file, get_task
+from ..tasks.code import check_config as check_code_config
 from .decoding import check_config as check_decoding
 
 
@@ -37,6 +38,7 @@ def _validate_dllm(cfg: RunConfig) -> None:
     if cfg.model.name == "hf_masked_lm" and not d.model_path:
         raise ConfigError("dllm.model_path: required for model.name=hf_masked_lm (a local model directory or hub id)")
     task = get_task(d.task)
+    check_code_config(d)  # the dllm.sandbox* keys
     _validate_dllm_scale(cfg, task)
     if d.data_file:
         examples = examples_from_file(d.data_file, task, prompt_field=d.prompt_field, answer_field=d.answer_field)

@@ -32,6 +32,7 @@ from typing import Callable, Mapping
 import torch
 
 from ..errors import ConfigError, RewardError, suggest
+from ..sandbox import BACKENDS as SANDBOX_BACKENDS
 from ..threads import CallTimeout, call_with_timeout
 from ..types import DTYPES
 from . import calling, clip_models, geneval, ocr, verifiers
@@ -50,6 +51,9 @@ REWARDS: dict[str, RewardFn] = {
     "verify_sudoku": verifiers.verify_sudoku,
     "verify_json_schema": verifiers.verify_json_schema,
     "d1_format": verifiers.d1_format,
+    "verify_math": verifiers.verify_math,
+    "verify_code": verifiers.verify_code,
+    "verify_code_pass_at_1": verifiers.verify_code_pass_at_1,
 }
 
 
@@ -93,6 +97,14 @@ def _default_model_reward(name: str) -> RewardFn:
 
 
 REWARDS.update({name: _default_model_reward(name) for name in MODEL_REWARDS})
+
+# text rewards built with reward.options (a sandbox pool: no model, no device)
+_CODE_OPTS = {"backend": str, "workers": int, "timeout": float, "memory_mb": int, "url": str}
+OPTION_REWARDS: dict[str, ModelReward] = {
+    "verify_code": ModelReward(verifiers.build_verify_code, dict(_CODE_OPTS)),
+    "verify_code_pass_at_1": ModelReward(lambda device=None, **o: verifiers.build_verify_code(device, pass_at_1=True,
+                                                                                            **o), dict(_CODE_OPTS)),
+}
 
 
 # rewards handed to Trainer(cfg, rewards={name: fn}) in this process (names beside the registry's)
@@ -247,6 +259,8 @@ def make_rewards(weights: Mapping[str, float], options: Mapping[str, Mapping] | 
             opts = dict(options.get(name) or {})
             dev = opts.pop("device", "") or device
             fn = MODEL_REWARDS[name].build(None if dev is None else str(dev), **opts)
+        elif name in OPTION_REWARDS:
+            fn = OPTION_REWARDS[name].build(None, **dict(options.get(name) or {}))
         else:  # a plug-in: its options as keywords, TRL's keyword convention spread by name
             fn = calling.bind(resolve_reward(name), options.get(name))
         out[name] = fn if not timeout else _time_limited(name, fn, float(timeout))
@@ -293,6 +307,8 @@ def _check_option(key: str, value, tp) -> object:
         return float(value)
     if not isinstance(value, str) or not value.strip():
         raise ConfigError(f"{key}: value {value!r} must be a non-empty string")
+    if key.endswith(".backend") and value not in SANDBOX_BACKENDS:
+        raise ConfigError(f"{key}: value {value!r} is not allowed; choose one of {list(SANDBOX_BACKENDS)}")
     if key.endswith(".dtype") and value not in _DTYPES:
         raise ConfigError(f"{key}: value {value!r} is not allowed; choose one of {list(_DTYPES)}")
     if key.endswith(".url") and not value.startswith(("http://", "https://")):
@@ -309,21 +325,22 @@ def _check_option(key: str, value, tp) -> object:
 def check_options(weights: Mapping[str, float], options: Mapping[str, Mapping]) -> None:
     """``reward.options``: each key a model reward listed in ``reward.weights``, each option one it takes, with a
     value of the right type and range. Raises a one-line ConfigError naming the key."""
+    takes = {**MODEL_REWARDS, **OPTION_REWARDS}
     for name, opts in options.items():
         key = f"reward.options.{name}"
-        if name not in MODEL_REWARDS and name in weights and (":" in name or name in SUPPLIED):
+        if name not in takes and name in weights and (":" in name or name in SUPPLIED):
             if not isinstance(opts, Mapping):
                 raise ConfigError(f"{key}: value {opts!r} must be a mapping of keyword arguments, e.g. {{scale: 2}}")
             continue  # a plug-in's options: checked against its signature (check_rewards)
-        if name not in MODEL_REWARDS:
-            raise ConfigError(f"{key}: {name!r} takes no options{suggest(name, list(MODEL_REWARDS))}; options "
-                              f"apply to {sorted(MODEL_REWARDS)}")
+        if name not in takes:
+            raise ConfigError(f"{key}: {name!r} takes no options{suggest(name, list(takes))}; options "
+                              f"apply to {sorted(takes)}")
         if name not in weights:
             raise ConfigError(f"{key}: reward {name!r} is not in reward.weights {sorted(weights)}; add it there "
                               f"or remove its options")
         if not isinstance(opts, Mapping):
             raise ConfigError(f"{key}: value {opts!r} must be a mapping of options, e.g. {{batch_size: 8}}")
-        allowed = MODEL_REWARDS[name].options
+        allowed = takes[name].options
         for opt, value in opts.items():
             if opt not in allowed:
                 raise ConfigError(f"{key}.{opt}: unknown option{suggest(str(opt), list(allowed))}; {name} takes "
@@ -344,7 +361,8 @@ def missing_packages(name: str) -> list[str]:
 
 
 # registry rewards that read text completions (masked diffusion LMs), never images
-TEXT_REWARDS = frozenset({"verify_gsm8k", "verify_countdown", "verify_sudoku", "verify_json_schema", "d1_format"})
+TEXT_REWARDS = frozenset({"verify_gsm8k", "verify_countdown", "verify_sudoku", "verify_json_schema", "d1_format",
+                          "verify_math", "verify_code", "verify_code_pass_at_1"})
 
 
 def check_rewards(weights: Mapping[str, float], options: Mapping[str, Mapping], *, model_name: str) -> None:

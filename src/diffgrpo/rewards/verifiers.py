@@ -16,8 +16,11 @@ Numeric answers (GSM8K, MATH-style integers and decimals):
 The numeric reading lives with the other task verifiers in :mod:`diffgrpo.tasks` (re-exported here).
 
 Registry rewards (``reward.weights``; signature ``fn(completions, prompts, metadata) -> (B,)``): ``verify_gsm8k``
-(reference: ``metadata["answer"]``), ``verify_countdown`` / ``verify_sudoku`` / ``verify_json_schema`` (the task's
-own verifier of :mod:`diffgrpo.tasks`; the instance is read from the prompt and ``metadata["answer"]``, which
+(reference: ``metadata["answer"]``), ``verify_math`` (math-verify equivalence with ``metadata["answer"]``),
+``verify_code`` / ``verify_code_pass_at_1`` (the completion's code run in a sandbox against the record's tests:
+fraction passed / all passed; options backend, workers, timeout, memory_mb, url), ``verify_countdown`` /
+``verify_sudoku`` / ``verify_json_schema`` (the task's own verifier of :mod:`diffgrpo.tasks`; the instance is read
+from the prompt and ``metadata["answer"]``, which
 sudoku needs: its solution) and ``d1_format``. A completion that is not a string (an image tensor) scores 0.
 
 d1's format rewards (Zhao et al., 2025, ``diffu_grpo`` reward functions for GSM8K): strict XML format (0.5),
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import re
 
+from ..sandbox import Limits, make_sandbox
 from ..tasks import (
     NUMERIC_MAX_CHARS,
     extract_boxed,
@@ -39,6 +43,8 @@ from ..tasks import (
     predicted_number,
     reference_number,
 )
+from ..tasks.code import SandboxScorer, extract_code, program_for, record_meta
+from ..tasks.competition_math import math_equal
 
 MAX_CHARS = NUMERIC_MAX_CHARS  # completions longer than this are not parsed (reward 0)
 
@@ -136,6 +142,67 @@ verify_sudoku = _task_reward("sudoku")
 verify_json_schema = _task_reward("json_schema")
 
 
+def verify_math(completions, prompts, metadata) -> list[float]:
+    """1.0 when the completion's answer equals ``metadata["answer"]`` mathematically (math-verify: boxed LaTeX,
+    fractions, radicals, intervals, percentages; :mod:`diffgrpo.tasks.competition_math`), else 0.0."""
+    return [float(math_equal(c, str(_meta(metadata, i).get("answer", "")))) for i, c in enumerate(completions)]
+
+
+def _code_programs(completions, prompts, metadata) -> list:
+    """One program per completion with its record's tests (MBPP ``test_list`` / HumanEval ``test`` +
+    ``entry_point`` in the metadata), or None where the completion or the record cannot make one."""
+    out = []
+    for i, c in enumerate(completions):
+        try:
+            meta, _ = record_meta({"prompt": str(prompts[i]), **_meta(metadata, i)}, f"sample {i}")
+        except ValueError:
+            meta = None
+        out.append(program_for(extract_code(c), meta) if meta is not None and isinstance(c, str) else None)
+    return out
+
+
+def build_verify_code(device=None, *, backend: str = "auto", workers: int = 0, timeout: float = 10.0,
+                      memory_mb: int = 512, url: str = "", pass_at_1: bool = False):
+    """``verify_code`` with its ``reward.options`` (``device`` is not read: nothing runs on an accelerator): the
+    fraction of each completion's tests that pass in the sandbox (``pass_at_1``: 1.0 when all pass). The pool
+    starts on the first call; completions whose record has no tests score 0."""
+    scorer = SandboxScorer()
+
+    def fn(completions, prompts, metadata) -> list[float]:
+        if scorer.pool is None:
+            scorer.use(make_sandbox(backend, workers=workers, url=url, key="reward.options.verify_code",
+                                    limits=Limits(timeout_s=timeout, memory_mb=memory_mb)))
+        progs = _code_programs(completions, prompts, metadata)
+        runs = iter(scorer.run([p for p in progs if p is not None]))
+        out = []
+        for p in progs:
+            r = next(runs) if p is not None else None
+            out.append(0.0 if r is None else (float(r.all_passed) if pass_at_1 else r.fraction))
+        return out
+
+    fn.__name__ = "verify_code_pass_at_1" if pass_at_1 else "verify_code"
+    return fn
+
+
+def _default_code_reward(pass_at_1: bool):
+    built = []
+
+    def fn(completions, prompts, metadata) -> list[float]:
+        if not built:
+            built.append(build_verify_code(pass_at_1=pass_at_1))
+        return built[0](completions, prompts, metadata)
+
+    fn.__name__ = "verify_code_pass_at_1" if pass_at_1 else "verify_code"
+    fn.__doc__ = ("1.0 when all of the completion's tests pass in the sandbox, else 0.0" if pass_at_1 else
+                  "The fraction of the completion's tests (metadata: MBPP test_list, or HumanEval test and "
+                  "entry_point) that pass in the sandbox")
+    return fn
+
+
+verify_code = _default_code_reward(False)
+verify_code_pass_at_1 = _default_code_reward(True)
+
+
 def d1_format(completions, prompts, metadata) -> list[float]:
     """d1's format rewards summed (strict + soft + xmlcount, at most 1.5) per completion."""
     return [d1_format_score(c) for c in completions]
@@ -144,4 +211,5 @@ def d1_format(completions, prompts, metadata) -> list[float]:
 __all__ = ["MAX_CHARS", "last_answer_tag", "extract_boxed", "last_number", "parse_number", "predicted_number",
            "reference_number",
            "numeric_correct", "d1_format_components", "d1_format_score", "verify_gsm8k", "verify_countdown",
-           "verify_sudoku", "verify_json_schema", "d1_format"]
+           "verify_sudoku", "verify_json_schema", "d1_format", "verify_math", "verify_code", "verify_code_pass_at_1",
+           "build_verify_code"]

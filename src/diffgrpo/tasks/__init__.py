@@ -9,6 +9,8 @@ pretrain the built-in model) and a reward computed from the completion text alon
   json_schema  "a:int,b:str"       → '{"a":3,"b":"x"}'         reward 1/(1+#jsonschema errors), 0 if not JSON
   gsm8k        a word problem      → "... \\boxed{72}"          reward 1 if the numeric answer is exact, else 0
                                                                (instances from dllm.data_file: no generator)
+  code_toy, code (the completion's code runs in a sandbox) and math (math-verify equivalence): see
+  :mod:`diffgrpo.tasks.code` and :mod:`diffgrpo.tasks.competition_math`
 
 Verifiers score any string and never raise: a completion longer than ``Task.max_chars`` (64 characters per
 token of the task's ``gen_length``, far beyond any decoded completion) scores 0 without being parsed; digits are
@@ -31,6 +33,8 @@ from __future__ import annotations
 from ..data_sources import HF_PREFIX, load_prompts
 from ..errors import ConfigError
 from .base import Example, Task, extract_answer
+from .code import CodeTask, CodeToy, read_records
+from .competition_math import MathTask
 from .generated import (
     Arithmetic,
     Countdown,
@@ -55,8 +59,10 @@ from .numeric import (
 from .vocab import VOCAB, CharVocab, pad_right
 
 TASKS: dict[str, type[Task]] = {"arithmetic": Arithmetic, "sudoku": Sudoku, "countdown": Countdown,
-                                "json_schema": JsonSchema}  # tasks with their own instance generator
-FILE_TASKS: dict[str, type[Task]] = {"gsm8k": Numeric}  # tasks whose instances come from dllm.data_file only
+                                "json_schema": JsonSchema,  # tasks with their own instance generator
+                                "code_toy": CodeToy}
+FILE_TASKS: dict[str, type[Task]] = {"gsm8k": Numeric,  # tasks whose instances come from dllm.data_file only
+                                     "code": CodeTask, "math": MathTask}
 
 
 def examples_from_file(path: str, task: Task, *, key: str = "dllm.data_file", prompt_field: str = "prompt",
@@ -64,7 +70,10 @@ def examples_from_file(path: str, task: Task, *, key: str = "dllm.data_file", pr
     """The instances of a prompt/answer source for ``task``: a JSONL file of ``{prompt_field: str, answer_field:
     str}`` records (other fields ignored) or an ``hf:`` datasets spec (``hf:gsm8k:train`` with
     ``prompt_field=question``, ``hf:json:<file>``; see :mod:`diffgrpo.data_sources`). Each reference answer must
-    pass the task's verifier. One-line ConfigErrors naming ``key``."""
+    pass the task's verifier. One-line ConfigErrors naming ``key``. Code tasks read their own record layouts
+    (:func:`diffgrpo.tasks.code.read_records`; no reference solution runs here)."""
+    if isinstance(task, CodeTask):
+        return task.examples_from_records(read_records(path, key=key, prompt_field=prompt_field), key=key, path=path)
     if not path.startswith(HF_PREFIX) and not path.lower().endswith(".jsonl"):
         raise ConfigError(f"{key}: file {path!r} is not a .jsonl file (one JSON object per line with prompt and "
                           "answer fields) or an hf:<dataset>[:<split>] spec")
