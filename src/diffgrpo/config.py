@@ -27,7 +27,7 @@ import yaml
 from .data_sources import check_prompts, read_utf8
 from .distributed import launched_world_size
 from .dllm.tasks import FILE_TASKS, TASKS, VOCAB, examples_from_file, get_task
-from .engines import ENGINES, FORWARD_ENGINES
+from .engines import ENGINES, FORWARD_ENGINES, dgpo
 from .errors import ConfigError, suggest
 from .rewards import REWARDS, check_rewards, resolve_reward
 from .samplers.masked import schedule
@@ -184,18 +184,22 @@ class EngineConfig:
     # forward-process engines (nft, awm): losses on clean rollout samples, no per-step likelihood
     forward_timesteps: int = _f(0, lo=0, hi=1000, doc="nft, awm: training units (time + fresh noise) per sample, at "
                                                       "most sampler.num_steps; 0 = the paper's recipe (nft: "
-                                                      "floor(0.99·T) grid times per sample, awm: 6 stratified)")
+                                                      "floor(0.99·T) grid times per sample, awm: 6 stratified, "
+                                                      "dgpo: 4 of the high-noise grid times)")
     forward_rollout: str = _f("ode", choices=("ode", "sampler"),
-                              doc="nft, awm: rollouts by the deterministic ODE (the papers' recipe) or by "
+                              doc="nft, awm, dgpo: rollouts by the deterministic ODE (the papers' recipe) or by "
                                   "sampler.sde_type")
-    adv_clip: float = _f(5.0, gt=0.0, doc="nft, awm: advantages clipped to ±adv_clip and divided by it (nft: "
-                                          "r = A/(2·adv_clip) + 1/2; awm: A/adv_clip)")
+    adv_clip: float = _f(5.0, gt=0.0, doc="nft, awm, dgpo: advantages clipped to ±adv_clip (nft: "
+                                          "r = A/(2·adv_clip) + 1/2; awm: A/adv_clip; dgpo: clipped only)")
     nft_beta: float = _f(1.0, gt=0.0, hi=10.0, doc="nft: β of the implicit policies v± (mixing with the old policy)")
     old_decay_rate: float = _f(0.001, lo=0.0, hi=1.0, doc="nft: old-policy EMA decay = min(rate·updates, max)")
     old_decay_max: float = _f(0.5, lo=0.0, hi=0.9999, doc="nft: cap of the old-policy EMA decay")
     awm_weighting: str = _f("uniform", choices=("uniform", "t", "ghuber"),
                             doc="awm: time weighting of the flow-matching error (ghuber: the released GenEval recipe)")
     awm_clip_range: float = _f(1.0, lo=0.0, doc="awm: PPO clip ε on the flow-matching 'likelihood' ratio")
+    dgpo_beta: float = _f(100.0, gt=0.0, hi=1e5, doc="dgpo: DPO β of the group preference margin")
+    dgpo_time_fraction: float = _f(0.6, lo=0.0, hi=1.0, doc="dgpo: unit times drawn from grid indices "
+                                                            "0 … floor(fraction·T) (the high-noise end)")
 
 
 @dataclass
@@ -906,9 +910,11 @@ FAMILY_KEYS = {
 ENGINE_KEYS = {"window": ("jagg",), "jagg_frac": ("jagg",), "jagg_min_score": ("jagg",),
                "evaluation": ("jagg", "single_step"), "wave_size": ("retain",),
                "candidate_steps": ("single_step",), "rectify": ("single_step",),
-               "forward_timesteps": ("nft", "awm"), "forward_rollout": ("nft", "awm"), "adv_clip": ("nft", "awm"),
+               "forward_timesteps": ("nft", "awm", "dgpo"), "forward_rollout": ("nft", "awm", "dgpo"),
+               "adv_clip": ("nft", "awm", "dgpo"),
                "nft_beta": ("nft",), "old_decay_rate": ("nft",), "old_decay_max": ("nft",),
-               "awm_weighting": ("awm",), "awm_clip_range": ("awm",)}
+               "awm_weighting": ("awm",), "awm_clip_range": ("awm",),
+               "dgpo_beta": ("dgpo",), "dgpo_time_fraction": ("dgpo",)}
 
 
 def _changed_keys(obj, default, prefix: str = "") -> list[str]:
@@ -1073,6 +1079,8 @@ def _validate_forward_engine(cfg: RunConfig) -> None:
         raise ConfigError(f"{key}: does not apply to engine.name={e.name} (a forward-process engine trains "
                           f"engine.forward_timesteps units per clean sample, not sampler steps){alt}; remove it")
     T = cfg.sampler.num_steps
+    if e.name == "dgpo":
+        dgpo.check_config(cfg)
     if e.forward_timesteps > T:
         raise ConfigError(f"engine.forward_timesteps: value {e.forward_timesteps} is out of range; at most one unit "
                           f"per grid time: must be <= sampler.num_steps={T} (0 = the paper's recipe)")

@@ -48,7 +48,7 @@ from ..distributed import launched_local_rank, resolve_device
 from ..errors import ConfigError
 from ..types import DTYPES
 from .lora import ATTN_TARGETS, JOINT_TARGETS, adapter_disabled, add_lora, load_lora_state_dict, lora_state_dict
-from .reference import frozen_reference
+from .reference import frozen_reference, needs_reference
 
 # ------------------------------------------------------------------------------------------- family table
 
@@ -559,7 +559,7 @@ def build_diffusers_policy(cfg, *, progress: bool = True, log=print) -> Diffuser
         negative_prompt=m.negative_prompt, max_sequence_length=m.max_sequence_length, device=device,
         mixed_precision=m.mixed_precision, lora_rank=m.lora_rank, lora_alpha=m.lora_alpha,
         lora_target_modules=m.lora_target_modules, gradient_checkpointing=m.gradient_checkpointing,
-        keep_reference=cfg.loss.beta > 0, offload_text_encoders=m.offload_text_encoders)
+        keep_reference=needs_reference(cfg), offload_text_encoders=m.offload_text_encoders)
 
 
 __all__ = ["DiffusersFlowPolicy", "FAMILIES", "Family", "build_diffusers_policy", "detect_family", "pack_2x2",
