@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from ..cache import cache_lock, cache_root, save_dir_atomic
 from ..data import digits_split, prompt_digit
+from .loading import per_frame
 
 
 class DigitClassifier(nn.Module):
@@ -117,11 +118,13 @@ def _jpeg_kb(img: torch.Tensor) -> float:
     return buf.tell() / 1000.0
 
 
+@per_frame
 def jpeg_compressibility(images: torch.Tensor, prompts: list[str], metadata=None) -> torch.Tensor:
-    """−(JPEG size in kB): higher for simpler images."""
+    """−(JPEG size in kB): higher for simpler images (video: the mean over frames)."""
     return torch.tensor([-_jpeg_kb(im) for im in images])
 
 
+@per_frame
 def jpeg_incompressibility(images: torch.Tensor, prompts: list[str], metadata=None) -> torch.Tensor:
-    """+(JPEG size in kB): higher for more detailed images."""
+    """+(JPEG size in kB): higher for more detailed images (video: the mean over frames)."""
     return torch.tensor([_jpeg_kb(im) for im in images])
