@@ -1,4 +1,4 @@
-"""Policy adapter for diffusers flow-matching transformers (SD3/SD3.5, FLUX.1, Wan 2.1/2.2, Qwen-Image).
+"""Policy adapter for diffusers flow-matching transformers (SD3/SD3.5, FLUX.1, Wan 2.1/2.2, Qwen-Image, Z-Image).
 
 One class, :class:`DiffusersFlowPolicy`, wraps a diffusers transformer (and, when built from a pipeline, its
 text encoders and VAE) behind the interface the rollout and the engines use (see ``models/__init__.py``).
@@ -10,6 +10,7 @@ What differs between families is data, kept in :data:`FAMILIES`:
 | flux      | FluxTransformer2DModel         | σ        | prompt_embeds + pooled, txt_ids | (C, H, W) → 2×2-packed tokens, img_ids | distilled guidance embedding (one forward) |
 | wan       | WanTransformer3DModel          | σ·1000   | prompt_embeds                   | (C, F, H, W) as is             | true CFG |
 | qwenimage | QwenImageTransformer2DModel    | σ        | prompt_embeds + mask            | (C, H, W) → 2×2-packed tokens, img_shapes | true CFG with norm rescale |
+| zimage    | ZImageTransformer2DModel       | 1 − σ    | unpadded prompt features (mask) | (C, H, W) → a list of (C, 1, H, W), output −v | true CFG (pipeline g = ours − 1) |
 
 Wan 2.2 A14B (a pipeline with ``transformer_2`` and ``boundary_ratio``): two experts held as one module
 (:class:`WanExperts`), ``transformer`` for timesteps ≥ boundary_ratio·1000 (high noise), ``transformer_2`` below,
@@ -86,6 +87,10 @@ FAMILIES: dict[str, Family] = {
                   ("prompt_embeds",), ATTN_TARGETS, 512),
     "qwenimage": Family("qwenimage", "QwenImageTransformer2DModel", "QwenImagePipeline", 1.0, True, False, True, True,
                         ("prompt_embeds", "prompt_mask"), JOINT_TARGETS, 1024),
+    # Z-Image: timestep 1 − σ, output −v, per-sample lists of (C, 1, H, W) latents and unpadded caption features;
+    # its pipeline's guidance g (pos + g·(pos − neg), 0 = off) is model.guidance_scale = g + 1 here
+    "zimage": Family("zimage", "ZImageTransformer2DModel", "ZImagePipeline", 1.0, False, False, True, False,
+                     ("prompt_embeds", "prompt_mask"), ATTN_TARGETS, 512),
 }
 
 
@@ -199,6 +204,11 @@ def _forward(fam: Family, tr: nn.Module, h: torch.Tensor, sigma: torch.Tensor, c
     if fam.name == "sd3":
         return tr(hidden_states=h, encoder_hidden_states=cond["prompt_embeds"], pooled_projections=cond["pooled"],
                   timestep=t, return_dict=False)[0]
+    if fam.name == "zimage":
+        mask = cond["prompt_mask"].bool()
+        caps = [e[m] for e, m in zip(cond["prompt_embeds"], mask)]  # each (L_i, D): the prompt's own tokens
+        out = tr(list(h.unsqueeze(2).unbind(0)), 1.0 - sigma, caps, return_dict=False)[0]  # [(C, 1, H, W)] × N
+        return -torch.stack(list(out)).squeeze(2)
     if fam.name == "wan":
         if expand is not None:
             t = expanded_timesteps(t, *expand)
@@ -273,6 +283,12 @@ def pipeline_encoder(pipe, family: str, max_sequence_length: int) -> Callable[[l
             pe, _ = pipe.encode_prompt(prompt=prompts, do_classifier_free_guidance=False, device=dev,
                                        max_sequence_length=max_sequence_length)
             return {"prompt_embeds": pe}
+        if family == "zimage":  # a list of (L_i, D) per prompt → padded (B, L, D) + mask
+            pes, _ = pipe.encode_prompt(prompt=list(prompts), device=dev, do_classifier_free_guidance=False,
+                                        max_sequence_length=max_sequence_length)
+            L = max(e.shape[0] for e in pes)
+            mask = torch.stack([torch.arange(L, device=dev) < e.shape[0] for e in pes]).long()
+            return {"prompt_embeds": torch.stack([_pad_seq(e[None], L)[0] for e in pes]), "prompt_mask": mask}
         if family == "qwenimage":
             pe, mask = pipe.encode_prompt(prompt=prompts, device=dev, max_sequence_length=max_sequence_length)
             if mask is None:
@@ -458,6 +474,12 @@ class DiffusersFlowPolicy:
         # (``policy.forward_module = DistributedDataParallel(policy.transformer)``); weights stay on .transformer
         self.forward_module = self.transformer
         self._use_ref = False
+
+    def ensure_reference(self) -> None:
+        """Keep a frozen copy of the current weights as the reference if there is none (full fine-tune; with LoRA the
+        reference is the base model already). For a caller that builds one policy for several engines."""
+        if self.lora_rank == 0 and self._ref is None:
+            self._ref = self._frozen_copy()
 
     def _frozen_copy(self) -> nn.Module:
         """The reference of a full fine-tune: a frozen copy of the trained experts (a frozen expert is shared)."""
