@@ -192,6 +192,8 @@ def test_cli_run_exports_what_diffusers_reloads_and_samples(wan_dirs, tmp_path, 
     assert main(["train", *ov]) == 0
     out = tmp_path / "export"
     assert main(["export", str(run), "--out", str(out)]) == 0
+    if lora:  # the adapters folded into both experts of a whole pipeline
+        assert main(["export", str(run), "--out", str(tmp_path / "merged"), "--merge"]) == 0
 
     cfg = RunConfig.from_yaml(str(run / "config.yaml"), [])
     trained = build_diffusers_policy(cfg, progress=False, log=lambda *a: None)
@@ -212,6 +214,12 @@ def test_cli_run_exports_what_diffusers_reloads_and_samples(wan_dirs, tmp_path, 
     print(f"wan2.2 a14b {'lora' if lora else 'full'}: max |pipeline − trained| = {err:.2e}")
     assert err < 1e-4, err
     assert rel_err(got, reference) < 1e-5
+    if lora:
+        merged = WanPipeline.from_pretrained(str(tmp_path / "merged"))
+        assert not any("lora" in n for n, _ in merged.transformer_2.named_parameters())
+        err_m = float((_pipeline_latents(merged, x, 3.0, 2.0) - reference).abs().max())
+        print(f"wan2.2 a14b merged: max |pipeline − trained| = {err_m:.2e}")
+        assert err_m < 1e-4, err_m
 
 
 @pytest.mark.slow

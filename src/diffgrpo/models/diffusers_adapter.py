@@ -154,6 +154,18 @@ class WanExperts(nn.Module):
     def config(self):
         return self.high.config
 
+    def _adapted(self) -> list[nn.Module]:
+        return [m for m in (self.high, self.low) if getattr(m, "peft_config", None)]
+
+    def fuse_lora(self, lora_scale: float = 1.0) -> None:
+        """Fold each expert's LoRA adapter into its weights (``diffgrpo export --merge``)."""
+        for m in self._adapted():
+            m.fuse_lora(lora_scale=lora_scale)
+
+    def unload_lora(self) -> None:
+        for m in self._adapted():
+            m.unload_lora()
+
     def expert_rows(self, timestep: torch.Tensor) -> torch.Tensor:
         """(N,) or (N, L) timesteps → (N,) bool: True where the high-noise expert runs."""
         t = timestep if timestep.dim() == 1 else timestep[:, 0]
