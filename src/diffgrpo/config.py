@@ -185,7 +185,7 @@ class EngineConfig:
     wave_size: int = _f(0, lo=0, doc="retain: groups per rollout wave; 0 = whole batch")
     candidate_steps: str = _f("first_half", doc="single_step: 'first_half', 'all' or a list like 0,1,2")
     rectify: bool = _f(True, doc="single_step: temporal gradient rectification")
-    # forward-process engines (nft, awm): losses on clean rollout samples, no per-step likelihood
+    # forward-process engines (nft, awm, dgpo): losses on clean rollout samples, no per-step likelihood
     forward_timesteps: int = _f(0, lo=0, hi=1000, doc="nft, awm: training units (time + fresh noise) per sample, at "
                                                       "most sampler.num_steps; 0 = the paper's recipe (nft: "
                                                       "floor(0.99·T) grid times per sample, awm: 6 stratified, "
