@@ -164,8 +164,8 @@ def test_expert_keys_need_two_experts(wan_dirs, tmp_path):
     cfg = RunConfig.from_overrides([*COMMON, f"model.pretrained={wan_dirs['ti2v']}", "model.train_experts=high"])
     with pytest.raises(ConfigError, match="model.train_experts"):
         build_diffusers_policy(cfg, progress=False, log=lambda *a: None)
-    cfg = RunConfig.from_overrides([*COMMON, f"model.pretrained={wan_dirs['ti2v']}", "model.guidance_scale_2=2"])
-    with pytest.raises(ConfigError, match="model.guidance_scale_2"):
+    cfg = RunConfig.from_overrides([*COMMON, f"model.pretrained={wan_dirs['ti2v']}", "model.guidance_scale_low=2"])
+    with pytest.raises(ConfigError, match="model.guidance_scale_low"):
         build_diffusers_policy(cfg, progress=False, log=lambda *a: None)
     with pytest.raises(ConfigError, match="model.train_experts"):
         RunConfig.from_overrides([*COMMON, "model.train_experts=middle"])
@@ -185,7 +185,7 @@ def test_cli_run_exports_what_diffusers_reloads_and_samples(wan_dirs, tmp_path, 
     from diffgrpo.cli import main
 
     d, run = wan_dirs["a14b"], tmp_path / "run"
-    ov = [*COMMON, *CROSS, f"model.pretrained={d}", "model.guidance_scale_2=2.0", f"model.lora_rank={lora}",
+    ov = [*COMMON, *CROSS, f"model.pretrained={d}", "model.guidance_scale_low=2.0", f"model.lora_rank={lora}",
           "train.lr=0.05" if lora else "train.lr=0.002", "train.num_iterations=2", "train.save_every=2",
           f"train.prompts_file={d / 'prompts.txt'}", f"eval.prompts_file={d / 'prompts.txt'}",
           f"log.output_dir={run}"]

@@ -79,8 +79,8 @@ class ModelConfig:
     max_sequence_length: int = _f(0, lo=0, doc="diffusers: text tokens; 0 = the family's pipeline default")
     train_experts: str = _f("both", choices=("both", "high", "low"),
                             doc="diffusers (Wan 2.2 A14B): experts trained (high: transformer, low: transformer_2)")
-    guidance_scale_2: float = _f(0.0, lo=0.0, doc="diffusers (Wan 2.2 A14B): CFG scale of the low-noise expert; "
-                                                  "0 = model.guidance_scale")
+    guidance_scale_low: float = _f(0.0, lo=0.0, doc="diffusers (Wan 2.2 A14B): CFG scale of the low-noise expert "
+                                                    "(the pipeline's guidance_scale_2); 0 = model.guidance_scale")
     # LoRA (peft) for the flow models (model.name=tiny or diffusers); the KL reference is the base (adapter off)
     lora_rank: int = _f(0, lo=0, doc="tiny, diffusers: LoRA rank (train a peft adapter only); 0 = full fine-tune")
     lora_alpha: float = _f(0.0, lo=0.0, doc="tiny, diffusers: LoRA alpha; 0 = lora_rank")
@@ -907,7 +907,7 @@ FAMILY_KEYS = {
                        "sampler", "reward", "loss.clip_range", "loss.kl_flowgrpo_compat", "steps", "engine",
                        "loss.trust_region", "loss.kl_mask_bound", "loss.ratio_norm",
                        "train.digits", "train.prompts_file", "train.prompt_column", "eval",
-                       "model.offload_text_encoders", "model.train_experts", "model.guidance_scale_2"),
+                       "model.offload_text_encoders", "model.train_experts", "model.guidance_scale_low"),
     "dllm": _SHARED + ("pretrain.answer_noise", "dllm", "daca"),
 }
 # engine keys that only some engines read

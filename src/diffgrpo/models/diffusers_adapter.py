@@ -719,14 +719,14 @@ def _index_has(index: Path, component: str) -> bool:
 
 
 def check_experts(m, *, has_two: bool) -> None:
-    """model.train_experts / model.guidance_scale_2 need a two-expert pipeline (Wan 2.2 A14B's transformer_2)."""
+    """model.train_experts / model.guidance_scale_low need a two-expert pipeline (Wan 2.2 A14B's transformer_2)."""
     if has_two:
         return
     if m.train_experts != "both":
         raise ConfigError(f"model.train_experts: value {m.train_experts!r} needs a pipeline with two experts "
                           "(transformer and transformer_2, e.g. Wan 2.2 A14B); this one has one: remove the key")
-    if m.guidance_scale_2:
-        raise ConfigError("model.guidance_scale_2: applies to the low-noise expert transformer_2 of a two-expert "
+    if m.guidance_scale_low:
+        raise ConfigError("model.guidance_scale_low: applies to the low-noise expert transformer_2 of a two-expert "
                           "pipeline (Wan 2.2 A14B); this one has one transformer: remove the key")
 
 
@@ -774,7 +774,7 @@ def build_diffusers_policy(cfg, *, progress: bool = True, log=print) -> Diffuser
         lora_target_modules=m.lora_target_modules, gradient_checkpointing=m.gradient_checkpointing,
         keep_reference=needs_reference(cfg), offload_text_encoders=m.offload_text_encoders,
         transformer_2=transformer_2, boundary_ratio=pipe_cfg.get("boundary_ratio"),
-        guidance_scale_2=m.guidance_scale_2 or None, train_experts=m.train_experts,
+        guidance_scale_2=m.guidance_scale_low or None, train_experts=m.train_experts,
         expand_timesteps=bool(pipe_cfg.get("expand_timesteps", False)))
 
 
