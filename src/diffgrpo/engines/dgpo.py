@@ -48,12 +48,21 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
+from ..config import EngineConfig, RunConfig
 from ..errors import ConfigError
 from ..losses import aggregate
 from ..types import BatchPlan, EngineStats, Rollout
-from ._forward import ForwardState, conditional_only, count_unit_backward, plan_units, unit_batches, unit_inputs, \
-    velocity_kl
-from .base import EngineContext, engine_run, no_rollout_hooks, one_wave, unit_sample_weights
+from ._forward import (
+    ForwardState,
+    check_forward_config,
+    conditional_only,
+    count_unit_backward,
+    plan_units,
+    unit_batches,
+    unit_inputs,
+    velocity_kl,
+)
+from .base import EngineContext, engine_run, no_rollout_hooks, plain_sampling, unit_sample_weights
 
 DGPO_UNITS = 4  # the released recipe's num_train_timesteps
 DGPO_TIME_FRACTION = 0.6  # the released recipe's trunc_steps 6 of 10 sampling steps: grid indices 0 … ⌊0.6·T⌋
@@ -110,8 +119,10 @@ def dgpo_loss_value(s: torch.Tensor, w: torch.Tensor, beta: float) -> torch.Tens
     return w * F.softplus(s) / beta
 
 
-def check_config(cfg) -> None:
-    """Rules of the dgpo engine on a whole run config (a one-line ConfigError naming the key)."""
+def check_config(cfg: RunConfig) -> None:
+    """Rules of the dgpo engine on a whole run config (a one-line ConfigError naming the key): the forward
+    engines' rules, a local group layout, K distinct high-noise times."""
+    check_forward_config(cfg)
     if cfg.dist.mode != "none" and cfg.dist.group_layout == "spread":
         raise ConfigError("dist.group_layout: value 'spread' is not allowed with engine.name=dgpo (a group's "
                           "preference margin sums over all its members, kept whole on one rank); use 'local'")
@@ -132,8 +143,11 @@ class DGPOEngine:
     Hooks: :meth:`plan` (units, their times and group-shared noise; ODE rollout) and :meth:`backward`."""
 
     name = "dgpo"
+    config_keys = ("forward_timesteps", "forward_rollout", "adv_clip", "dgpo_beta", "dgpo_time_fraction")
+    check_config = staticmethod(check_config)
+    wave_size = 0
 
-    def __init__(self, cfg):
+    def __init__(self, cfg: EngineConfig):
         self.cfg = cfg
         self.beta = float(cfg.dgpo_beta)
         self.adv_clip = float(cfg.adv_clip)
@@ -152,7 +166,7 @@ class DGPOEngine:
         noise = group_shared_noise(plan.group_ids, K, tuple(plan.x0.shape[1:]), generator)  # (B, K, *S)
         plan.engine_state.noise = noise.to(device=plan.x0.device, dtype=torch.float32)
 
-    collect = one_wave
+    sampling = plain_sampling
     rollout_hooks = no_rollout_hooks
     sample_weights = unit_sample_weights
 

@@ -2,7 +2,7 @@
 
 One class, :class:`DiffusersFlowPolicy`, wraps a diffusers transformer (and, when built from a pipeline, its
 text encoders and VAE) behind the interface the rollout and the engines use (see ``models/__init__.py``).
-What differs between families is data, kept in :data:`FAMILIES`:
+What differs between families is data, kept in :data:`PIPELINES`:
 
 | family    | transformer class              | timestep | text conditioning               | latents (rollout → model)      | guidance |
 |-----------|--------------------------------|----------|---------------------------------|--------------------------------|----------|
@@ -53,18 +53,26 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..cache import save_dir_atomic
+from ..config import RunConfig
 from ..distributed import info as distributed_info
 from ..distributed import launched_local_rank, resolve_device
 from ..errors import ConfigError
 from ..types import DTYPES
-from .lora import ATTN_TARGETS, JOINT_TARGETS, adapter_disabled, add_lora, load_lora_state_dict, lora_state_dict
+from .lora import (
+    ATTN_TARGETS,
+    JOINT_TARGETS,
+    adapter_disabled,
+    add_lora,
+    load_lora_state_dict,
+    lora_state_dict,
+)
 from .reference import frozen_reference, needs_reference
 
 # ------------------------------------------------------------------------------------------- family table
 
 
 @dataclass(frozen=True)
-class Family:
+class PipelineSpec:
     name: str
     transformer_class: str
     pipeline_class: str
@@ -78,30 +86,30 @@ class Family:
     max_sequence_length: int  # default text length of the pipeline's encode_prompt
 
 
-FAMILIES: dict[str, Family] = {
-    "sd3": Family("sd3", "SD3Transformer2DModel", "StableDiffusion3Pipeline", 1000.0, False, False, True, False,
+PIPELINES: dict[str, PipelineSpec] = {
+    "sd3": PipelineSpec("sd3", "SD3Transformer2DModel", "StableDiffusion3Pipeline", 1000.0, False, False, True, False,
                   ("prompt_embeds", "pooled"), JOINT_TARGETS, 256),
-    "flux": Family("flux", "FluxTransformer2DModel", "FluxPipeline", 1.0, True, False, False, False,
+    "flux": PipelineSpec("flux", "FluxTransformer2DModel", "FluxPipeline", 1.0, True, False, False, False,
                    ("prompt_embeds", "pooled"), JOINT_TARGETS, 512),
-    "wan": Family("wan", "WanTransformer3DModel", "WanPipeline", 1000.0, False, True, True, False,
+    "wan": PipelineSpec("wan", "WanTransformer3DModel", "WanPipeline", 1000.0, False, True, True, False,
                   ("prompt_embeds",), ATTN_TARGETS, 512),
-    "qwenimage": Family("qwenimage", "QwenImageTransformer2DModel", "QwenImagePipeline", 1.0, True, False, True, True,
+    "qwenimage": PipelineSpec("qwenimage", "QwenImageTransformer2DModel", "QwenImagePipeline", 1.0, True, False, True, True,
                         ("prompt_embeds", "prompt_mask"), JOINT_TARGETS, 1024),
     # Z-Image: timestep 1 − σ, output −v, per-sample lists of (C, 1, H, W) latents and unpadded caption features;
     # its pipeline's guidance g (pos + g·(pos − neg), 0 = off) is model.guidance_scale = g + 1 here
-    "zimage": Family("zimage", "ZImageTransformer2DModel", "ZImagePipeline", 1.0, False, False, True, False,
+    "zimage": PipelineSpec("zimage", "ZImageTransformer2DModel", "ZImagePipeline", 1.0, False, False, True, False,
                      ("prompt_embeds", "prompt_mask"), ATTN_TARGETS, 512),
 }
 
 
 def detect_family(transformer: nn.Module) -> str:
-    """Family key from the transformer's class (or one of its bases)."""
+    """Pipeline key (model.family) from the transformer's class (or one of its bases)."""
     for cls in type(transformer).__mro__:
-        for key, fam in FAMILIES.items():
+        for key, fam in PIPELINES.items():
             if cls.__name__ == fam.transformer_class:
                 return key
     raise ValueError(f"unsupported transformer class {type(transformer).__name__}; supported: "
-                     f"{[f.transformer_class for f in FAMILIES.values()]}")
+                     f"{[f.transformer_class for f in PIPELINES.values()]}")
 
 
 # ------------------------------------------------------------------------------------------- packing
@@ -208,7 +216,7 @@ def expanded_timesteps(t: torch.Tensor, latent_shape: tuple[int, ...], patch: tu
     return t[:, None].expand(t.shape[0], L)
 
 
-def _forward(fam: Family, tr: nn.Module, h: torch.Tensor, sigma: torch.Tensor, cond: dict, *,
+def _forward(fam: PipelineSpec, tr: nn.Module, h: torch.Tensor, sigma: torch.Tensor, cond: dict, *,
              latent_hw: tuple[int, int], guidance: float | None, expand: tuple | None = None) -> torch.Tensor:
     """One transformer call in the family's native layout. h: model input (packed for flux/qwen); sigma (N,);
     ``expand``: (latent shape, patch) of a Wan 2.2 TI2V transformer (per-token timesteps)."""
@@ -422,9 +430,9 @@ class DiffusersFlowPolicy:
                  transformer_2: nn.Module | None = None, boundary_ratio: float | None = None,
                  guidance_scale_2: float | None = None, train_experts: str = "both", expand_timesteps: bool = False):
         fam_key = detect_family(transformer) if family in ("", "auto") else family
-        if fam_key not in FAMILIES:
-            raise ValueError(f"unknown family {family!r}; choose one of {sorted(FAMILIES)}")
-        self.family = FAMILIES[fam_key]
+        if fam_key not in PIPELINES:
+            raise ValueError(f"unknown family {family!r}; choose one of {sorted(PIPELINES)}")
+        self.family = PIPELINES[fam_key]
         self.device = torch.device(device)
         self.pipeline = pipeline
         # the experts by pipeline component name, and those that train (Wan 2.2 A14B: two; else the transformer)
@@ -694,7 +702,7 @@ def _is_local(path: str) -> bool:
 def latent_shape_for(pipe, family: str, resolution: int, num_frames: int) -> tuple[int, ...]:
     """(C, H/f, W/f) for images or (C, F', H/f, W/f) for video, from the pipeline's VAE factors."""
     tr = pipe.transformer
-    fam = FAMILIES[family]
+    fam = PIPELINES[family]
     f = getattr(pipe, "vae_scale_factor_spatial", None) or getattr(pipe, "vae_scale_factor", 8)
     C = tr.config.in_channels // 4 if fam.packed else tr.config.in_channels
     h = resolution // f
@@ -730,7 +738,7 @@ def check_experts(m, *, has_two: bool) -> None:
                           "pipeline (Wan 2.2 A14B); this one has one transformer: remove the key")
 
 
-def build_diffusers_policy(cfg, *, progress: bool = True, log=print) -> DiffusersFlowPolicy:
+def build_diffusers_policy(cfg: RunConfig, *, progress: bool = True, log=print) -> DiffusersFlowPolicy:
     """``model.name=diffusers``: load the pipeline at ``model.pretrained`` with ``from_pretrained`` and wrap it."""
     from diffusers import DiffusionPipeline
 
@@ -778,5 +786,6 @@ def build_diffusers_policy(cfg, *, progress: bool = True, log=print) -> Diffuser
         expand_timesteps=bool(pipe_cfg.get("expand_timesteps", False)))
 
 
-__all__ = ["DiffusersFlowPolicy", "EXPERTS", "WanExperts", "FAMILIES", "Family", "build_diffusers_policy", "detect_family", "pack_2x2",
+__all__ = ["DiffusersFlowPolicy", "EXPERTS", "PIPELINES", "PipelineSpec", "WanExperts", "build_diffusers_policy",
+           "detect_family", "pack_2x2",
            "unpack_2x2", "cfg_combine", "vae_decode", "pipeline_encoder", "TextEncoderOffload"]

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import contextlib
 
+from ..config import RunConfig
+
 
 @contextlib.contextmanager
 def frozen_reference(policy):
@@ -23,7 +25,7 @@ def frozen_reference(policy):
 REFERENCE_ENGINES = ("dgpo",)
 
 
-def needs_reference(cfg) -> bool:
+def needs_reference(cfg: RunConfig) -> bool:
     """Whether a run keeps the frozen reference: the KL term (loss.beta > 0) or an engine that reads it."""
     return cfg.loss.beta > 0 or cfg.engine.name in REFERENCE_ENGINES
 
