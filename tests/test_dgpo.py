@@ -12,8 +12,8 @@ import torch.nn.functional as F
 
 from diffgrpo import RunConfig
 from diffgrpo.config import ConfigError
-from diffgrpo.validation import validate
 from diffgrpo.engines.dgpo import group_margin, truncated_grid_times
+from diffgrpo.validation import validate
 from tests.conftest import flat_grad, perturb, rel_err
 
 BETA = 100.0

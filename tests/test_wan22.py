@@ -13,7 +13,11 @@ import torch
 
 from diffgrpo import RunConfig, Trainer
 from diffgrpo.config import ConfigError
-from diffgrpo.models.diffusers_adapter import DiffusersFlowPolicy, WanExperts, build_diffusers_policy
+from diffgrpo.models.diffusers_adapter import (
+    DiffusersFlowPolicy,
+    WanExperts,
+    build_diffusers_policy,
+)
 from diffgrpo.samplers.rollout import sample_trajectories
 from tests.conftest import flat_grad, rel_err
 from tests.test_diffusers_models import PROMPTS, _t5_tokenizer
@@ -327,7 +331,7 @@ def test_two_ranks_train_both_experts_as_one_process(two_rank_wan, wan_dirs, tmp
     assert parts[0]["experts"] == ["high", "low"]
     if mode == "fsdp2":
         assert parts[0]["sharded"] == parts[0]["n_params"] > 0  # every adapter weight of both experts is sharded
-    cat = lambda k: torch.cat([p[k] for p in parts])  # noqa: E731
+    cat = lambda k: torch.cat([p[k] for p in parts])
     B = len(parts[0]["prompts"])
     cfg = RunConfig.from_overrides([*WAN_DIST_COMMON, f"model.pretrained={wan_dirs['a14b']}", "seed=0",
                                     f"train.prompts_file={wan_dirs['a14b'] / 'prompts.txt'}",

@@ -9,7 +9,11 @@ import pytest
 import torch
 
 from diffgrpo import RunConfig
-from diffgrpo.models.diffusers_adapter import DiffusersFlowPolicy, build_diffusers_policy, detect_family
+from diffgrpo.models.diffusers_adapter import (
+    DiffusersFlowPolicy,
+    build_diffusers_policy,
+    detect_family,
+)
 from diffgrpo.samplers.rollout import sample_trajectories
 from tests.conftest import flat_grad
 from tests.test_diffusers_models import PROMPTS
@@ -38,7 +42,12 @@ def _tokenizer():
 
 
 def _zimage_pipeline():
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
+    from diffusers import (
+        AutoencoderKL,
+        FlowMatchEulerDiscreteScheduler,
+        ZImagePipeline,
+        ZImageTransformer2DModel,
+    )
     from transformers import Qwen3Config, Qwen3Model
 
     torch.manual_seed(0)

@@ -62,7 +62,13 @@ from ._forward import (
     unit_inputs,
     velocity_kl,
 )
-from .base import EngineContext, engine_run, no_rollout_hooks, plain_sampling, unit_sample_weights
+from .base import (
+    EngineContext,
+    engine_run,
+    no_rollout_hooks,
+    plain_sampling,
+    unit_sample_weights,
+)
 
 DGPO_UNITS = 4  # the released recipe's num_train_timesteps
 DGPO_TIME_FRACTION = 0.6  # the released recipe's trunc_steps 6 of 10 sampling steps: grid indices 0 … ⌊0.6·T⌋
