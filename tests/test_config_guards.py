@@ -56,7 +56,7 @@ BAD_OVERRIDES = [
     (["train.lr=2020-13-45"], "train.lr: value '2020-13-45' is not a valid float"),  # YAML 1.2: a date is text
     # 5. plug-ins given as module:Class / module:function
     (["engine.name=foo:Bar"], "engine.name: value 'foo:Bar' cannot be imported (ModuleNotFoundError: No module named "
-                              "'foo'); choose one of ['awm', 'jagg', 'nft', 'recompute', 'retain', 'reweight', 'single_step'] or "
+                              "'foo'); choose one of ['awm', 'dgpo', 'jagg', 'nft', 'recompute', 'retain', 'reweight', 'single_step'] or "
                               "an importable module:Class"),
     (["engine.name=json:dumps"], "engine.name: value 'json:dumps' is not a class (it is a function)"),
     (["engine.name=json:NoSuchThing"], "engine.name: value 'json:NoSuchThing' cannot be imported (AttributeError: "),

@@ -275,10 +275,10 @@ def test_config_keys_and_errors():
 
 
 # ---------------------------------------------------------------------- two gloo ranks
-DIST = [(name, mode) for name in ("nft", "awm") for mode in ("ddp", "fsdp2")]
+DIST = [(name, mode) for name in ("nft", "awm", "dgpo") for mode in ("ddp", "fsdp2")]
 DIST_COMMON = ["train.group_size=4", "train.prompts_per_batch=2", "loss.beta=0.1", "train.max_grad_norm=0",
                "train.lr=1e-2", "eval.seeds_per_prompt=1", "engine.forward_timesteps=3"]
-DIST_EXTRA = {"nft": ["engine.old_decay_rate=0.3"], "awm": []}
+DIST_EXTRA = {"nft": ["engine.old_decay_rate=0.3"], "awm": [], "dgpo": []}
 
 
 def _dist_worker(rank: int, world: int, port: int, out_dir: str) -> None:

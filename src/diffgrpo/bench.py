@@ -27,6 +27,7 @@ from .engines.base import MemoryMeter
 from .engines.recompute import RecomputeEngine
 from .errors import ConfigError
 from .fileio import atomic_write
+from .models.reference import needs_reference
 from .trainer import Trainer
 
 
@@ -110,6 +111,8 @@ def bench_engines(cfg: RunConfig, variants: list[str], *, repeats: int = 3, out_
     for spec in variants:
         label, ov = parse_variant(spec)
         vcfg = RunConfig.from_overrides(ov, base=cfg)
+        if needs_reference(vcfg):  # e.g. dgpo: the reference is part of its loss
+            base.policy.ensure_reference()
         t = Trainer(vcfg, policy=base.policy, log=log)
         trainers[label] = t
     results = {label: [] for label in trainers}

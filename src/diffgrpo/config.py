@@ -71,7 +71,7 @@ class ModelConfig:
     text_dim: int = _f(32, lo=4, hi=1024, doc="tiny model: prompt-encoder width")
     # diffusers pipelines (model.name=diffusers); guidance_scale is true CFG, or FLUX's distilled guidance value
     pretrained: str = _f("", path=True, doc="diffusers: local pipeline directory or hub id")
-    family: str = _f("auto", choices=("auto", "sd3", "flux", "wan", "qwenimage"),
+    family: str = _f("auto", choices=("auto", "sd3", "flux", "wan", "qwenimage", "zimage"),
                      doc="diffusers: model family; auto = from the transformer class")
     dtype: str = _f("float32", choices=("float32", "bfloat16", "float16"), doc="diffusers: weight dtype of the pipeline")
     mixed_precision: str = _f("no", choices=("no", "bf16", "fp16"),
@@ -80,6 +80,10 @@ class ModelConfig:
     num_frames: int = _f(33, lo=1, doc="diffusers (wan): video frames")
     negative_prompt: str = _f("", doc="diffusers: negative prompt of true CFG")
     max_sequence_length: int = _f(0, lo=0, doc="diffusers: text tokens; 0 = the family's pipeline default")
+    train_experts: str = _f("both", choices=("both", "high", "low"),
+                            doc="diffusers (Wan 2.2 A14B): experts trained (high: transformer, low: transformer_2)")
+    guidance_scale_low: float = _f(0.0, lo=0.0, doc="diffusers (Wan 2.2 A14B): CFG scale of the low-noise expert "
+                                                    "(the pipeline's guidance_scale_2); 0 = model.guidance_scale")
     # LoRA (peft) for the flow models (model.name=tiny or diffusers); the KL reference is the base (adapter off)
     lora_rank: int = _f(0, lo=0, doc="tiny, diffusers: LoRA rank (train a peft adapter only); 0 = full fine-tune")
     lora_alpha: float = _f(0.0, lo=0.0, doc="tiny, diffusers: LoRA alpha; 0 = lora_rank")
@@ -199,7 +203,7 @@ class EngineConfig:
     wave_size: int = _f(0, lo=0, doc="retain: groups per rollout wave; 0 = whole batch")
     candidate_steps: str = _f("first_half", doc="single_step: 'first_half', 'all' or a list like 0,1,2")
     rectify: bool = _f(True, doc="single_step: temporal gradient rectification")
-    # forward-process engines (nft, awm): losses on clean rollout samples, no per-step likelihood
+    # forward-process engines (nft, awm, dgpo): losses on clean rollout samples, no per-step likelihood
     forward_timesteps: int = _f(0, lo=0, hi=1000, doc="nft, awm: training units (time + fresh noise) per sample, at "
                                                       "most sampler.num_steps; 0 = the paper's recipe (nft: "
                                                       "floor(0.99·T) grid times per sample, awm: 6 stratified)")
@@ -214,6 +218,9 @@ class EngineConfig:
     awm_weighting: str = _f("uniform", choices=("uniform", "t", "ghuber"),
                             doc="awm: time weighting of the flow-matching error (ghuber: the released GenEval recipe)")
     awm_clip_range: float = _f(1.0, lo=0.0, doc="awm: PPO clip ε on the flow-matching 'likelihood' ratio")
+    dgpo_beta: float = _f(100.0, gt=0.0, hi=1e5, doc="dgpo: DPO β of the group preference margin")
+    dgpo_time_fraction: float = _f(0.6, lo=0.0, hi=1.0, doc="dgpo: unit times drawn from grid indices "
+                                                            "0 … floor(fraction·T) (the high-noise end)")
 
 
 @dataclass

@@ -11,6 +11,7 @@ from ..config import EngineConfig
 from ._steps import SELECTION_MODES, select_steps
 from .awm import AWMEngine
 from .base import Engine, EngineContext
+from .dgpo import DGPOEngine
 from .jagg import JaggEngine
 from .nft import NFTEngine
 from .recompute import RecomputeEngine
@@ -26,10 +27,11 @@ ENGINES: dict[str, type] = {
     "reweight": ReweightEngine,
     "nft": NFTEngine,
     "awm": AWMEngine,
+    "dgpo": DGPOEngine,
 }
 # engines that train on clean samples through the forward process (no per-step likelihood): they own the trained
 # units (steps.* does not apply) and accept deterministic ODE rollouts (sampler.sde_type=ode)
-FORWARD_ENGINES = ("nft", "awm")
+FORWARD_ENGINES = ("nft", "awm", "dgpo")
 
 
 def build_engine(cfg: EngineConfig) -> Engine:

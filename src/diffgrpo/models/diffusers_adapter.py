@@ -1,4 +1,4 @@
-"""Policy adapter for diffusers flow-matching transformers (SD3/SD3.5, FLUX.1, Wan 2.1, Qwen-Image).
+"""Policy adapter for diffusers flow-matching transformers (SD3/SD3.5, FLUX.1, Wan 2.1/2.2, Qwen-Image, Z-Image).
 
 One class, :class:`DiffusersFlowPolicy`, wraps a diffusers transformer (and, when built from a pipeline, its
 text encoders and VAE) behind the interface the rollout and the engines use (see ``models/__init__.py``).
@@ -10,6 +10,14 @@ What differs between families is data, kept in :data:`PIPELINES`:
 | flux      | FluxTransformer2DModel         | σ        | prompt_embeds + pooled, txt_ids | (C, H, W) → 2×2-packed tokens, img_ids | distilled guidance embedding (one forward) |
 | wan       | WanTransformer3DModel          | σ·1000   | prompt_embeds                   | (C, F, H, W) as is             | true CFG |
 | qwenimage | QwenImageTransformer2DModel    | σ        | prompt_embeds + mask            | (C, H, W) → 2×2-packed tokens, img_shapes | true CFG with norm rescale |
+| zimage    | ZImageTransformer2DModel       | 1 − σ    | unpadded prompt features (mask) | (C, H, W) → a list of (C, 1, H, W), output −v | true CFG (pipeline g = ours − 1) |
+
+Wan 2.2 A14B (a pipeline with ``transformer_2`` and ``boundary_ratio``): two experts held as one module
+(:class:`WanExperts`), ``transformer`` for timesteps ≥ boundary_ratio·1000 (high noise), ``transformer_2`` below,
+exactly the pipeline's switch; each row of a batch goes to its own expert, and the low-noise expert guides with
+``guidance_scale_2`` (the pipeline's default: ``guidance_scale``). ``train_experts`` picks the trained experts
+(both, high, low; the others stay frozen), each with its own LoRA adapter; FSDP2 shards the blocks of both.
+Wan 2.2 TI2V-5B (``expand_timesteps``): one transformer fed the per-token timestep the pipeline feeds it.
 
 The rollout always sees unpacked latents (B, *latent_shape); packing happens inside :meth:`velocity`.
 Classifier-free guidance runs the conditional and negative-prompt branches as one batched forward of 2B
@@ -34,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +55,7 @@ from safetensors.torch import save_file
 
 from ..cache import save_dir_atomic
 from ..config import RunConfig
+from ..distributed import info as distributed_info
 from ..distributed import launched_local_rank, resolve_device
 from ..errors import ConfigError
 from ..types import DTYPES
@@ -57,7 +67,7 @@ from .lora import (
     load_lora_state_dict,
     lora_state_dict,
 )
-from .reference import frozen_reference
+from .reference import frozen_reference, needs_reference
 
 # ------------------------------------------------------------------------------------------- family table
 
@@ -86,6 +96,10 @@ PIPELINES: dict[str, PipelineSpec] = {
                   ("prompt_embeds",), ATTN_TARGETS, 512),
     "qwenimage": PipelineSpec("qwenimage", "QwenImageTransformer2DModel", "QwenImagePipeline", 1.0, True, False, True, True,
                         ("prompt_embeds", "prompt_mask"), JOINT_TARGETS, 1024),
+    # Z-Image: timestep 1 − σ, output −v, per-sample lists of (C, 1, H, W) latents and unpadded caption features;
+    # its pipeline's guidance g (pos + g·(pos − neg), 0 = off) is model.guidance_scale = g + 1 here
+    "zimage": PipelineSpec("zimage", "ZImageTransformer2DModel", "ZImagePipeline", 1.0, False, False, True, False,
+                     ("prompt_embeds", "prompt_mask"), ATTN_TARGETS, 512),
 }
 
 
@@ -122,17 +136,103 @@ def flux_image_ids(h: int, w: int, device, dtype) -> torch.Tensor:
     return ids.reshape(h * w, 3).to(device=device, dtype=dtype)
 
 
+# ------------------------------------------------------------------------------------------- Wan 2.2 experts
+
+
+EXPERTS = ("both", "high", "low")  # model.train_experts
+
+
+class WanExperts(nn.Module):
+    """Wan 2.2 A14B's two experts as one module: rows whose timestep is ≥ ``boundary_timestep`` run through
+    ``high`` (the pipeline's ``transformer``), the others through ``low`` (``transformer_2``), as the pipeline
+    switches. Under data parallelism (``sync`` True) an expert without rows still runs on one row whose output is
+    added ×0, so that every rank makes the same collective calls (FSDP2) and every trained weight gets a gradient
+    (DDP); one process skips it. ``blocks`` lists both experts' blocks (FSDP2 shards them one by one)."""
+
+    def __init__(self, high: nn.Module, low: nn.Module, boundary_timestep: float):
+        super().__init__()
+        self.high, self.low = high, low
+        self.boundary_timestep = float(boundary_timestep)
+        self.sync = False
+
+    @property
+    def blocks(self) -> nn.ModuleList:
+        return nn.ModuleList([*self.high.blocks, *self.low.blocks])
+
+    @property
+    def config(self):
+        return self.high.config
+
+    def _adapted(self) -> list[nn.Module]:
+        return [m for m in (self.high, self.low) if getattr(m, "peft_config", None)]
+
+    def fuse_lora(self, lora_scale: float = 1.0) -> None:
+        """Fold each expert's LoRA adapter into its weights (``diffgrpo export --merge``)."""
+        for m in self._adapted():
+            m.fuse_lora(lora_scale=lora_scale)
+
+    def unload_lora(self) -> None:
+        for m in self._adapted():
+            m.unload_lora()
+
+    def expert_rows(self, timestep: torch.Tensor) -> torch.Tensor:
+        """(N,) or (N, L) timesteps → (N,) bool: True where the high-noise expert runs."""
+        t = timestep if timestep.dim() == 1 else timestep[:, 0]
+        return t >= self.boundary_timestep
+
+    def forward(self, hidden_states, encoder_hidden_states, timestep, return_dict=False):
+        hi = self.expert_rows(timestep)
+        N = hidden_states.shape[0]
+        parts, keep = [], hidden_states.new_zeros(())
+        for expert, rows in ((self.high, hi.nonzero().flatten()), (self.low, (~hi).nonzero().flatten())):
+            if rows.numel() == 0 and not self.sync:
+                continue
+            take = rows if rows.numel() else torch.zeros(1, dtype=torch.long, device=hidden_states.device)
+            o = expert(hidden_states=hidden_states[take], encoder_hidden_states=encoder_hidden_states[take],
+                       timestep=timestep[take], return_dict=False)[0]
+            if rows.numel():
+                parts.append((rows, o))
+            else:
+                keep = keep + 0 * o.float().sum()
+        out = parts[0][1].new_zeros((N, *parts[0][1].shape[1:]))
+        for rows, o in parts:
+            out = out.index_copy(0, rows, o)
+        return (out + keep.to(out.dtype),)
+
+
+def expert_weights(sd: dict[str, torch.Tensor], name: str) -> dict[str, torch.Tensor]:
+    """The entries of component ``name`` in a two-expert LoRA state dict, without their prefix."""
+    pre = name + "."
+    return {k[len(pre):]: v for k, v in sd.items() if k.startswith(pre)}
+
+
 # ------------------------------------------------------------------------------------------- per-family forward
 
 
+def expanded_timesteps(t: torch.Tensor, latent_shape: tuple[int, ...], patch: tuple[int, int, int]) -> torch.Tensor:
+    """Wan 2.2 TI2V's per-token timestep of text-to-video (every token at t, as its pipeline feeds it):
+    t (N,), latents (C, F, H, W), patch (p_t, p_h, p_w) → (N, F/p_t · H/p_h · W/p_w)."""
+    _, F_, H, W = latent_shape
+    L = (F_ // patch[0]) * (H // patch[1]) * (W // patch[2])
+    return t[:, None].expand(t.shape[0], L)
+
+
 def _forward(fam: PipelineSpec, tr: nn.Module, h: torch.Tensor, sigma: torch.Tensor, cond: dict, *,
-             latent_hw: tuple[int, int], guidance: float | None) -> torch.Tensor:
-    """One transformer call in the family's native layout. h: model input (packed for flux/qwen); sigma (N,)."""
+             latent_hw: tuple[int, int], guidance: float | None, expand: tuple | None = None) -> torch.Tensor:
+    """One transformer call in the family's native layout. h: model input (packed for flux/qwen); sigma (N,);
+    ``expand``: (latent shape, patch) of a Wan 2.2 TI2V transformer (per-token timesteps)."""
     t = sigma * fam.timestep_scale
     if fam.name == "sd3":
         return tr(hidden_states=h, encoder_hidden_states=cond["prompt_embeds"], pooled_projections=cond["pooled"],
                   timestep=t, return_dict=False)[0]
+    if fam.name == "zimage":
+        mask = cond["prompt_mask"].bool()
+        caps = [e[m] for e, m in zip(cond["prompt_embeds"], mask)]  # each (L_i, D): the prompt's own tokens
+        out = tr(list(h.unsqueeze(2).unbind(0)), 1.0 - sigma, caps, return_dict=False)[0]  # [(C, 1, H, W)] × N
+        return -torch.stack(list(out)).squeeze(2)
     if fam.name == "wan":
+        if expand is not None:
+            t = expanded_timesteps(t, *expand)
         return tr(hidden_states=h, encoder_hidden_states=cond["prompt_embeds"], timestep=t, return_dict=False)[0]
     H, W = latent_hw
     g = None
@@ -204,6 +304,12 @@ def pipeline_encoder(pipe, family: str, max_sequence_length: int) -> Callable[[l
             pe, _ = pipe.encode_prompt(prompt=prompts, do_classifier_free_guidance=False, device=dev,
                                        max_sequence_length=max_sequence_length)
             return {"prompt_embeds": pe}
+        if family == "zimage":  # a list of (L_i, D) per prompt → padded (B, L, D) + mask
+            pes, _ = pipe.encode_prompt(prompt=list(prompts), device=dev, do_classifier_free_guidance=False,
+                                        max_sequence_length=max_sequence_length)
+            L = max(e.shape[0] for e in pes)
+            mask = torch.stack([torch.arange(L, device=dev) < e.shape[0] for e in pes]).long()
+            return {"prompt_embeds": torch.stack([_pad_seq(e[None], L)[0] for e in pes]), "prompt_mask": mask}
         if family == "qwenimage":
             pe, mask = pipe.encode_prompt(prompt=prompts, device=dev, max_sequence_length=max_sequence_length)
             if mask is None:
@@ -321,16 +427,33 @@ class DiffusersFlowPolicy:
                  device="cpu", mixed_precision: str = "no", lora_rank: int = 0, lora_alpha: float = 0.0,
                  lora_target_modules: str | tuple | list = "", gradient_checkpointing: bool = False,
                  keep_reference: bool = False, decode_batch_size: int = 8, cache_size: int = 512,
-                 offload_text_encoders: bool = False, text_encoders: list[nn.Module] | None = None):
+                 offload_text_encoders: bool = False, text_encoders: list[nn.Module] | None = None,
+                 transformer_2: nn.Module | None = None, boundary_ratio: float | None = None,
+                 guidance_scale_2: float | None = None, train_experts: str = "both", expand_timesteps: bool = False):
         fam_key = detect_family(transformer) if family in ("", "auto") else family
         if fam_key not in PIPELINES:
             raise ValueError(f"unknown family {family!r}; choose one of {sorted(PIPELINES)}")
         self.family = PIPELINES[fam_key]
         self.device = torch.device(device)
         self.pipeline = pipeline
+        # the experts by pipeline component name, and those that train (Wan 2.2 A14B: two; else the transformer)
+        if transformer_2 is not None:
+            if boundary_ratio is None:
+                raise ValueError("a second transformer needs the pipeline's boundary_ratio")
+            if train_experts not in EXPERTS:
+                raise ValueError(f"train_experts must be one of {EXPERTS}, got {train_experts!r}")
+            self.components = {"transformer": transformer, "transformer_2": transformer_2}
+            self.trained_components = {"both": ("transformer", "transformer_2"), "high": ("transformer",),
+                                       "low": ("transformer_2",)}[train_experts]
+            transformer = WanExperts(transformer, transformer_2, float(boundary_ratio) * 1000.0)
+        else:
+            self.components = {"transformer": transformer}
+            self.trained_components = ("transformer",)
         self.transformer = transformer.to(self.device)
         self.latent_shape = tuple(int(s) for s in latent_shape)
         self.guidance_scale = float(guidance_scale)
+        self.guidance_scale_2 = None if guidance_scale_2 is None else float(guidance_scale_2)  # low-noise expert
+        self.expand_timesteps = bool(expand_timesteps)
         self.negative_prompt = negative_prompt
         self.max_sequence_length = max_sequence_length or self.family.max_sequence_length
         if encoder is None:
@@ -354,26 +477,58 @@ class DiffusersFlowPolicy:
 
         self.weight_dtype = weight_dtype(self.transformer)  # what the inputs are cast to (before LoRA's fp32 layers)
         self.lora_rank = int(lora_rank)
+        self.transformer.requires_grad_(False)
         if self.lora_rank > 0:
-            add_lora(self.transformer, self.lora_rank, lora_alpha, lora_target_modules,
-                     default_targets=self.family.lora_targets)
+            for name in self.trained_components:  # one adapter per trained expert
+                add_lora(self.components[name], self.lora_rank, lora_alpha, lora_target_modules,
+                         default_targets=self.family.lora_targets)
             self._ref = None
         else:
-            self.transformer.requires_grad_(True)
-            self._ref = copy.deepcopy(self.transformer).requires_grad_(False) if keep_reference else None
+            for name in self.trained_components:
+                self.components[name].requires_grad_(True)
+            self._ref = self._frozen_copy() if keep_reference else None
         if gradient_checkpointing:
-            self.transformer.enable_gradient_checkpointing()
+            for m in self.components.values():
+                m.enable_gradient_checkpointing()
         self.transformer.train()
         # what velocity() calls for the policy: the transformer, or a data-parallel wrapper around it
         # (``policy.forward_module = DistributedDataParallel(policy.transformer)``); weights stay on .transformer
         self.forward_module = self.transformer
         self._use_ref = False
 
+    def ensure_reference(self) -> None:
+        """Keep a frozen copy of the current weights as the reference if there is none (full fine-tune; with LoRA the
+        reference is the base model already). For a caller that builds one policy for several engines."""
+        if self.lora_rank == 0 and self._ref is None:
+            self._ref = self._frozen_copy()
+
+    def _frozen_copy(self) -> nn.Module:
+        """The reference of a full fine-tune: a frozen copy of the trained experts (a frozen expert is shared)."""
+        if not isinstance(self.transformer, WanExperts):
+            return copy.deepcopy(self.transformer).requires_grad_(False)
+        tr = self.transformer
+        high = copy.deepcopy(tr.high).requires_grad_(False) if "transformer" in self.trained_components else tr.high
+        low = copy.deepcopy(tr.low).requires_grad_(False) if "transformer_2" in self.trained_components else tr.low
+        return WanExperts(high, low, tr.boundary_timestep)
+
     # ---------------------------------------------------------------- properties
     @property
     def uses_cfg(self) -> bool:
         """True CFG (two branches); FLUX's distilled guidance is one forward."""
-        return self.family.true_cfg and self.guidance_scale != 1.0
+        return self.family.true_cfg and (self.guidance_scale != 1.0 or self._scale_2() != 1.0)
+
+    def _scale_2(self) -> float:
+        """The low-noise expert's guidance scale (= guidance_scale unless set; 1 while guidance is off)."""
+        if self.guidance_scale_2 is None or self.guidance_scale == 1.0:
+            return self.guidance_scale
+        return self.guidance_scale_2
+
+    def guidance_per_row(self, sigma: torch.Tensor) -> torch.Tensor | float:
+        """Guidance scale of each row (B,): the low-noise expert's below the boundary (Wan 2.2 A14B)."""
+        if not isinstance(self.transformer, WanExperts) or self._scale_2() == self.guidance_scale:
+            return self.guidance_scale
+        hi = self.transformer.expert_rows(sigma * self.family.timestep_scale)
+        return torch.where(hi, self.guidance_scale, self._scale_2()).to(torch.float32)
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.transformer.parameters() if p.requires_grad]
@@ -412,7 +567,12 @@ class DiffusersFlowPolicy:
     @contextlib.contextmanager
     def reference(self):
         """Inside the block ``velocity`` uses the reference weights (LoRA disabled, or the frozen copy)."""
-        with adapter_disabled(self.transformer) if self.lora_rank > 0 else frozen_reference(self):
+        with contextlib.ExitStack() as stack:
+            if self.lora_rank > 0:
+                for name in self.trained_components:
+                    stack.enter_context(adapter_disabled(self.components[name]))
+            else:
+                stack.enter_context(frozen_reference(self))
             yield
 
     # ---------------------------------------------------------------- the velocity field
@@ -439,14 +599,23 @@ class DiffusersFlowPolicy:
         h = pack_2x2(x) if fam.packed else x  # (N, H/2·W/2, 4C) or (N, *latent_shape)
         h = h.to(wdtype)
         c = {k: (v.to(wdtype) if v.is_floating_point() else v) for k, v in c.items()}
+        if isinstance(self.transformer, WanExperts):  # data parallel: every expert runs on every rank
+            self.transformer.sync = distributed_info().world_size > 1
+            if isinstance(self._ref, WanExperts):
+                self._ref.sync = self.transformer.sync
+        expand = (self.latent_shape, tuple(self.components["transformer"].config.patch_size)) \
+            if self.expand_timesteps else None
         with torch.autocast(self.device.type, dtype=self.amp_dtype or torch.float32, enabled=self.amp_dtype is not None):
-            out = _forward(fam, tr, h, sigma, c, latent_hw=(H, W), guidance=self.guidance_scale)
+            out = _forward(fam, tr, h, sigma, c, latent_hw=(H, W), guidance=self.guidance_scale, expand=expand)
         out = out.float()
         if self.grad_scaler is not None and out.requires_grad:  # fp16 loss scaling of every engine's backward
             out = _ScaleGrad.apply(out, self.grad_scaler.scale(torch.ones((), device=out.device)))
         if cfg:
             v_c, v_u = out.chunk(2)
-            out = cfg_combine(v_c, v_u, self.guidance_scale, fam.cfg_renorm)
+            scale = self.guidance_per_row(sigma[:B])
+            if torch.is_tensor(scale):
+                scale = scale.to(v_c.device).view(B, *([1] * (v_c.dim() - 1)))
+            out = cfg_combine(v_c, v_u, scale, fam.cfg_renorm)
         return unpack_2x2(out, self.latent_shape[0], H, W) if fam.packed else out
 
     # ---------------------------------------------------------------- decoding
@@ -457,17 +626,29 @@ class DiffusersFlowPolicy:
         return self._decoder(x)
 
     # ---------------------------------------------------------------- weights
+    def _two_experts(self) -> bool:
+        return isinstance(self.transformer, WanExperts)
+
     def state_dict(self, full: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-        """The trainable weights: the LoRA adapter (peft names) or the whole transformer. ``full``: take them from
-        the transformer's full state dict gathered from FSDP2 shards (``distributed.full_model_state``) instead of
-        the live (sharded) module."""
+        """The trainable weights: the LoRA adapter (peft names; with two experts prefixed by the component name,
+        ``transformer.`` / ``transformer_2.``) or the whole transformer (two experts: ``high.`` / ``low.``).
+        ``full``: take them from the transformer's full state dict gathered from FSDP2 shards
+        (``distributed.full_model_state``) instead of the live (sharded) module."""
         if self.lora_rank > 0:
-            return lora_state_dict(self.transformer, full)
+            if not self._two_experts():
+                return lora_state_dict(self.transformer, full)
+            attr = {"transformer": "high", "transformer_2": "low"}  # WanExperts' submodule of each component
+            return {f"{name}.{k}": v for name in self.trained_components
+                    for k, v in lora_state_dict(self.components[name],
+                                                None if full is None else expert_weights(full, attr[name])).items()}
         sd = self.transformer.state_dict() if full is None else full
         return {k: v.detach().contiguous() for k, v in sd.items()}
 
     def load_state_dict(self, sd):
-        if self.lora_rank > 0:
+        if self.lora_rank > 0 and self._two_experts():
+            for name in self.trained_components:
+                load_lora_state_dict(self.components[name], expert_weights(sd, name))
+        elif self.lora_rank > 0:
             load_lora_state_dict(self.transformer, sd)
         else:
             self.transformer.load_state_dict(sd)
@@ -481,7 +662,10 @@ class DiffusersFlowPolicy:
 
     def save_adapter(self, directory: str | Path, weights: dict[str, torch.Tensor] | None = None) -> Path | None:
         """LoRA: save in diffusers format (``<Pipeline>.save_lora_weights``), loadable with the pipeline's
-        ``load_lora_weights``. Full fine-tune: ``transformer.save_pretrained``. Returns the directory.
+        ``load_lora_weights``. Full fine-tune: ``transformer.save_pretrained``. Returns the directory. Wan 2.2
+        A14B: each trained expert's files, ``transformer``'s in the directory, ``transformer_2``'s in its
+        ``transformer_2/`` folder (``load_lora_weights(..., load_into_transformer_2=True)`` /
+        ``WanTransformer3DModel.from_pretrained``).
         ``weights``: the trainable weights' full tensors (``state_dict(full)``: the adapter under peft's names, or
         the whole transformer), gathered from FSDP2 shards, instead of the live module's; a full fine-tune is then
         written as ``save_pretrained`` writes it (``config.json`` + ``diffusion_pytorch_model.safetensors``)."""
@@ -490,18 +674,29 @@ class DiffusersFlowPolicy:
 
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
-        if self.lora_rank > 0:
-            pipe_cls = type(self.pipeline) if self.pipeline is not None else getattr(diffusers, self.family.pipeline_class)
-            layers = get_peft_model_state_dict(self.transformer) if weights is None else weights
-            pipe_cls.save_lora_weights(
-                str(d), transformer_lora_layers={k: v.detach().contiguous().cpu() for k, v in layers.items()},
-                transformer_lora_adapter_metadata=self.transformer.peft_config["default"].to_dict())
-        elif weights is not None:  # the live module is sharded: its config, and the gathered weights
-            self.transformer.save_config(str(d))
-            save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()},
-                      str(d / "diffusion_pytorch_model.safetensors"), metadata={"format": "pt"})
-        else:
-            self.transformer.save_pretrained(str(d))
+        two = self._two_experts()
+        attr = {"transformer": "high", "transformer_2": "low"}
+        for name in self.trained_components:  # transformer_2's files (Wan 2.2 A14B) in a transformer_2/ folder
+            sub = d if name == "transformer" else d / name
+            sub.mkdir(parents=True, exist_ok=True)
+            module = self.components[name]
+            if self.lora_rank > 0:
+                pipe_cls = (type(self.pipeline) if self.pipeline is not None
+                            else getattr(diffusers, self.family.pipeline_class))
+                if weights is None:
+                    layers = get_peft_model_state_dict(module)
+                else:
+                    layers = expert_weights(weights, name) if two else weights
+                pipe_cls.save_lora_weights(
+                    str(sub), transformer_lora_layers={k: v.detach().contiguous().cpu() for k, v in layers.items()},
+                    transformer_lora_adapter_metadata=module.peft_config["default"].to_dict())
+            elif weights is not None:  # the live module is sharded: its config, and the gathered weights
+                part = expert_weights(weights, attr[name]) if two else weights
+                module.save_config(str(sub))
+                save_file({k: v.detach().contiguous().cpu() for k, v in part.items()},
+                          str(sub / "diffusion_pytorch_model.safetensors"), metadata={"format": "pt"})
+            else:
+                module.save_pretrained(str(sub))
         return d
 
     def save_checkpoint_files(self, directory: str | Path, trainable: dict[str, torch.Tensor]) -> None:
@@ -537,6 +732,27 @@ def latent_shape_for(pipe, family: str, resolution: int, num_frames: int) -> tup
     return (C, h, h)
 
 
+def _index_has(index: Path, component: str) -> bool:
+    """Whether a pipeline's model_index.json names a (non-null) ``component``."""
+    try:
+        entry = json.loads(index.read_text(encoding="utf-8")).get(component)
+    except (OSError, ValueError):
+        return False
+    return isinstance(entry, list) and entry[0] is not None
+
+
+def check_experts(m, *, has_two: bool) -> None:
+    """model.train_experts / model.guidance_scale_low need a two-expert pipeline (Wan 2.2 A14B's transformer_2)."""
+    if has_two:
+        return
+    if m.train_experts != "both":
+        raise ConfigError(f"model.train_experts: value {m.train_experts!r} needs a pipeline with two experts "
+                          "(transformer and transformer_2, e.g. Wan 2.2 A14B); this one has one: remove the key")
+    if m.guidance_scale_low:
+        raise ConfigError("model.guidance_scale_low: applies to the low-noise expert transformer_2 of a two-expert "
+                          "pipeline (Wan 2.2 A14B); this one has one transformer: remove the key")
+
+
 def build_diffusers_policy(cfg: RunConfig, *, progress: bool = True, log=print) -> DiffusersFlowPolicy:
     """``model.name=diffusers``: load the pipeline at ``model.pretrained`` with ``from_pretrained`` and wrap it."""
     from diffusers import DiffusionPipeline
@@ -549,6 +765,7 @@ def build_diffusers_policy(cfg: RunConfig, *, progress: bool = True, log=print) 
         if not (p / "model_index.json").is_file():
             raise ConfigError(f"model.pretrained: {str(p)!r} is not a diffusers pipeline directory "
                               "(no model_index.json)")
+        check_experts(m, has_two=_index_has(p / "model_index.json", "transformer_2"))  # before loading anything
     dtype = DTYPES[m.dtype]
     try:
         pipe = DiffusionPipeline.from_pretrained(m.pretrained, dtype=dtype)
@@ -559,8 +776,9 @@ def build_diffusers_policy(cfg: RunConfig, *, progress: bool = True, log=print) 
         raise ConfigError(f"model.pretrained: {m.pretrained!r} has no transformer component "
                           f"({type(pipe).__name__} is not a flow-matching transformer pipeline)")
     family = detect_family(pipe.transformer) if m.family == "auto" else m.family
-    if getattr(pipe, "transformer_2", None) is not None:
-        log("warning: this pipeline has a second (low-noise) transformer; only `transformer` is trained and used")
+    transformer_2 = getattr(pipe, "transformer_2", None)
+    pipe_cfg = getattr(pipe, "config", {})
+    check_experts(m, has_two=transformer_2 is not None)
     pipe.set_progress_bar_config(disable=True)
     device = resolve_device(m.device, launched_local_rank())  # the Trainer passes it resolved already
     for name in TEXT_ENCODER_NAMES + ("vae",):  # text encoders offloaded: placed by the policy (CPU)
@@ -577,8 +795,12 @@ def build_diffusers_policy(cfg: RunConfig, *, progress: bool = True, log=print) 
         negative_prompt=m.negative_prompt, max_sequence_length=m.max_sequence_length, device=device,
         mixed_precision=m.mixed_precision, lora_rank=m.lora_rank, lora_alpha=m.lora_alpha,
         lora_target_modules=m.lora_target_modules, gradient_checkpointing=m.gradient_checkpointing,
-        keep_reference=cfg.loss.beta > 0, offload_text_encoders=m.offload_text_encoders)
+        keep_reference=needs_reference(cfg), offload_text_encoders=m.offload_text_encoders,
+        transformer_2=transformer_2, boundary_ratio=pipe_cfg.get("boundary_ratio"),
+        guidance_scale_2=m.guidance_scale_low or None, train_experts=m.train_experts,
+        expand_timesteps=bool(pipe_cfg.get("expand_timesteps", False)))
 
 
-__all__ = ["DiffusersFlowPolicy", "PIPELINES", "PipelineSpec", "build_diffusers_policy", "detect_family", "pack_2x2",
+__all__ = ["DiffusersFlowPolicy", "EXPERTS", "PIPELINES", "PipelineSpec", "WanExperts", "build_diffusers_policy",
+           "detect_family", "pack_2x2",
            "unpack_2x2", "cfg_combine", "vae_decode", "pipeline_encoder", "TextEncoderOffload"]

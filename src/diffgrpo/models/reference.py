@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import contextlib
 
+from ..config import RunConfig
+
 
 @contextlib.contextmanager
 def frozen_reference(policy):
@@ -19,4 +21,13 @@ def frozen_reference(policy):
         policy._use_ref = prev
 
 
-__all__ = ["frozen_reference"]
+# engines whose loss reads the reference policy whatever loss.beta (dgpo's preference margin)
+REFERENCE_ENGINES = ("dgpo",)
+
+
+def needs_reference(cfg: RunConfig) -> bool:
+    """Whether a run keeps the frozen reference: the KL term (loss.beta > 0) or an engine that reads it."""
+    return cfg.loss.beta > 0 or cfg.engine.name in REFERENCE_ENGINES
+
+
+__all__ = ["REFERENCE_ENGINES", "frozen_reference", "needs_reference"]

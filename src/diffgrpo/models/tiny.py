@@ -26,6 +26,7 @@ from ..data import NUMBER_WORDS, digits_split
 from ..distributed import launched_local_rank, resolve_device
 from .diffusers_adapter import DiffusersFlowPolicy
 from .pretraining import pretrain_step
+from .reference import needs_reference
 
 VOCAB = ["<pad>", "<bos>", "<unk>", "a", "an", "the", "handwritten", "digit", "number", "of", "image", "picture",
          *[str(i) for i in range(10)], *NUMBER_WORDS]
@@ -185,7 +186,7 @@ def build_tiny_policy(cfg: RunConfig, *, progress=True, log=print, pretrained=Tr
         net.transformer, latent_shape=(1, net.image_size, net.image_size), family="sd3", encoder=text.encode,
         decoder=decode_pixels, guidance_scale=m.guidance_scale, negative_prompt="", device=device,
         lora_rank=m.lora_rank, lora_alpha=m.lora_alpha, lora_target_modules=m.lora_target_modules,
-        keep_reference=cfg.loss.beta > 0, mixed_precision=m.mixed_precision,
+        keep_reference=needs_reference(cfg), mixed_precision=m.mixed_precision,
         gradient_checkpointing=m.gradient_checkpointing)
 
 

@@ -118,13 +118,13 @@ def _jpeg_kb(img: torch.Tensor) -> float:
     return buf.tell() / 1000.0
 
 
-@per_frame  # video (B, C, F, H, W): the mean over its frames
+@per_frame
 def jpeg_compressibility(images: torch.Tensor, prompts: list[str], metadata=None) -> torch.Tensor:
-    """−(JPEG size in kB): higher for simpler images."""
+    """−(JPEG size in kB): higher for simpler images (video: the mean over frames)."""
     return torch.tensor([-_jpeg_kb(im) for im in images])
 
 
-@per_frame  # video (B, C, F, H, W): the mean over its frames
+@per_frame
 def jpeg_incompressibility(images: torch.Tensor, prompts: list[str], metadata=None) -> torch.Tensor:
-    """+(JPEG size in kB): higher for more detailed images."""
+    """+(JPEG size in kB): higher for more detailed images (video: the mean over frames)."""
     return torch.tensor([_jpeg_kb(im) for im in images])
