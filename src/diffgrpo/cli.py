@@ -144,6 +144,12 @@ def cmd_train(args) -> int:
         print(f"interrupted by signal {summary['interrupted']}; resume with: diffgrpo train --resume "
               f"{cfg.log.output_dir}")
         return 128 + int(summary["interrupted"])
+    if summary.get("stopped"):  # train.on_hacking=stop: a guard fell
+        best = summary.get("best")
+        print(f"stopped: {summary['stopped']}" + (f"; best checkpoint ({best['metric']}={best['value']:.4f} at "
+                                                  f"iteration {best['iteration']}) in {cfg.log.output_dir}/best"
+                                                  if best else ""))
+        return 3
     start, end = summary["start"], summary["end"]
     for k in end:
         if k.startswith("eval/rewards/"):

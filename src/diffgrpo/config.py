@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import yaml
 
+from . import guards
 from .data_sources import check_prompts, read_utf8
 from .distributed import launched_world_size
 from .dllm.tasks import FILE_TASKS, TASKS, VOCAB, examples_from_file, get_task
@@ -234,6 +235,19 @@ class TrainConfig:
                                     "(no gather) and any number of processes can resume them; files: one "
                                     "safetensors + optimizer file written by rank 0 (bitwise resume); auto: dcp "
                                     "under dist.mode=fsdp2, else files")
+    # guards (diffgrpo.guards): limits relative to the run's start evaluation; 0 turns a limit off
+    on_hacking: str = _f("off", choices=("off", "warn", "stop"),
+                         doc="an evaluation outside the guards: off (only logged as eval/guard/ok), warn (a warning), "
+                             "stop (the run ends there, exit code 3, the message names the guard)")
+    guard_max_fid_ratio: float = _f(1.5, lo=0.0, doc="eval/fid (built-in task) at most this × its start value")
+    guard_max_drift: float = _f(0.5, lo=0.0, doc="eval/guard/drift (Fréchet distance to the base model's samples "
+                                                  "/ their total variance) at most this")
+    guard_min_diversity_ratio: float = _f(0.8, lo=0.0, hi=1.0, doc="eval/diversity and eval/guard/diversity at "
+                                                                    "least this × their start value")
+    guard_max_reward_drop: float = _f(0.1, lo=0.0, doc="each eval/guard/rewards/<name>/mean at least start − this "
+                                                        "× |start|")
+    keep_best: str = _f("", doc="keep the weights of the evaluation with the highest value of this metric (e.g. "
+                                "eval/reward) among those inside the guards in <run>/best/; empty = off")
 
 
 @dataclass
@@ -337,6 +351,12 @@ class EvalConfig:
                                               "train.prompts_file; the metadata reaches the rewards")
     batch_size: int = _f(0, lo=0, doc="evaluation samples sampled, decoded and scored together; 0 = all at once "
                                       "(with > 0 only the first 64 images are kept for the sample grid)")
+    guard_rewards: list = _f([], doc="held-out guard rewards, evaluated and never trained on (eval/guard/rewards/"
+                                     "<name>/mean): registry names or module:function; text verifiers or d1_format "
+                                     "for masked diffusion LMs")
+    guard_features: str = _f("auto", doc="feature space of eval/guard/fd_base, drift, diversity (flow): auto, "
+                                         "digits, clip (the CLIP of a CLIP-class reward), none or module:function "
+                                         "(images -> (B, D)); masked LMs use hashed character trigrams")
 
 
 @dataclass
@@ -656,9 +676,10 @@ def validate(cfg: RunConfig) -> None:
     _validate_device(cfg.model.device)
     _validate_dist(cfg.dist.mode)
     _validate_logging(cfg.log)
+    held_out = guards.check_config(cfg, family)  # eval.guard_*, train.keep_best
     if family == "flow":
         _validate_flow(cfg)
-        check_rewards(cfg.reward.weights, cfg.reward.options, model_name=cfg.model.name)
+        check_rewards({**cfg.reward.weights, **held_out}, cfg.reward.options, model_name=cfg.model.name)
     else:
         _validate_dllm(cfg)
         _validate_dllm_methods(cfg)
@@ -889,7 +910,8 @@ _SHARED = ("seed", "model.name", "model.device", "model.cache_dir", "pretrain.st
            "train.warmup_iterations", "train.weight_decay",
            "train.adam_beta1", "train.adam_beta2", "train.max_grad_norm", "train.num_inner_epochs", "train.save_every",
            "train.keep_checkpoints", "train.ema_decay", "train.max_bad_updates", "eval.every", "eval.seed", "log",
-           "dist", "train.checkpoint_format")
+           "dist", "train.checkpoint_format", "eval.guard_rewards", "train.on_hacking", "train.guard_max_fid_ratio",
+           "train.guard_max_drift", "train.guard_min_diversity_ratio", "train.guard_max_reward_drop", "train.keep_best")
 FAMILY_KEYS = {
     "flow": _SHARED + ("model.guidance_scale", "model.image_size", "model.patch_size", "model.num_layers",
                        "model.num_heads", "model.head_dim", "model.text_dim", "model.pretrained", "model.family",

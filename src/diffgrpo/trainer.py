@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 from torch.distributed.checkpoint.api import CheckpointException
 from tqdm.auto import tqdm
 
-from . import distributed
+from . import distributed, guards
 from .checkpoint import latest_complete, load_checkpoint, save_checkpoint, save_sharded_checkpoint, states_equal
 from .config import MODEL_FAMILIES, RunConfig, validate
 from .dllm.family import DLLMFamily
@@ -100,6 +100,7 @@ class Trainer:
         self.bad_updates = 0  # consecutive skipped updates (non-finite gradient, or nothing to train)
         self._stop_signal = None
         self._saved_at = -1  # iteration of the last checkpoint written or loaded
+        self.watch = guards.Watch(t, log=lambda *a: self.log(*a))  # train.on_hacking, train.keep_best
 
     # ------------------------------------------------------------------ one iteration
     def rollout(self, prompts: list | None = None, group_ids: torch.Tensor | None = None) -> Rollout:
@@ -465,7 +466,7 @@ class Trainer:
         weights = distributed.to_full(self.policy.state_dict())  # a collective under FSDP2
         ema_weights = self.ema.state_dict() if self.ema is not None else None
         if not lead:
-            return {"start": first, "end": last_eval}
+            return {"start": first, "end": last_eval, **self.watch.summary()}
         atomic_write(out / "weights.safetensors", lambda tmp: save_file(weights, str(tmp)))
         if self.ema is not None:
             atomic_write(out / "weights_ema.safetensors", lambda tmp: save_file(ema_weights, str(tmp)))
@@ -474,7 +475,7 @@ class Trainer:
             rows = read_metrics(out / "metrics.jsonl", log=self.log)
             keys = ("reward",) + tuple(k for k in last_eval if k.startswith("eval/rewards/"))
             plot_curves(rows, out / "reward_curve.png", keys, title="reward (train) and held-out eval")
-        summary = {"start": first, "end": last_eval}
+        summary = {"start": first, "end": last_eval, **self.watch.summary()}  # "stopped", "best" (guards)
         atomic_write(out / "summary.json", json.dumps(summary, indent=2))
         return summary
 
@@ -488,6 +489,10 @@ class Trainer:
             table = SampleTable(out, self.iteration, save_media=cfg.log.save_images) if lead else None
             row, images = self.evaluate(table)
             row["iteration"] = self.iteration
+            self.watch.judge(row, run_dir=out, lead=lead, weights=lambda: distributed.to_full(
+                self.ema.state_dict() if self.ema is not None else self.policy.state_dict()))
+            if tag == "start" and lead:
+                self.family.guards.save_base(out)  # the base model's feature statistics, for resumes
             writer.write(row)
             samples = table.close() if table is not None else []  # samples/eval_<iteration>.jsonl
             writer.log_table(samples, self.iteration)
@@ -505,6 +510,9 @@ class Trainer:
 
         rows = read_metrics(out / "metrics.jsonl", log=self.log) if resumed else []
         evals = [r for r in rows if any(k.startswith("eval/") for k in r)]
+        if resumed:
+            self.family.guards.load_base(out)
+            self.watch.resume(evals[0] if evals else None, out)
         first = evals[0] if evals else do_eval("start")
         last_eval = evals[-1] if evals else first
         start_iteration = self.iteration
@@ -524,6 +532,8 @@ class Trainer:
                 bar.set_postfix(reward=f"{row['reward']:.3f}", it_s=f"{row['time/iteration']:.1f}s")
                 if cfg.eval.every and self.iteration % cfg.eval.every == 0 and self.iteration < cfg.train.num_iterations:
                     last_eval = do_eval(str(self.iteration))
+                    if self.watch.stop:  # train.on_hacking=stop and a guard fell
+                        break
                 if (cfg.train.save_every and self.iteration % cfg.train.save_every == 0) or self._stop_signal:
                     self.save_checkpoint()
                 if self._stop_signal is not None:
@@ -533,7 +543,8 @@ class Trainer:
             bar.close()
             if cfg.train.save_every and self._saved_at != self.iteration:  # "train N more" resumes from here
                 self.save_checkpoint()
-            if self.iteration > start_iteration or not (evals and evals[-1].get("iteration") == self.iteration):
+            ended = bool(evals and evals[-1].get("iteration") == self.iteration)
+            if not self.watch.stop and (self.iteration > start_iteration or not ended):
                 last_eval = do_eval("end")  # (a resumed finished run already holds its end evaluation)
         finally:
             bar.close()
