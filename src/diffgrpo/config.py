@@ -138,6 +138,8 @@ class AdvantageConfig:
     clip: float = _f(5.0, lo=0.0)
     eps: float = _f(1e-4, lo=0.0)
     filter_zero_std: bool = _f(False, doc="drop groups whose rewards are all equal from the loss")
+    per_reward_norm: bool = _f(False, doc="flow, several rewards: normalise each reward within its group on its own, "
+                                          "sum with reward.weights, divide by the sum's batch std (GDPO-style)")
 
 
 @dataclass
@@ -681,6 +683,9 @@ def validate(cfg: RunConfig) -> None:
         _validate_flow(cfg)
         check_rewards({**cfg.reward.weights, **held_out}, cfg.reward.options, model_name=cfg.model.name)
     else:
+        if cfg.advantage.per_reward_norm:
+            raise ConfigError("advantage.per_reward_norm: applies to a flow model's weighted sum of reward.weights; a "
+                              "masked diffusion LM is scored by its task's one verifier reward (remove the key)")
         _validate_dllm(cfg)
         _validate_dllm_methods(cfg)
     _validate_memory(cfg)
