@@ -169,6 +169,10 @@ def test_on_hacking_stop_stops_a_run_whose_guard_falls(tmp_path, capsys):
     assert json.loads((out / "best" / "best.json").read_text()) == summary["best"]
     best, last = load_file(str(out / "best" / "weights.safetensors")), load_file(str(out / "weights.safetensors"))
     assert best.keys() == last.keys() and any(not torch.equal(best[k], last[k]) for k in best)  # the start's weights
+    assert main(["report", str(out)]) == 0  # the report says why the run stopped and plots the guards
+    page = (out / "report.html").read_text()
+    assert "Stopped by a guard" in page and "at iteration 1" in page and "<h2>Guards" in page
+    assert "Best weights inside the guards: eval/reward" in page
 
     code, out, evals = _cli_run(tmp_path, "warn", "train.on_hacking=warn")
     assert code == 0 and [r["iteration"] for r in evals] == [0, 1, 2, 3]

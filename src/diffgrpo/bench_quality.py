@@ -85,11 +85,12 @@ def plateau(xs: list[float], means: list[float], sds: list[float], seeds: int) -
 
 
 def first_reach(curve: list[dict], target: float, metric: str, th: guards.Thresholds) -> dict:
-    """First evaluation of one cell's curve at the target: inside its start-anchored guards, and regardless of them."""
+    """First evaluation after the start of one cell's curve at the target: inside its start-anchored guards, and
+    regardless of them."""
     start = curve[0]["metrics"]
     hit = raw = None
     hacked = False
-    for p in curve:
+    for p in curve[1:]:
         v = p["metrics"].get(metric, float("nan"))
         if not v >= target:
             continue
@@ -240,6 +241,7 @@ def summarize(cells: list[Cell], reference: str, *, metric: str, target_fraction
             "speedup_ci": bootstrap_ci(paired, _speedup) if paired is not None else (float("nan"), float("nan")),
             "hacks": any(r["hacks"] for r in reach[v]), "per_seed": reach[v], "curve": curves[v]})
     return {"metric": metric, "reference": reference, "start": start, "target": target,
+            "reference_gain": plat["level"] - start,
             "target_fraction": target_fraction, "plateau": plat, "thresholds": th.__dict__, "rows": rows}
 
 
@@ -275,7 +277,9 @@ def to_markdown(meta: dict, s: dict) -> str:
         f"; {meta['evals']} evaluations per cell after the start one ({meta['eval_samples']} held-out samples each). "
         f"Total benchmark time {meta['total_seconds']:.0f} s; machine load at start {meta['load']}.", "",
         f"Target: {s['metric']} ≥ {s['target']:.4f} = start {s['start']:.4f} + {s['target_fraction']:g} × the "
-        f"reference's gain at its plateau (level {p['level']:.4f}). Reference plateaued: {plat}.", "",
+        f"reference's gain at its plateau (level {p['level']:.4f}). Reference plateaued: {plat}."
+        + (" **The reference gained nothing within the budget: the target is not a gain; raise the budget.**"
+           if s["reference_gain"] <= 0 else ""), "",
         f"Guards, each relative to the cell's own start: eval/fid ≤ {th['max_fid_ratio']:g}× (built-in task), "
         f"eval/guard/drift ≤ {th['max_drift']:g}, diversity ≥ {th['min_diversity_ratio']:g}×, guard rewards ≥ start − "
         f"{th['max_reward_drop']:g}×|start| (0 = off).", "",

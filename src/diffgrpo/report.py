@@ -5,9 +5,11 @@ from __future__ import annotations
 import base64
 import html
 import io
+import json
 import statistics
 from pathlib import Path
 
+from . import guards
 from .fileio import atomic_write
 from .runlog import read_metrics
 
@@ -44,6 +46,18 @@ def _plot_b64(rows: list[dict], keys: list[str], title: str) -> str | None:
     return base64.b64encode(buf.getvalue()).decode()
 
 
+def _summary(run: Path) -> dict:
+    """The run's summary.json (empty when absent or unreadable)."""
+    path = run / "summary.json"
+    if not path.is_file() or path.is_symlink():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
 def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     """Write ``report.html`` (or ``out``) for a run directory; returns its path."""
     run = Path(run_dir)
@@ -54,10 +68,14 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     evals = [r for r in rows if any(k.startswith("eval/") for k in r)]
     config = (run / "config.yaml").read_text() if (run / "config.yaml").is_file() else "(no config.yaml)"
     eval_keys = sorted({k for r in evals for k in r if k.startswith("eval/")})
+    guard_keys = [k for k in eval_keys if k.startswith(guards.PREFIX) or k in ("eval/fid", "eval/diversity")]
     reward_keys = ["reward"] + sorted({k for r in train for k in r if k.startswith("rewards/")})
     plots = [
         ("Reward (training batches)", _plot_b64(train, reward_keys, "reward")),
-        ("Held-out evaluation", _plot_b64(evals, eval_keys, "held-out (fixed prompts and seeds)")),
+        ("Held-out evaluation", _plot_b64(evals, [k for k in eval_keys if k not in guard_keys],
+                                          "held-out (fixed prompts and seeds)")),
+        ("Guards (held-out guard rewards, distance to the base samples, diversity)",
+         _plot_b64(evals, guard_keys, "guards; eval/guard/ok = 1 inside every start-anchored limit")),
         ("Policy statistics", _plot_b64(train, ["kl", "clip_ratio", "frac_reward_zero_std", "grad_norm"],
                                         "kl / clip ratio / zero-std groups / grad norm")),
     ]
@@ -71,6 +89,13 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
              "img{max-width:100%;image-rendering:pixelated}</style></head><body>",
              f"<h1>Run report: {html.escape(run.name)}</h1>",
              f"<p>{len(train)} training iterations, {len(evals)} evaluations.</p>"]
+    summary = _summary(run)
+    if summary.get("stopped"):
+        parts.append(f"<p><b>Stopped by a guard (train.on_hacking=stop):</b> {html.escape(summary['stopped'])}</p>")
+    if summary.get("best"):
+        b = summary["best"]
+        parts.append(f"<p>Best weights inside the guards: {html.escape(str(b['metric']))} = {b['value']:.4f} at "
+                     f"iteration {b['iteration']} (<code>best/weights.safetensors</code>).</p>")
     if evals:
         first, last = evals[0], evals[-1]
         parts.append("<h2>Held-out evaluation, start → end</h2><table><tr><th>metric</th><th>start</th>"
