@@ -173,6 +173,9 @@ def test_on_hacking_stop_stops_a_run_whose_guard_falls(tmp_path, capsys):
     page = (out / "report.html").read_text()
     assert "Stopped by a guard" in page and "at iteration 1" in page and "<h2>Guards" in page
     assert "Best weights inside the guards: eval/reward" in page
+    # a guard reward or feature plug-in is code: a resume takes it from the command line, never from config.yaml
+    assert main(["train", "--resume", str(out)]) == 2
+    assert "eval.guard_rewards=['tests.test_guards:falling']" in capsys.readouterr().err
 
     code, out, evals = _cli_run(tmp_path, "warn", "train.on_hacking=warn")
     assert code == 0 and [r["iteration"] for r in evals] == [0, 1, 2, 3]
