@@ -42,10 +42,10 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save, save_file
 
 from . import quality
-from .errors import ConfigError
+from .errors import ConfigError, TrainingError
 from .fileio import atomic_write
 from .rewards import REWARDS, TEXT_REWARDS, clip_models, compute_rewards, make_rewards
 
@@ -155,7 +155,7 @@ class Base:
 
     def save(self, path: Path) -> None:
         tensors = {"mean": self.mean.contiguous(), "cov": self.cov.contiguous(), "n": torch.tensor([self.n])}
-        atomic_write(path, lambda tmp: save_file(tensors, str(tmp)))
+        atomic_write(path, save(tensors))  # bytes: a full disk is a one-line TrainingError, no partial file
 
     @classmethod
     def load(cls, path: Path) -> "Base":
@@ -211,8 +211,15 @@ class EvalGuards:
 
     # the run directory's copy
     def save_base(self, run_dir: Path) -> None:
-        if self.base is not None:
+        """Write the base statistics into the run directory; a run that cannot write them goes on (its resumes then
+        report no distance to the base)."""
+        if self.base is None:
+            return
+        try:
             self.base.save(Path(run_dir) / BASE_FILE)
+        except (OSError, TrainingError) as e:
+            self.log(f"warning: cannot write {Path(run_dir) / BASE_FILE} ({str(e).splitlines()[0]}); a resume of this "
+                     f"run will not report {PREFIX}fd_base / drift")
 
     def load_base(self, run_dir: Path) -> None:
         path = Path(run_dir) / BASE_FILE
