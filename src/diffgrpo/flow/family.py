@@ -273,7 +273,8 @@ class FlowFamily:
         apply(ro, grpo_loss_weights(
             ro.rewards, ro.group_ids, ro.selected, adv_cfg=self.cfg.advantage, aggregation=self.cfg.loss.aggregation,
             world=self.world, spread=self.spread, wave=wave, log=self.log,
-            components={k: (w, ro.reward_components[k]) for k, w in self.cfg.reward.weights.items()},
+            components=({k: (w, ro.reward_components[k]) for k, w in self.cfg.reward.weights.items()}
+                        if self.cfg.advantage.per_reward_norm else None),
             sample_weights=lambda trained: self.engine.sample_weights(self.ctx, ro.traj, trained)))
 
     # ------------------------------------------------------------------ evaluation
