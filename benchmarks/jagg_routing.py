@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 
 from diffgrpo import RunConfig, Trainer
+from diffgrpo.engines._graph import recompute_pairs
 from diffgrpo.engines.base import StatsAccumulator
 from diffgrpo.engines.jagg import JaggEngine
-from diffgrpo.engines.recompute import recompute_pairs
 from diffgrpo.types import EngineStats
 
 

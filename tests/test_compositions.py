@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
+from diffgrpo.engines._graph import RetainedSteps
 from diffgrpo.engines.jagg import JaggEngine, anchor_mask
 from diffgrpo.engines.recompute import RecomputeEngine
-from diffgrpo.engines.retain import RetainedSteps
 from diffgrpo.engines.single_step import SingleStepEngine
 from tests.conftest import flat_grad, perturb, rel_err
 

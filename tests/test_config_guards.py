@@ -8,9 +8,10 @@ import torch
 import yaml
 
 from diffgrpo import ConfigError, RunConfig
-from diffgrpo import config as config_mod
+from diffgrpo import validation as config_mod
 from diffgrpo.cli import main
-from diffgrpo.config import MAX_SAMPLES_PER_ITERATION, validate
+from diffgrpo.config import MAX_SAMPLES_PER_ITERATION
+from diffgrpo.validation import validate
 
 MLM = ["model.name=tiny_mlm"]
 

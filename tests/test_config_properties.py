@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from diffgrpo import ConfigError, RunConfig
-from diffgrpo.config import validate
+from diffgrpo.validation import validate
 
 
 def _keys(obj, prefix=""):

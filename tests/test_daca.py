@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from diffgrpo.dllm import credit, likelihood
-from diffgrpo.dllm.tasks import VOCAB
+from diffgrpo.tasks import VOCAB
 from tests.test_dllm import make_dllm_trainer
 
 METHODS = ["diffu_grpo", "coupled_grpo", "random_mask"]

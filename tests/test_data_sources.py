@@ -13,10 +13,10 @@ import torch
 from diffgrpo import RunConfig
 from diffgrpo.data_sources import EpochSampler, load_prompts, split_hf_spec
 from diffgrpo.distributed import WorldInfo
-from diffgrpo.dllm.tasks import TASKS, get_task
 from diffgrpo.errors import ConfigError
 from diffgrpo.flow.family import FlowFamily
 from diffgrpo.rewards import REWARDS
+from diffgrpo.tasks import TASKS, get_task
 from tests.test_dllm import make_dllm_trainer
 
 HAS_DATASETS = importlib.util.find_spec("datasets") is not None

@@ -18,6 +18,7 @@ from torch.utils._pytree import tree_leaves
 
 from diffgrpo import RunConfig, distributed
 from diffgrpo.checkpoint import is_complete, latest_complete, list_checkpoints
+from diffgrpo.job import resume
 from tests.conftest import TINY
 
 COMMON = [*TINY, "seed=0", "engine.name=recompute", "train.group_size=4", "train.prompts_per_batch=2",
@@ -132,13 +133,13 @@ def _worker(rank: int, world: int, port: int, d: str) -> None:
     del tr
     tr = _make(f"{d}/killed", fsdp)
     _scramble(tr)
-    assert tr._resume(tr.run_dir())
+    assert resume(tr, tr.run_dir())
     res["resumed_iteration"] = tr.iteration
     tr.step()
     res["resumed"] = _full_state(tr)
     tr = _make(f"{d}/one", fsdp)  # the one-process checkpoint, resharded onto two ranks
     _scramble(tr)
-    assert tr._resume(tr.run_dir())
+    assert resume(tr, tr.run_dir())
     res["from_one"] = _full_state(tr)
     res["from_one_rng"] = tr.family.rng_state()
     torch.save(res, os.path.join(d, f"rank{rank}.pt"))
@@ -203,7 +204,7 @@ def test_two_rank_checkpoint_resumes_in_one_process(two_ranks):
     d, _, ranks = two_ranks
     tr = _make(f"{d}/killed", "dist.mode=none")
     _scramble(tr)
-    assert tr._resume(tr.run_dir()) and tr.iteration == 1
+    assert resume(tr, tr.run_dir()) and tr.iteration == 1
     _assert_states(_full_state(tr), ranks[0]["saved"], exact=True)
     tr.step()  # and it trains on
     assert tr.iteration == 2
@@ -250,7 +251,7 @@ def test_sharded_format_resumes_bitwise_in_one_process(tmp_path, lora):
     shard.write_bytes(bytes(data))
     assert not is_complete(shard.parent.parent)
     assert latest_complete(tmp_path / "run", log=lambda *a: None) == list_checkpoints(tmp_path / "run")[0]
-    assert again._resume(again.run_dir()) and again.iteration == 1
+    assert resume(again, again.run_dir()) and again.iteration == 1
     again.step()
     _assert_states(_full_state(again), _full_state(ref), exact=True)
 
@@ -279,7 +280,7 @@ def test_masked_lm_sharded_checkpoint_resumes_bitwise(tmp_path):
     with torch.no_grad():
         for p in again.params:
             p.add_(1.0)
-    assert again._resume(again.run_dir()) and again.iteration == 1
+    assert resume(again, again.run_dir()) and again.iteration == 1
     again.step()
     for a, b in zip(again.params, ref.params):
         assert torch.equal(a, b)

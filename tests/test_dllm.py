@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import signal
 
 import pytest
 import torch
@@ -11,9 +12,14 @@ from diffgrpo import ConfigError, RunConfig, Trainer
 from diffgrpo.dllm import likelihood
 from diffgrpo.dllm.grpo import k3_kl
 from diffgrpo.dllm.likelihood import completion_mask
-from diffgrpo.dllm.tasks import VOCAB
-from diffgrpo.models.hf_masked_lm import MaskedLMPolicy, masked_diffusion_loss, shift_logits, tiny_bert
+from diffgrpo.models.hf_masked_lm import (
+    MaskedLMPolicy,
+    masked_diffusion_loss,
+    shift_logits,
+    tiny_bert,
+)
 from diffgrpo.samplers import masked
+from diffgrpo.tasks import VOCAB
 
 
 class EnumerableMLM(torch.nn.Module):
@@ -231,7 +237,7 @@ TINY_DLLM = ["model.name=tiny_mlm", "train.prompts_per_batch=2", "train.group_si
 def make_dllm_trainer(*overrides, seed=0):
     cfg = RunConfig.from_overrides([*TINY_DLLM, f"seed={seed}", *overrides])
     torch.manual_seed(seed)
-    from diffgrpo.dllm.tasks import get_task
+    from diffgrpo.tasks import get_task
 
     task = get_task(cfg.dllm.task)
     net = tiny_bert(len(VOCAB), max_positions=task.prompt_length + task.gen_length, hidden_size=32,
@@ -325,7 +331,7 @@ def test_interrupted_run_resumes_bit_for_bit(tmp_path):
     def step_then_stop():
         row = step()
         if tr.iteration == 2:
-            tr._stop_signal = 15  # what SIGTERM's handler records: finish this iteration, checkpoint, stop
+            signal.raise_signal(signal.SIGTERM)  # the job's handler: finish this iteration, checkpoint, stop
         return row
     tr.step = step_then_stop
     tr.train()

@@ -22,8 +22,16 @@ import torch
 
 from diffgrpo import ConfigError, RunConfig, Trainer
 from diffgrpo.rewards import REWARDS, compute_rewards
-from diffgrpo.rewards.verifiers import (MAX_CHARS, d1_format_components, extract_boxed, last_number, numeric_correct,
-                                        parse_number, predicted_number, reference_number)
+from diffgrpo.rewards.verifiers import (
+    MAX_CHARS,
+    d1_format_components,
+    extract_boxed,
+    last_number,
+    numeric_correct,
+    parse_number,
+    predicted_number,
+    reference_number,
+)
 from diffgrpo.samplers import masked
 from tests.dllm_remote_models import build_remote_model
 
@@ -72,7 +80,7 @@ def test_unicode_digits_are_not_numbers():
 
 
 def test_registry_verifiers_read_the_reference_from_metadata():
-    from diffgrpo.dllm.tasks import get_task
+    from diffgrpo.tasks import get_task
 
     comps = [r"so \boxed{18}", "<answer>\n17\n</answer>", "nothing"]
     total, parts = compute_rewards({"verify_gsm8k": 1.0}, comps, ["q"] * 3, [{"answer": "... #### 18"}] * 3)
@@ -147,7 +155,11 @@ def test_remote_code_models_load_through_the_one_path(models, kind):
 
 
 def test_lora_reference_is_the_adapter_disabled_and_checkpointing_keeps_gradients(models):
-    from diffgrpo.models.hf_masked_lm import LORA_TARGETS, load_hf_masked_lm, transformer_blocks
+    from diffgrpo.models.hf_masked_lm import (
+        LORA_TARGETS,
+        load_hf_masked_lm,
+        transformer_blocks,
+    )
 
     path = models["llada"]
     kw = dict(trust_remote_code=True, mask_token_id=LLADA_MASK, lora_rank=4)
@@ -218,7 +230,7 @@ def test_config_refuses_bad_combinations_before_loading(tmp_path, models):
 
 def test_hf_datasets_spec_feeds_the_same_examples(tmp_path):
     pytest.importorskip("datasets")
-    from diffgrpo.dllm.tasks import examples_from_file, get_task
+    from diffgrpo.tasks import examples_from_file, get_task
 
     data = _gsm8k_file(tmp_path / "g.jsonl")
     task = get_task("gsm8k")

@@ -4,8 +4,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diffgrpo.dllm.tasks import (TASKS, VOCAB, Example, all_sudoku_grids, count_solutions, get_task,
-                                 schema_from_spec)
+from diffgrpo.tasks import (
+    TASKS,
+    VOCAB,
+    Example,
+    all_sudoku_grids,
+    count_solutions,
+    get_task,
+    schema_from_spec,
+)
 
 
 def test_vocab_roundtrip_and_specials():
@@ -109,7 +116,7 @@ def test_json_schema_rewards():
 def test_slips_are_wrong_answers_in_the_right_format(name):
     """pretrain.answer_noise's slips: every one is scored wrong, yet well formed (a number or an expression of the
     right numbers in tags, a valid grid, valid JSON with one type error), and fits the completion length."""
-    from diffgrpo.dllm.tasks import _valid_grid
+    from diffgrpo.tasks.generated import _valid_grid
 
     task = get_task(name)
     for ex in task.instances("train") + task.instances("test"):

@@ -3,9 +3,9 @@ inner-epoch fallback, counters and per-sample gradients (two ranks against one p
 import pytest
 import torch
 
+from diffgrpo.engines._graph import retained_velocity
 from diffgrpo.engines._per_sample import PerSampleGrads, per_sample_grads_loop
 from diffgrpo.engines.recompute import RecomputeEngine
-from diffgrpo.engines.retain import retained_velocity
 from diffgrpo.losses import aggregation_weights
 from tests.conftest import flat_grad, perturb, rel_err
 

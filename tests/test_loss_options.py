@@ -6,10 +6,17 @@ import pytest
 import torch
 
 from diffgrpo import RunConfig
-from diffgrpo.config import ConfigError, validate
+from diffgrpo.config import ConfigError
 from diffgrpo.engines.base import EngineContext, step_loss
-from diffgrpo.losses import gaussian_step_kl, kl_mask_loss, normalized_log_ratio, policy_loss, ppo_clip_loss
+from diffgrpo.losses import (
+    gaussian_step_kl,
+    kl_mask_loss,
+    normalized_log_ratio,
+    policy_loss,
+    ppo_clip_loss,
+)
 from diffgrpo.samplers import flow_sde
+from diffgrpo.validation import validate
 from tests.conftest import flat_grad, perturb, rel_err
 
 

@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
-from diffgrpo.errors import ConfigError
 from diffgrpo import RunConfig
+from diffgrpo.errors import ConfigError
 from diffgrpo.trainer import lr_factor
 
 from .conftest import flat_grad, rel_err
@@ -52,19 +52,19 @@ def test_constant_schedule_is_todays_adamw(make_trainer):
 
 
 def test_scheduler_state_in_checkpoint_and_resume_with_new_lr(make_trainer, tmp_path):
-    from diffgrpo.checkpoint import load_checkpoint, save_checkpoint
+    from diffgrpo.checkpoint import load_checkpoint, save_checkpoint, set_base_lr
     tr = make_trainer("train.lr_schedule=linear", "train.num_iterations=4", "train.lr=0.01")
     tr.step()
     tr.step()
     st = tr.state()
-    ck = save_checkpoint(tmp_path, 2, trainable=st["trainable"], optimizer=st["optimizer"], rng=st["rng"],
-                         config={}, extra=st["extra"])
+    ck = save_checkpoint(tmp_path, 2, trainable=st.trainable, optimizer=st.optimizer, rng=st.rng,
+                         config={}, extra=st.extra)
     loaded = load_checkpoint(ck)  # weights_only=True
     tr2 = make_trainer("train.lr_schedule=linear", "train.num_iterations=4", "train.lr=0.01")
-    loaded["iteration"] = 2
+    loaded.iteration = 2
     tr2.load_state(loaded)
     assert tr2.scheduler.last_epoch == 2 and tr2.optimizer.param_groups[0]["lr"] == tr.optimizer.param_groups[0]["lr"]
-    tr2._set_base_lr(0.02)  # what a resume with train.lr=0.02 does
+    set_base_lr(tr2.optimizer, tr2.scheduler, 0.02)  # what a resume with train.lr=0.02 does
     assert tr2.optimizer.param_groups[0]["lr"] == 0.02 * lr_factor(2, "linear", 0, 4)
     tr2.scheduler.step()
     assert tr2.optimizer.param_groups[0]["lr"] == 0.02 * lr_factor(3, "linear", 0, 4)

@@ -52,5 +52,5 @@ def test_per_reward_norm_in_a_flow_rollout(make_trainer):
     torch.testing.assert_close(ro.advantages.cpu(), want)
     plain, _ = group_advantages(ro.rewards, ro.group_ids.cpu())
     assert not torch.allclose(ro.advantages.cpu(), plain)  # the option changes the advantages
-    with pytest.raises(ConfigError, match="advantage.per_reward_norm: applies to a flow model"):
+    with pytest.raises(ConfigError, match="advantage.per_reward_norm: does not apply to model.name=tiny_mlm"):
         RunConfig.from_overrides(["model.name=tiny_mlm", "advantage.per_reward_norm=true"])

@@ -1,4 +1,5 @@
 """The recompute baseline and the trainer around it, on the real tiny SD3 transformer."""
+import dataclasses
 import json
 
 import pytest
@@ -206,11 +207,11 @@ def test_checkpoint_rng_layout_of_earlier_versions_still_loads(make_trainer):
     tr = make_trainer()
     tr.rollout()  # move every stream away from its seed
     st = tr.state()
-    old = {"torch": st["rng"]["torch"], **st["rng"]["family"]}  # the earlier flat layout
+    old = {"torch": st.rng["torch"], **st.rng["family"]}  # the earlier flat layout
     assert set(old) == {"torch", "prompts", "noise", "steps", "group_noise"}
     expected = tr.rollout()
     fresh = make_trainer()
-    fresh.load_state({**st, "rng": old, "iteration": 1})
+    fresh.load_state(dataclasses.replace(st, rng=old, iteration=1))
     got = fresh.rollout()
     assert got.prompts == expected.prompts
     assert torch.equal(got.traj.xs, expected.traj.xs) and torch.equal(got.selected, expected.selected)

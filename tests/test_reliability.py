@@ -13,7 +13,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from diffgrpo.checkpoint import latest_complete, list_checkpoints, load_checkpoint, save_checkpoint
+from diffgrpo.checkpoint import (
+    latest_complete,
+    list_checkpoints,
+    load_checkpoint,
+    save_checkpoint,
+)
 from diffgrpo.cli import main
 from diffgrpo.rewards import REWARDS, RewardError
 from diffgrpo.trainer import TrainingError
@@ -86,7 +91,7 @@ def test_truncated_checkpoint_is_detected_and_previous_used(tmp_path):
     logs = []
     ck = latest_complete(tmp_path, log=logs.append)
     assert ck.name == "iter_000002" and "incomplete" in logs[0]
-    assert torch.equal(load_checkpoint(ck)["trainable"]["w"], w["w"] * 2)
+    assert torch.equal(load_checkpoint(ck).trainable["w"], w["w"] * 2)
     (tmp_path / "checkpoints" / "iter_000002" / "state.json").write_text("{")  # half-written manifest
     assert latest_complete(tmp_path, log=logs.append).name == "iter_000001"
     # pruning keeps the newest N
@@ -127,10 +132,11 @@ def test_sigterm_finishes_iteration_checkpoints_and_resumes(make_trainer, tmp_pa
     ref.train()
     calls["n"] = 0
     tr = make_trainer(*common, f"log.output_dir={tmp_path / 'run'}")
+    handler = signal.getsignal(signal.SIGTERM)
     summary = tr.train()
     assert summary["interrupted"] == signal.SIGTERM and tr.iteration == 2
     assert json.loads((tmp_path / "run" / "checkpoints" / "latest.json").read_text())["iteration"] == 2
-    assert signal.getsignal(signal.SIGTERM) is not tr._on_signal  # handlers restored
+    assert signal.getsignal(signal.SIGTERM) is handler  # the job's handler is gone: the previous one restored
     calls["n"] = -10**9
     tr2 = make_trainer(*common, f"log.output_dir={tmp_path / 'run'}")
     tr2.train(resume=True)

@@ -1,6 +1,8 @@
 """Rollout savings: shared deterministic prefix (exact, counted), the MixGRPO sliding SDE window, the cheap tail."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -225,6 +227,6 @@ def test_sliding_window_clock_survives_a_checkpoint(make_trainer):
     st = tr.state()
     expected = tr.rollout().selected
     fresh = make_trainer(*over)
-    fresh.load_state({**st, "iteration": 2})
+    fresh.load_state(dataclasses.replace(st, iteration=2))
     assert torch.equal(fresh.rollout().selected, expected)
     assert bool(expected[:, 2:4].all()) and not bool(expected[:, :2].any())

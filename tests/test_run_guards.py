@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.test_reliability import TINY_CLI, _cli
 
 from diffgrpo import distributed
 from diffgrpo.checkpoint import latest_complete, list_checkpoints, load_checkpoint
@@ -18,6 +17,7 @@ from diffgrpo.cli import main
 from diffgrpo.errors import TrainingError
 from diffgrpo.fileio import append_line, atomic_write, read_jsonl
 from diffgrpo.rewards import REWARDS
+from tests.test_reliability import TINY_CLI, _cli
 
 FAST = [*TINY_CLI, "train.ema_decay=0.0"]
 
@@ -137,14 +137,14 @@ def test_resume_applies_schedule_overrides_and_refuses_model_changes(tmp_path, c
     # "train 2 more" at another learning rate: continues from the final checkpoint, applies the new rate
     assert main(["train", "--resume", str(run), "train.num_iterations=4", "train.lr=0.05"]) == 0
     ck = load_checkpoint(list_checkpoints(run)[-1])
-    assert ck["iteration"] == 4 and ck["optimizer"]["param_groups"][0]["lr"] == 0.05
+    assert ck.iteration == 4 and ck.optimizer["param_groups"][0]["lr"] == 0.05
     assert [r["iteration"] for r in read_jsonl(run / "metrics.jsonl") if "reward" in r] == [1, 2, 3, 4]
     assert "lr: 0.05" in (run / "config.yaml").read_text()
 
 
 def test_resuming_a_finished_run_adds_no_rows(tmp_path):
     run = _run(tmp_path, "r", "train.num_iterations=3", "train.save_every=2")  # final checkpoint at 3
-    assert load_checkpoint(list_checkpoints(run)[-1])["iteration"] == 3
+    assert load_checkpoint(list_checkpoints(run)[-1]).iteration == 3
     rows = read_jsonl(run / "metrics.jsonl")
     assert main(["train", "--resume", str(run)]) == 0
     assert read_jsonl(run / "metrics.jsonl") == rows
@@ -292,7 +292,7 @@ def test_a_full_disk_ends_the_run_in_one_line_and_it_resumes(tmp_path, capsys):
     p = _cli(["train", "--resume", str(ck), "train.num_iterations=3", "log.save_images=false"], preexec_fn=cap)
     text = p.communicate(timeout=300)[0]
     assert p.returncode == 1 and "error: cannot write checkpoint 2 into" in text, text
-    assert latest_complete(ck) == list_checkpoints(ck)[0] and load_checkpoint(latest_complete(ck))["iteration"] == 1
+    assert latest_complete(ck) == list_checkpoints(ck)[0] and load_checkpoint(latest_complete(ck)).iteration == 1
 
 
 def test_a_checkpoint_with_non_finite_weights_is_refused_on_resume(tmp_path, capsys):
@@ -300,25 +300,25 @@ def test_a_checkpoint_with_non_finite_weights_is_refused_on_resume(tmp_path, cap
 
     run = _run(tmp_path, "r", "train.num_iterations=1", "train.save_every=1")
     ck = load_checkpoint(latest_complete(run))
-    bad = {k: torch.full_like(v, float("nan")) for k, v in ck["trainable"].items()}
-    save_checkpoint(run, 2, trainable=bad, optimizer=ck["optimizer"], rng=ck["rng"], config=ck["config"])
+    bad = {k: torch.full_like(v, float("nan")) for k, v in ck.trainable.items()}
+    save_checkpoint(run, 2, trainable=bad, optimizer=ck.optimizer, rng=ck.rng, config=ck.config)
     assert main(["train", "--resume", str(run), "train.num_iterations=3"]) == 1
     assert "checkpoint_iter" not in (err := capsys.readouterr().err) and "holds non-finite weights" in err
 
 
 def test_saved_remote_code_and_code_engines_are_not_trusted(tmp_path, capsys):
-    from diffgrpo.cli import _distrust
+    from diffgrpo.saved_config import distrust
 
     data = {"model": {"name": "hf_masked_lm"}, "dllm": {"model_path": "x", "trust_remote_code": True},
             "engine": {"name": "evil:Engine"}}
     with pytest.raises(Exception, match="runs code named in"):
-        _distrust(json.loads(json.dumps(data)), [], path=tmp_path / "config.yaml", command="--resume", strict=True)
-    kept = _distrust(json.loads(json.dumps(data)), ["dllm.trust_remote_code=true"], path=tmp_path / "c.yaml",
+        distrust(json.loads(json.dumps(data)), [], path=tmp_path / "config.yaml", command="--resume", strict=True)
+    kept = distrust(json.loads(json.dumps(data)), ["dllm.trust_remote_code=true"], path=tmp_path / "c.yaml",
                      command="--weights", strict=False)
     out = capsys.readouterr().out
     assert kept["dllm"]["trust_remote_code"] is True  # repeated on the command line: the user's choice
     assert kept["engine"]["name"] == "recompute" and "ignoring engine.name='evil:Engine'" in out
-    dropped = _distrust(json.loads(json.dumps(data)), [], path=tmp_path / "c.yaml", command="--weights", strict=False)
+    dropped = distrust(json.loads(json.dumps(data)), [], path=tmp_path / "c.yaml", command="--weights", strict=False)
     assert dropped["dllm"]["trust_remote_code"] is False
 
 

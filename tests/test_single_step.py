@@ -6,16 +6,21 @@ import math
 
 import pytest
 import torch
-from tests.conftest import flat_grad, rel_err
 
-from diffgrpo.config import ConfigError, EngineConfig
+from diffgrpo.config import ConfigError, EngineConfig, RunConfig
 from diffgrpo.engines.base import EngineContext, step_loss
 from diffgrpo.engines.recompute import RecomputeEngine
-from diffgrpo.engines.single_step import (SingleStepEngine, SingleStepState, candidate_steps, rectification_factor,
-                                          rectification_weights)
+from diffgrpo.engines.single_step import (
+    SingleStepEngine,
+    SingleStepState,
+    candidate_steps,
+    rectification_factor,
+    rectification_weights,
+)
 from diffgrpo.losses import aggregation_weights
 from diffgrpo.samplers import flow_sde
 from diffgrpo.types import FlowTrajectory, Rollout
+from tests.conftest import flat_grad, rel_err
 
 
 # ---------------------------------------------------------------------- rectification
@@ -234,10 +239,10 @@ def test_bad_candidate_steps_syntax(make_trainer, bad):
 
 
 @pytest.mark.parametrize("bad", ["5", "0,7"])
-def test_bad_candidate_steps_range(make_trainer, bad):
-    tr = make_trainer("engine.name=single_step", f"engine.candidate_steps='{bad}'")  # T = 6: steps 0..4
+def test_bad_candidate_steps_range(bad):
+    """The range on the run's grid is checked with the config, before any model loads (T = 6: steps 0..4)."""
     with pytest.raises(ConfigError, match=r"engine\.candidate_steps.*out of range.*0\.\.4"):
-        tr.family.plan()
+        RunConfig.from_overrides(["engine.name=single_step", f"engine.candidate_steps='{bad}'", "sampler.num_steps=6"])
 
 
 def test_candidate_presets():

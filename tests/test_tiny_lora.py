@@ -7,6 +7,7 @@ from diffgrpo.engines._per_sample import PerSampleGrads
 from diffgrpo.engines.jagg import JaggEngine
 from diffgrpo.engines.recompute import RecomputeEngine
 from diffgrpo.engines.single_step import SingleStepEngine
+from diffgrpo.job import resume
 from tests.conftest import flat_grad, rel_err
 
 TOL = 1e-5
@@ -145,12 +146,12 @@ def test_checkpoint_round_trip_restores_the_adapter(make_trainer, tmp_path):
     ckpt = tr.save_checkpoint()
     from diffgrpo.checkpoint import load_checkpoint
 
-    saved = load_checkpoint(ckpt)["trainable"]
+    saved = load_checkpoint(ckpt).trainable
     assert set(saved) == set(tr.policy.state_dict()) and all("lora_" in k for k in saved)
     assert sum(v.numel() for v in saved.values()) == sum(p.numel() for p in tr.params)
     tr2 = make_trainer(*common)  # fresh adapter (B = 0) on the same base
     assert not torch.equal(_flat(tr2.params), _flat(tr.params))
-    assert tr2._resume(tmp_path) and tr2.iteration == 1
+    assert resume(tr2, tmp_path) and tr2.iteration == 1
     assert torch.equal(_flat(tr2.params), _flat(tr.params))
     torch.testing.assert_close(_probe(tr2.policy)(), _probe(tr.policy)(), rtol=0, atol=0)
     # the resumed run continues exactly: optimizer, EMA and RNG streams came back too

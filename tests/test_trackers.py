@@ -8,7 +8,7 @@ import struct
 import pytest
 import torch
 
-from diffgrpo import trainer as trainer_mod
+from diffgrpo import job as job_mod
 from diffgrpo.runlog import MetricsWriter
 
 RUN = ("train.num_iterations=2", "eval.every=1", "eval.seeds_per_prompt=1")
@@ -41,7 +41,7 @@ def _recording(monkeypatch):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, trackers=[rec], **kwargs)
 
-    monkeypatch.setattr(trainer_mod, "MetricsWriter", Writer)
+    monkeypatch.setattr(job_mod, "MetricsWriter", Writer)
     return rec
 
 
@@ -88,7 +88,7 @@ def test_the_trackers_finish_once_on_an_error_and_on_a_signal(make_trainer, tmp_
 
     def stopped():
         row = step()
-        tr._stop_signal = signal.SIGTERM
+        signal.raise_signal(signal.SIGTERM)  # the job's handler: finish this iteration, checkpoint, stop
         return row
 
     monkeypatch.setattr(tr, "step", stopped)

@@ -14,8 +14,8 @@ import torch
 
 from diffgrpo.cli import main
 from diffgrpo.config import PretrainConfig
-from diffgrpo.dllm.tasks import TASKS, Example, get_task, safe_eval
 from diffgrpo.rewards import REWARDS, RewardError, compute_rewards
+from diffgrpo.tasks import TASKS, Example, get_task, safe_eval
 
 EXPECTED = "; expected (B,) numbers, one per sample"
 B = 6
@@ -230,7 +230,7 @@ def test_json_nested_too_deep_scores_as_not_json(depth):
 
 def test_json_depth_limit_is_exact_and_ignores_brackets_in_strings():
     spec = "a:str"
-    from diffgrpo.dllm.tasks import schema_from_spec
+    from diffgrpo.tasks import schema_from_spec
 
     ex = Example(spec, "", {"schema": schema_from_spec(spec)})
     assert _check("json_schema", "[" * 64 + "]" * 64, ex)["errors"] == 1.0  # valid JSON, wrong type

@@ -11,7 +11,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from diffgrpo.dllm.tasks import TASKS, _canonical_int, _json_depth, get_task, safe_eval
+from diffgrpo.tasks import TASKS, get_task, safe_eval
+from diffgrpo.tasks.generated import _canonical_int, _json_depth
 
 FAST = settings(max_examples=150, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 

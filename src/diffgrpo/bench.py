@@ -24,9 +24,9 @@ import torch
 
 from .config import MODEL_FAMILIES, RunConfig
 from .engines.base import MemoryMeter
+from .engines.recompute import RecomputeEngine
 from .errors import ConfigError
 from .fileio import atomic_write
-from .engines.recompute import RecomputeEngine
 from .trainer import Trainer
 
 
@@ -68,7 +68,7 @@ def _cost(c: dict) -> float:
 
 
 def _run_variant(trainer: Trainer, base_state: dict, rng_state: dict) -> dict:
-    """One iteration (the engine's collect + first-update backward) of ``trainer`` from fixed sampling streams."""
+    """One iteration (the family's collect + first-update backward) of ``trainer`` from fixed sampling streams."""
     trainer.policy.load_state_dict(base_state)
     trainer.family.set_rng_state(rng_state)
     c0 = dict(trainer.policy.counters)

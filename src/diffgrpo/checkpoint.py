@@ -33,16 +33,40 @@ import re
 import shutil
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.api import CheckpointException
 
 from . import distributed
+from .config import RunConfig
 from .errors import TrainingError
 from .fileio import atomic_write
 
 _DIR_RE = re.compile(r"^iter_(\d{6,})$")
+
+
+@dataclass
+class RunState:
+    """Everything a run continues from bit for bit: one checkpoint's content, and what ``Trainer.state`` captures.
+
+    ``rng``: torch's global stream and the family's streams (``{"torch", "family"}``; the family's include its
+    prompt sampler's position), with every rank's under ``"per_rank"`` when several ranks saved. ``optimizer``: the
+    optimizer's state with the learning-rate schedule's under ``"lr_scheduler"``. ``extra``: ``bad_updates`` and,
+    under fp16, the loss scaler (``grad_scaler``). A sharded (DCP) checkpoint holds no tensors here: ``sharded``
+    names its ``dcp/`` directory and ``trainer_state`` the optimizer's param groups and the schedule."""
+
+    iteration: int
+    rng: dict
+    trainable: dict[str, torch.Tensor] | None = None
+    optimizer: dict | None = None
+    ema: dict[str, torch.Tensor] | None = None
+    extra: dict = field(default_factory=dict)
+    config: dict = field(default_factory=dict)
+    sharded: Path | None = None
+    trainer_state: dict | None = None
 
 
 def sha256(path: Path) -> str:
@@ -201,23 +225,157 @@ def latest_complete(run_dir: Path, log=print) -> Path | None:
     return None
 
 
-def load_checkpoint(ckpt: Path) -> dict:
-    """→ {"iteration", "config", "trainable", "ema" (or None), "optimizer", "rng", "extra"}; safe loading only.
-    A sharded checkpoint gives ``"sharded"``: its ``dcp/`` directory, and ``"trainer_state"`` (``trainer.json``)
-    instead of the tensors (``trainable``, ``optimizer``, ``ema`` None): they are loaded into the live model and
-    optimizer by ``distributed.load_sharded``, laid out for however many processes load them."""
+def load_checkpoint(ckpt: Path) -> RunState:
+    """The :class:`RunState` of checkpoint ``ckpt``; safe loading only. A sharded checkpoint gives ``sharded``: its
+    ``dcp/`` directory, and ``trainer_state`` (``trainer.json``) instead of the tensors (``trainable``,
+    ``optimizer``, ``ema`` None): they are loaded into the live model and optimizer by ``distributed.load_sharded``,
+    laid out for however many processes load them."""
     state = json.loads((ckpt / "state.json").read_text())
+    common = {"iteration": int(state["iteration"]), "config": state["config"], "extra": state.get("extra", {}),
+              "rng": torch.load(ckpt / "rng.pt", weights_only=True)}
     if state.get("format") == "dcp":
-        return {"iteration": int(state["iteration"]), "config": state["config"], "extra": state.get("extra", {}),
-                "trainable": None, "ema": None, "optimizer": None, "sharded": ckpt / "dcp",
-                "trainer_state": json.loads((ckpt / "trainer.json").read_text()),
-                "rng": torch.load(ckpt / "rng.pt", weights_only=True)}
-    return {
-        "iteration": int(state["iteration"]),
-        "config": state["config"],
-        "extra": state.get("extra", {}),
-        "trainable": load_file(str(ckpt / "trainable.safetensors")),
-        "ema": load_file(str(ckpt / "ema.safetensors")) if (ckpt / "ema.safetensors").is_file() else None,
-        "optimizer": torch.load(ckpt / "optimizer.pt", weights_only=True),
-        "rng": torch.load(ckpt / "rng.pt", weights_only=True),
-    }
+        return RunState(**common, sharded=ckpt / "dcp",
+                        trainer_state=json.loads((ckpt / "trainer.json").read_text()))
+    return RunState(**common, trainable=load_file(str(ckpt / "trainable.safetensors")),
+                    ema=load_file(str(ckpt / "ema.safetensors")) if (ckpt / "ema.safetensors").is_file() else None,
+                    optimizer=torch.load(ckpt / "optimizer.pt", weights_only=True))
+
+
+# ---------------------------------------------------------------------- a trainer's run state
+def sharded_format(cfg: RunConfig, dist_mode: str) -> bool:
+    """Whether checkpoints are DCP-sharded (``train.checkpoint_format``; auto: under dist.mode=fsdp2)."""
+    fmt = cfg.train.checkpoint_format
+    return fmt == "dcp" or (fmt == "auto" and dist_mode == "fsdp2")
+
+
+def rng_state(trainer) -> dict:
+    """torch's and the family's RNG states; with several ranks also every rank's (a collective)."""
+    rng = {"torch": torch.get_rng_state(), "family": trainer.family.rng_state()}
+    if trainer.world.world_size > 1:  # a collective: every rank's streams, restored per rank on resume
+        rng["per_rank"] = distributed.all_gather_object(rng)
+    return rng
+
+
+def capture(trainer) -> RunState:
+    """The trainer's full state as full tensors (FSDP2 shards are gathered: a collective)."""
+    extra = {"bad_updates": trainer.bad_updates,  # fp16: the loss scale and its growth tracker (json)
+             **({"grad_scaler": trainer.grad_scaler.state_dict()} if trainer.grad_scaler is not None else {})}
+    rng = rng_state(trainer)
+    full = distributed.to_full({
+        "trainable": dict(trainer.policy.state_dict()),
+        "optimizer": {**trainer.optimizer.state_dict(), "lr_scheduler": trainer.scheduler.state_dict()},
+        "ema": trainer.ema.state_dict() if trainer.ema is not None else None, "rng": rng})
+    return RunState(iteration=trainer.iteration, extra=extra, config=trainer.cfg.to_dict(), **full)
+
+
+def save(trainer, run_dir: Path) -> Path:
+    """Write the trainer's checkpoint into ``run_dir`` (rank 0 writes files; every rank writes its DCP shards)."""
+    if sharded_format(trainer.cfg, trainer.dist_mode):
+        return _save_sharded(trainer, run_dir)
+    st = capture(trainer)  # on every rank (collectives); rank 0 writes
+    if trainer.world.rank > 0:
+        return run_dir
+    return save_checkpoint(run_dir, st.iteration, trainable=st.trainable, optimizer=st.optimizer, rng=st.rng,
+                           config=st.config, ema=st.ema, extra=st.extra, keep_last=trainer.cfg.train.keep_checkpoints,
+                           write_files=lambda d: trainer.policy.save_checkpoint_files(d, st.trainable))
+
+
+def _save_sharded(trainer, run_dir: Path) -> Path:
+    """Every rank writes its own shards of the weights, the optimizer state and the EMA (``dcp.save``): no rank
+    gathers them. Only a LoRA adapter (small) is gathered, for the checkpoint's diffusers-format ``lora/``."""
+    tensors, groups = distributed.sharded_state(trainer.family.network(), trainer.optimizer)
+    if trainer.ema is not None:
+        tensors["ema"] = dict(trainer.ema.shadow)
+    rng = rng_state(trainer)
+    adapter = distributed.to_full(trainer.policy.state_dict()) if trainer.cfg.model.lora_rank > 0 else None
+    return save_sharded_checkpoint(
+        run_dir, trainer.iteration, write_shards=lambda d: distributed.save_sharded(tensors, d),
+        trainer_state={"param_groups": groups, "lr_scheduler": trainer.scheduler.state_dict(),
+                       "ema": trainer.ema is not None},
+        rng=rng, config=trainer.cfg.to_dict(), extra={"bad_updates": trainer.bad_updates},
+        keep_last=trainer.cfg.train.keep_checkpoints,
+        write_files=None if adapter is None else (lambda d: trainer.policy.save_checkpoint_files(d, adapter)))
+
+
+def restore(trainer, st: RunState) -> None:
+    """Load ``st`` into the trainer: weights, optimizer, schedule, EMA, every RNG stream, counters, scaler."""
+    if st.sharded is not None:  # DCP: into this process's layout, whatever the saving world size was
+        sched = _load_sharded(trainer, st)
+    else:
+        if trainer.dist_mode == "fsdp2" and trainer.world.world_size > 1:
+            raise TrainingError("this checkpoint holds full tensors (train.checkpoint_format=files), which "
+                                "dist.mode=fsdp2 cannot load; resume it with dist.mode=ddp or in one process")
+        trainer.policy.load_state_dict(st.trainable)
+        opt = dict(st.optimizer)
+        sched = opt.pop("lr_scheduler", None)
+        trainer.optimizer.load_state_dict(opt)
+    if sched is not None:
+        trainer.scheduler.load_state_dict(sched)
+    else:  # checkpoints before schedules: every update so far ran at a constant lr
+        trainer.scheduler.last_epoch = int(st.iteration) * trainer.cfg.train.num_inner_epochs
+    if trainer.ema is not None and st.sharded is None:
+        if st.ema is None:
+            raise TrainingError("checkpoint has no EMA state but train.ema_decay > 0")
+        trainer.ema.load_state_dict(st.ema)
+    rng, world = st.rng, trainer.world
+    if len(rng.get("per_rank", [])) == world.world_size:
+        rng = rng["per_rank"][world.rank]
+    elif world.world_size > 1 and "family" in rng:  # resharded onto another number of ranks
+        rng = _resharded_rng(trainer, rng)
+    # earlier versions kept the flow streams at the top level, and the dLLM's own under "family"
+    trainer.family.set_rng_state({**{k: v for k, v in rng.items() if k not in ("torch", "family", "per_rank")},
+                                  **rng.get("family", {})})
+    torch.set_rng_state(rng["torch"])
+    trainer.iteration = int(st.iteration)
+    trainer.bad_updates = int(st.extra.get("bad_updates", 0))
+    if trainer.grad_scaler is not None and "grad_scaler" in st.extra:
+        trainer.grad_scaler.load_state_dict(st.extra["grad_scaler"])
+
+
+def _load_sharded(trainer, st: RunState) -> dict | None:
+    """Weights, optimizer state and EMA of a sharded checkpoint (a collective). → the schedule's state."""
+    ts = st.trainer_state
+    if trainer.ema is not None and not ts.get("ema"):
+        raise TrainingError("checkpoint has no EMA state but train.ema_decay > 0")
+    extra = {"ema": dict(trainer.ema.shadow)} if trainer.ema is not None else None  # loaded in place
+    try:
+        distributed.load_sharded(trainer.family.network(), trainer.optimizer, st.sharded, ts["param_groups"], extra)
+    except (KeyError, ValueError, RuntimeError, CheckpointException) as e:
+        raise TrainingError(f"cannot load the sharded checkpoint {st.sharded.parent} into this run (a "
+                            f"different model or trainable set?): {str(e).splitlines()[0] if str(e) else e!r}"
+                            ) from None
+    return ts.get("lr_scheduler")
+
+
+def _resharded_rng(trainer, rng: dict) -> dict:
+    """This rank's streams when the checkpoint was written by another number of ranks (a collective). A stream
+    the fresh trainers seeded alike on every rank (e.g. a group's shared noise, torch's global state) is
+    shared: every rank continues saved rank 0's. A stream seeded per rank (e.g. sampling noise) continues
+    saved rank r's on rank r, and stays freshly seeded (``seed_for``) on a rank the saving run did not have,
+    so the ranks never draw the same noise."""
+    saved = rng.get("per_rank") or [rng]
+    mine = {"torch": torch.get_rng_state(), "family": trainer.family.rng_state()}
+    fresh = distributed.all_gather_object(mine)
+    r = trainer.world.rank
+
+    def pick(now, get):
+        if all(states_equal(get(f), now) for f in fresh):  # seeded alike on every rank: shared
+            return get(saved[0])
+        return get(saved[r]) if r < len(saved) else now
+
+    family = {k: pick(v, lambda d, k=k: d["family"][k]) if all(k in d["family"] for d in saved) else v
+              for k, v in mine["family"].items()}
+    return {"torch": pick(mine["torch"], lambda d: d["torch"]), "family": family}
+
+
+def set_base_lr(optimizer: torch.optim.Optimizer, scheduler, lr: float) -> None:
+    """Make ``lr`` the schedule's base learning rate, at the schedule's current update (a resume may change it)."""
+    scheduler.base_lrs = [lr] * len(optimizer.param_groups)
+    for group, fn in zip(optimizer.param_groups, scheduler.lr_lambdas):
+        group["initial_lr"] = lr
+        group["lr"] = lr * fn(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+
+
+__all__ = ["RunState", "capture", "is_complete", "latest_complete", "list_checkpoints", "load_checkpoint", "restore",
+           "save", "save_checkpoint", "save_sharded_checkpoint", "set_base_lr", "sha256", "states_equal"]

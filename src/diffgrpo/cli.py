@@ -10,11 +10,10 @@ import os
 import sys
 from pathlib import Path
 
-import yaml
-
 from .config import RunConfig, from_dict
 from .errors import ConfigError, RewardError, TrainingError
 from .fileio import atomic_write
+from .saved_config import RESUMABLE, distrust, flat, fresh_device, saved_data
 
 
 def _load_cfg(args) -> RunConfig:
@@ -46,68 +45,6 @@ def _resume_dir(args) -> Path | None:
     return max(runs, key=lambda d: d.stat().st_mtime) if runs else None
 
 
-# Keys a resume may change: how long, how fast and how the run is logged, and where it runs. Anything else would
-# change the model, the data or the objective of a run half-way.
-RESUMABLE = ("train.num_iterations", "train.lr", "train.save_every", "train.keep_checkpoints", "train.max_bad_updates",
-             "eval.every", "log.", "dist.", "model.device", "model.cache_dir", "train.checkpoint_format",
-             "train.on_hacking", "train.guard_", "train.keep_best")
-# Values that make the library import or run code: taken from the current command line only, never from a run
-# directory's saved config.yaml (a downloaded run directory must not execute its author's code).
-CODE_KEYS = ("reward.weights", "engine.name", "dllm.trust_remote_code", "eval.guard_rewards", "eval.guard_features")
-
-
-def _flat(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict) and k != "weights":
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
-def _saved_data(run: Path, command: str) -> dict:
-    path = run / "config.yaml"
-    try:
-        data = yaml.safe_load(path.read_text())
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
-        raise ConfigError(f"{command}: cannot read {str(path)!r} ({type(e).__name__})") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{command}: {str(path)!r} does not hold a config mapping")
-    return data
-
-
-def _distrust(data: dict, overrides: list[str], *, path: Path, command: str, strict: bool) -> dict:
-    """The saved config ``data`` without the code it names (CODE_KEYS) unless the command line repeats the key:
-    refused when ``strict`` (a resume needs it), else replaced by the default with a message."""
-    given = {o.split("=", 1)[0].strip() for o in overrides}
-    default = RunConfig().to_dict()
-    for key in CODE_KEYS:
-        sec, name = key.split(".")
-        section = data.get(sec) if isinstance(data.get(sec), dict) else {}
-        value = section.get(name)
-        code = (value is True if name == "trust_remote_code" else
-                any(":" in str(k) for k in value) if isinstance(value, dict) else ":" in str(value or ""))
-        if not code or any(g == key or g.startswith(key + ".") for g in given):
-            continue
-        if strict:
-            raise ConfigError(f"{command}: the run's config sets {key}={value!r}, which runs code named in "
-                              f"{str(path)!r}; repeat {key}=... on this command line to allow it")
-        print(f"{command}: ignoring {key}={value!r} from {str(path)!r} (it would run code from the run directory); "
-              f"repeat {key}=... on the command line to use it")
-        section[name] = default[sec][name]
-    return data
-
-
-def _fresh_device(data: dict, overrides: list[str]) -> dict:
-    """The saved config records the device the run used (e.g. rank 0's cuda:0); a resume or a sample picks the
-    device of this machine and rank again (model.device=auto) unless the command line sets model.device."""
-    given = {o.split("=", 1)[0].strip() for o in overrides}
-    if isinstance(data.get("model"), dict) and "model.device" not in given:
-        data["model"]["device"] = "auto"
-    return data
-
-
 def cmd_train(args) -> int:
     from .trainer import Trainer
 
@@ -116,13 +53,13 @@ def cmd_train(args) -> int:
         if args.config:
             raise ConfigError("--config: cannot be combined with --resume (the run's own config.yaml is used); "
                               "pass changes as key=value overrides")
-        data = _distrust(_saved_data(run, "--resume"), args.overrides, path=run / "config.yaml", command="--resume",
+        data = distrust(saved_data(run, "--resume"), args.overrides, path=run / "config.yaml", command="--resume",
                          strict=True)
-        data = _fresh_device(data, args.overrides)
+        data = fresh_device(data, args.overrides)
         saved = from_dict(RunConfig, data)
         cfg = RunConfig.from_overrides([*args.overrides, f"log.output_dir={run}"], base=saved)
-        old = _flat(saved.to_dict())
-        for key, value in _flat(cfg.to_dict()).items():
+        old = flat(saved.to_dict())
+        for key, value in flat(cfg.to_dict()).items():
             if old.get(key) != value and not key.startswith(RESUMABLE):
                 raise ConfigError(f"--resume: {key} cannot change when a run resumes (it would change the model, the "
                                   f"data or the objective half-way); a resume may change {list(RESUMABLE)}; start a "
@@ -167,8 +104,8 @@ def cmd_pretrain(args) -> int:
     cfg = _load_cfg(args)
     _threads()
     if getattr(args, "task", None) or cfg.model.name == "tiny_mlm":  # the built-in masked diffusion LM
-        from .dllm.tasks import get_task
         from .models.hf_masked_lm import load_or_pretrain_mlm
+        from .tasks import get_task
 
         task = get_task(args.task or cfg.dllm.task)
         load_or_pretrain_mlm(task, cfg.pretrain, cache_dir=cfg.model.cache_dir, progress=cfg.log.progress)
@@ -201,9 +138,9 @@ def cmd_sample(args) -> int:
     if src is not None and src.is_dir():
         if not (src / "config.yaml").is_file() or not (src / "weights.safetensors").is_file():
             raise ConfigError(f"--weights: run directory {str(src)!r} has no config.yaml + weights.safetensors")
-        data = _distrust(_saved_data(src, "--weights"), overrides, path=src / "config.yaml", command="--weights",
+        data = distrust(saved_data(src, "--weights"), overrides, path=src / "config.yaml", command="--weights",
                          strict=False)
-        data = _fresh_device(data, overrides)
+        data = fresh_device(data, overrides)
         if isinstance(data.get("log"), dict):  # sampling writes no run directory (the saved one may be elsewhere)
             data["log"]["output_dir"] = ""
         cfg = RunConfig.from_overrides(overrides + ["log.progress=false"], base=from_dict(RunConfig, data))
@@ -239,7 +176,7 @@ def _sample_text(trainer, args) -> int:
     """Completions of a masked diffusion LM for ``--prompt`` (default: the task's first test prompts)."""
     import torch
 
-    from .dllm.tasks import Example
+    from .tasks import Example
 
     fam = trainer.family
     for p in args.prompt or []:

@@ -1,65 +1,63 @@
-"""Run configuration: one dataclass per component, composed into :class:`RunConfig`.
+"""Run configuration schema: one dataclass per component, composed into :class:`RunConfig`, and its parser.
 
 Sources, applied in order: defaults → YAML file → dotted overrides (``engine.name=jagg``). Every value is
 checked against its field's type, allowed values and range; unknown keys fail with a did-you-mean hint.
 Errors are :class:`ConfigError` with a one-line message naming the key, the value and what is allowed.
-:func:`validate` re-applies every per-field check (so a config built or edited in Python is held to the same rules)
-and then the checks that span fields or look at the machine (device, logging packages, output directory).
+
+Which family reads a key is field metadata (``_f(family=...)``, else the section's ``FAMILY``); which engine
+reads an ``engine.*`` key is declared on the engine (``config_keys``). The rules that span fields live beside
+the code that reads the keys (``flow/rules.py``, ``dllm/rules.py``, each engine's ``check_config``) and run from
+:func:`diffgrpo.validation.validate`, which :meth:`RunConfig.from_overrides` calls. This module imports nothing of
+the package but the error types and one file helper.
 """
 from __future__ import annotations
 
 import dataclasses
 import datetime
 import functools
-import importlib
-import importlib.util
-import inspect
 import math
 import os
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-import torch
 import yaml
 
-from . import guards
-from .data_sources import check_prompts, read_utf8
-from .distributed import launched_world_size
-from .dllm.tasks import FILE_TASKS, TASKS, VOCAB, examples_from_file, get_task
-from .engines import ENGINES, FORWARD_ENGINES
 from .errors import ConfigError, suggest
-from .rewards import REWARDS, check_rewards, resolve_reward
-from .samplers.masked import schedule
+from .fileio import read_utf8
 
 # Plausibility bound: samples drawn per iteration (train.prompts_per_batch × train.group_size, all ranks together).
 # Far above any real run (FlowGRPO: 48 × 24 = 1152 per node), far below what would exhaust memory before failing.
 MAX_SAMPLES_PER_ITERATION = 65536
 
-
-def _f(default, *, choices=None, lo=None, hi=None, gt=None, path=False, doc="", **kw):
+def _f(default, *, choices=None, lo=None, hi=None, gt=None, path=False, doc="", family=None, **kw):
     """A dataclass field carrying validation metadata (choices, inclusive bounds ``lo``/``hi``, exclusive lower
-    bound ``gt``, ``path``: a file-system path whose leading ``~`` is expanded) and a doc string."""
-    meta = {"choices": choices, "lo": lo, "hi": hi, "gt": gt, "path": path, "doc": doc}
+    bound ``gt``, ``path``: a file-system path whose leading ``~`` is expanded), a doc string and ``family``: the
+    model family that reads the key ('flow', 'dllm' or 'any'; None = the section's ``FAMILY``)."""
+    meta = {"choices": choices, "lo": lo, "hi": hi, "gt": gt, "path": path, "doc": doc, "family": family}
     if isinstance(default, (dict, list)):
         return field(default_factory=lambda: type(default)(default), metadata=meta, **kw)
     return field(default=default, metadata=meta, **kw)
 
 
-# model.name → family (a key of ``trainer.FAMILIES``): which family trains the policy
+# model.name → family (a key of ``families.FAMILIES``): which family trains the policy
 MODEL_FAMILIES = {"tiny": "flow", "diffusers": "flow", "tiny_mlm": "dllm", "hf_masked_lm": "dllm"}
+# what each family trains, as error messages name it
+FAMILY_TITLES = {"flow": "flow-matching models", "dllm": "masked diffusion LMs"}
 
 
 @dataclass
 class ModelConfig:
+    FAMILY: ClassVar[str] = "flow"
     name: str = _f("tiny", choices=("tiny", "tiny_mlm", "hf_masked_lm", "diffusers"),
                    doc="policy adapter: tiny (flow), diffusers (SD3/FLUX/Wan/Qwen-Image pipeline at model.pretrained), "
-                       "tiny_mlm / hf_masked_lm (masked diffusion LM, see dllm.*)")
+                       "tiny_mlm / hf_masked_lm (masked diffusion LM, see dllm.*)", family="any")
     guidance_scale: float = _f(1.0, lo=0.0, doc="classifier-free guidance scale; 1 = no CFG (one forward)")
     device: str = _f("auto", doc="torch device for the policy: auto (cuda:<LOCAL_RANK> / cuda, else mps, else cpu), "
-                                 "cpu, cuda, cuda:N or mps (must exist on this machine)")
-    cache_dir: str = _f("", path=True, doc="where pretrained built-in models live (default $DIFFGRPO_CACHE or ~/.cache/diffgrpo)")
+                                 "cpu, cuda, cuda:N or mps (must exist on this machine)", family="any")
+    cache_dir: str = _f("", path=True, doc="where pretrained built-in models live (default $DIFFGRPO_CACHE or ~/.cache/diffgrpo)", family="any")
     # built-in tiny model architecture (a real diffusers SD3Transformer2DModel at tiny size)
     image_size: int = _f(16, choices=(8, 16, 32), doc="tiny model: image side in pixels")
     patch_size: int = _f(2, choices=(1, 2, 4), doc="tiny model: transformer patch size")
@@ -94,15 +92,16 @@ class PretrainConfig:
     steps: int = _f(800, lo=1, doc="flow-matching pretraining steps for the built-in model")
     batch_size: int = _f(128, lo=1, hi=MAX_SAMPLES_PER_ITERATION)
     lr: float = _f(2e-3, lo=0.0)
-    cond_dropout: float = _f(0.1, lo=0.0, hi=1.0, doc="probability of the null prompt (enables CFG)")
+    cond_dropout: float = _f(0.1, lo=0.0, hi=1.0, doc="probability of the null prompt (enables CFG)", family="flow")
     seed: int = _f(0)
     answer_noise: float = _f(0.4, lo=0.0, hi=1.0,
                              doc="tiny dLLM only: fraction of pretraining answers replaced by the task's systematic "
-                                 "slip (off by one, swapped digits): a base with a habit a verifier can train away")
+                                 "slip (off by one, swapped digits): a base with a habit a verifier can train away", family="dllm")
 
 
 @dataclass
 class SamplerConfig:
+    FAMILY: ClassVar[str] = "flow"
     sde_type: str = _f("flow_sde", choices=("flow_sde", "dance_sde", "cps", "ode"))
     noise_level: float = _f(0.7, lo=0.0, doc="a (flow_sde, cps) or eta (dance_sde)")
     num_steps: int = _f(10, lo=1, hi=1000, doc="sampling steps T")
@@ -122,6 +121,7 @@ class SamplerConfig:
 
 @dataclass
 class RewardConfig:
+    FAMILY: ClassVar[str] = "flow"
     weights: dict = _f({"digit_alignment": 1.0}, doc="reward name (or module:function) -> weight")
     options: dict[str, dict] = _f({}, doc="per-reward options, e.g. {pickscore: {model: <hub id or path>, dtype: "
                                           "bfloat16, batch_size: 16, device: cuda:1}} (see README, Rewards)")
@@ -139,15 +139,17 @@ class AdvantageConfig:
     eps: float = _f(1e-4, lo=0.0)
     filter_zero_std: bool = _f(False, doc="drop groups whose rewards are all equal from the loss")
     per_reward_norm: bool = _f(False, doc="flow, several rewards: normalise each reward within its group on its own, "
-                                          "sum with reward.weights, divide by the sum's batch std (GDPO-style)")
+                                          "sum with reward.weights, divide by the sum's batch std (GDPO-style)",
+                               family="flow")
 
 
 @dataclass
 class LossConfig:
+    FAMILY: ClassVar[str] = "flow"
     clip_range: float = _f(1e-4, lo=0.0, doc="PPO clip ε on the step ratio")
-    beta: float = _f(0.0, lo=0.0, doc="KL coefficient")
+    beta: float = _f(0.0, lo=0.0, doc="KL coefficient", family="any")
     kl_flowgrpo_compat: bool = _f(False, doc="FlowGRPO's KL scaling (omits Δ)")
-    aggregation: str = _f("mean", choices=("mean", "sample_mean", "sum"))
+    aggregation: str = _f("mean", choices=("mean", "sample_mean", "sum"), family="any")
     trust_region: str = _f("clip", choices=("clip", "kl_mask"),
                            doc="flow: PPO ratio clip, or Flow-DPPO's mask on the exact per-step Gaussian KL to the "
                                "rollout policy (a step is dropped when KL >= kl_mask_bound and it moves away)")
@@ -158,6 +160,7 @@ class LossConfig:
 
 @dataclass
 class StepsConfig:
+    FAMILY: ClassVar[str] = "flow"
     mode: str = _f("all", choices=("all", "first_fraction", "random", "window"),
                    doc="which steps get gradients (the final deterministic step never does)")
     fraction: float = _f(1.0, lo=0.0, hi=1.0, doc="first_fraction / random: share of trainable steps")
@@ -173,8 +176,9 @@ class StepsConfig:
 
 @dataclass
 class EngineConfig:
+    FAMILY: ClassVar[str] = "flow"
     name: str = _f("recompute", doc="gradient engine (registry key in diffgrpo.engines.ENGINES)")
-    micro_batch_size: int = _f(0, lo=0, doc="samples per forward/backward chunk; 0 = all at once")
+    micro_batch_size: int = _f(0, lo=0, doc="samples per forward/backward chunk; 0 = all at once", family="any")
     # engine-specific knobs (documented with each engine)
     window: int = _f(4, lo=2, doc="jagg: steps per window W")
     jagg_frac: float = _f(1.0, lo=0.0, hi=1.0, doc="jagg: share of windows routed to JAGG")
@@ -222,16 +226,16 @@ class TrainConfig:
     keep_checkpoints: int = _f(2, lo=1, doc="checkpoints kept on disk (newest)")
     ema_decay: float = _f(0.0, lo=0.0, hi=0.9999, doc="EMA of trainable weights for evaluation; 0 = off")
     max_bad_updates: int = _f(3, lo=1, doc="stop after this many consecutive non-finite updates")
-    digits: list = _f([0, 1, 2, 3, 4, 5, 6, 7, 8, 9], doc="training prompt digits")
+    digits: list = _f([0, 1, 2, 3, 4, 5, 6, 7, 8, 9], doc="training prompt digits", family="flow")
     prompts_file: str = _f("", path=True, doc="training prompts (replace the digit prompts), drawn by a seeded epoch "
                                               "sampler: a UTF-8 text file (one prompt per line), a .jsonl file (a "
                                               "prompt field + metadata fields) or a .csv file (a prompt column + "
                                               "metadata columns), or hf:<path or hub id>[:<split>] (datasets."
                                               "load_dataset; hf:json:<file> for a local JSON file), or "
                                               "builtin:<set>/<split> (a prompt set shipped with the package, e.g. "
-                                              "builtin:ocr/train); the metadata reaches the rewards")
+                                              "builtin:ocr/train); the metadata reaches the rewards", family="flow")
     prompt_column: str = _f("prompt", doc="the field / column holding the prompt in train.prompts_file and "
-                                          "eval.prompts_file (.jsonl, .csv, hf:)")
+                                          "eval.prompts_file (.jsonl, .csv, hf:)", family="flow")
     checkpoint_format: str = _f("auto", choices=("auto", "dcp", "files"),
                                 doc="dcp: sharded torch.distributed.checkpoint files, every rank writes its own shards "
                                     "(no gather) and any number of processes can resume them; files: one "
@@ -257,8 +261,9 @@ class DLLMConfig:
     """Masked diffusion LMs (model.name=tiny_mlm / hf_masked_lm). TRL names: num_generations = train.group_size,
     beta = loss.beta, epsilon = dllm.clip_range, num_iterations = train.num_inner_epochs,
     scale_rewards = advantage.std_mode (when method_defaults is false)."""
+    FAMILY: ClassVar[str] = "dllm"
     task: str = _f("arithmetic", choices=("arithmetic", "sudoku", "countdown", "json_schema", "gsm8k"),
-                   doc="task with a verifiable reward (diffgrpo.dllm.tasks); gsm8k: numeric answers, instances from "
+                   doc="task with a verifiable reward (diffgrpo.tasks); gsm8k: numeric answers, instances from "
                        "dllm.data_file")
     method: str = _f("diffu_grpo", choices=("diffu_grpo", "coupled_grpo", "random_mask", "spg", "wd1"),
                      doc="base method: likelihood estimator + advantage baseline (+ objective: spg, wd1)")
@@ -327,6 +332,7 @@ class DLLMConfig:
 @dataclass
 class DACAConfig:
     """DACA-GRPO plug-ins for every dLLM base method (diffgrpo.dllm.credit, diffgrpo.dllm.likelihood)."""
+    FAMILY: ClassVar[str] = "dllm"
     dps_score: str = _f("none", choices=("none", "entropy", "confidence", "margin", "settling", "progress"),
                         doc="Denoising Progress Score from the sampler records; none = uniform token weights")
     dps_mix: float = _f(0.5, lo=0.0, hi=1.0, doc="lambda: weight = (1-lambda) + lambda*score weight (0 = base method)")
@@ -345,9 +351,10 @@ class DACAConfig:
 
 @dataclass
 class EvalConfig:
-    every: int = _f(10, lo=0, doc="evaluate every N iterations (0: only at start and end)")
+    FAMILY: ClassVar[str] = "flow"
+    every: int = _f(10, lo=0, doc="evaluate every N iterations (0: only at start and end)", family="any")
     seeds_per_prompt: int = _f(4, lo=1)
-    seed: int = _f(1234)
+    seed: int = _f(1234, family="any")
     sde_type: str = _f("ode", choices=("ode", "flow_sde", "dance_sde", "cps"))
     prompts_file: str = _f("", path=True, doc="evaluation prompts (default: the ten digit prompts), in any format of "
                                               "train.prompts_file; the metadata reaches the rewards")
@@ -355,7 +362,7 @@ class EvalConfig:
                                       "(with > 0 only the first 64 images are kept for the sample grid)")
     guard_rewards: list = _f([], doc="held-out guard rewards, evaluated and never trained on (eval/guard/rewards/"
                                      "<name>/mean): registry names or module:function; text verifiers or d1_format "
-                                     "for masked diffusion LMs")
+                                     "for masked diffusion LMs", family="any")
     guard_features: str = _f("auto", doc="feature space of eval/guard/fd_base, drift, diversity (flow): auto, "
                                          "digits, clip (the CLIP of a CLIP-class reward), none or module:function "
                                          "(images -> (B, D)); masked LMs use hashed character trigrams")
@@ -420,7 +427,7 @@ class RunConfig:
             key = key.strip()
             _walk(cfg, key)  # an unknown key is reported before its value is parsed
             set_path(cfg, key, _parse_value(key, raw) if raw.strip() else "")
-        validate(cfg)
+        _validate(cfg)
         return cfg
 
     @classmethod
@@ -445,12 +452,13 @@ class RunConfig:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
 
+
 # ---------------------------------------------------------------------- generic helpers
 def to_dict(obj) -> dict[str, Any]:
     return dataclasses.asdict(obj)
 
 
-def _one_line(text: str) -> str:
+def one_line(text: str) -> str:
     return " ".join(str(text).split())
 
 
@@ -464,9 +472,9 @@ def _yaml_problem(e: Exception) -> str:
     problem = getattr(e, "problem", None) or getattr(e, "context", None)
     mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
     if problem is None:
-        return _one_line(f"{type(e).__name__}: {e}")
+        return one_line(f"{type(e).__name__}: {e}")
     where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
-    return where + _one_line(problem)
+    return where + one_line(problem)
 
 
 def _parse_value(key: str, raw: str):
@@ -477,12 +485,6 @@ def _parse_value(key: str, raw: str):
         raise ConfigError(f"{_show_key(key)}: value {raw!r} is not valid YAML ({_yaml_problem(e)}); give a scalar, a list "
                           f"[a, b] or a mapping {{k: v}}, quoting text that contains YAML syntax") from None
 
-
-def _exists(p: Path) -> bool:
-    try:
-        return p.exists()
-    except (OSError, ValueError):  # a name too long, an embedded NUL byte
-        return False
 
 
 def _is_file(p: Path) -> bool:
@@ -641,7 +643,7 @@ def from_dict(cls, data: dict):
     return cfg
 
 
-def _check_fields(obj, prefix: str = "") -> None:
+def check_fields(obj, prefix: str = "") -> None:
     """Re-apply every field's type, choice, range and finiteness check to a dataclass as it is (values set in
     Python skip ``set_path``); stores the coerced value, e.g. an int learning rate as a float."""
     hints = _hints(type(obj))
@@ -650,475 +652,49 @@ def _check_fields(obj, prefix: str = "") -> None:
         if dataclasses.is_dataclass(tp):
             if not isinstance(value, tp):
                 raise ConfigError(f"{key}: value {value!r} is not a section; it must be a {tp.__name__}")
-            _check_fields(value, key + ".")
+            check_fields(value, key + ".")
         else:
             setattr(obj, f.name, _coerce(key, value, tp, f.metadata))
 
 
-def validate(cfg: RunConfig) -> None:
-    """Every per-field check again (types, choices, ranges, finiteness: a config may have been built or edited in
-    Python), then the checks that span fields or look at this machine. Raises ConfigError before anything loads."""
-    if not isinstance(cfg, RunConfig):
-        raise ConfigError(f"config: value of type {type(cfg).__name__} is not a RunConfig")
-    _check_fields(cfg)
-    family = MODEL_FAMILIES[cfg.model.name]
-    _validate_family(cfg, family)
-    t = cfg.train
-    if t.prompts_per_batch * t.group_size > MAX_SAMPLES_PER_ITERATION:
-        raise ConfigError(f"train.prompts_per_batch: value {t.prompts_per_batch} is out of range with "
-                          f"train.group_size={t.group_size} ({t.prompts_per_batch * t.group_size} samples per "
-                          f"iteration); prompts_per_batch × group_size must be <= {MAX_SAMPLES_PER_ITERATION}")
-    if not t.prompt_column.strip():
-        raise ConfigError("train.prompt_column: value '' is empty; name the prompt field (default 'prompt')")
-    for key in ("train.prompts_file", "eval.prompts_file"):
-        sec, name = key.split(".")
-        spec = getattr(getattr(cfg, sec), name)
-        if spec:  # exists, is UTF-8, parses, has the prompt column and at least one prompt (see check_prompts)
-            check_prompts(spec, key=key, column=t.prompt_column)
-    _validate_device(cfg.model.device)
-    _validate_dist(cfg.dist.mode)
-    _validate_logging(cfg.log)
-    held_out = guards.check_config(cfg, family)  # eval.guard_*, train.keep_best
-    if family == "flow":
-        _validate_flow(cfg)
-        check_rewards({**cfg.reward.weights, **held_out}, cfg.reward.options, model_name=cfg.model.name)
-    else:
-        if cfg.advantage.per_reward_norm:
-            raise ConfigError("advantage.per_reward_norm: applies to a flow model's weighted sum of reward.weights; a "
-                              "masked diffusion LM is scored by its task's one verifier reward (remove the key)")
-        _validate_dllm(cfg)
-        _validate_dllm_methods(cfg)
-    _validate_memory(cfg)
 
 
-def _validate_memory(cfg: RunConfig) -> None:
-    """Mixed precision and FSDP2 memory options that cannot work together."""
-    m, d = cfg.model, cfg.dist
-    if m.mixed_precision == "fp16" and m.dtype == "float16":
-        raise ConfigError("model.mixed_precision: value 'fp16' needs float32 weights (model.dtype=float32): the "
-                          "gradient scaler cannot unscale float16 gradients; or use model.mixed_precision=bf16")
-    if m.mixed_precision == "fp16" and d.mode == "fsdp2":
-        raise ConfigError("model.mixed_precision: value 'fp16' is not supported with dist.mode=fsdp2 (the gradient "
-                          "scaler's inf check is per rank); use dist.fsdp_param_dtype=bfloat16")
-    for key in ("fsdp_param_dtype", "fsdp_cpu_offload"):
-        if getattr(d, key) != getattr(DistConfig(), key) and d.mode != "fsdp2":
-            raise ConfigError(f"dist.{key}: applies only to dist.mode=fsdp2 (dist.mode={d.mode}); set "
-                              f"dist.mode=fsdp2 or remove it")
+# ---------------------------------------------------------------------- key ownership and validation hook
+def key_family(section, name: str) -> str:
+    """The family ('flow', 'dllm' or 'any') that reads field ``name`` of dataclass ``section``."""
+    meta = next(f for f in dataclasses.fields(section) if f.name == name).metadata
+    return meta.get("family") or getattr(section, "FAMILY", "any")
 
 
-def _validate_dist(mode: str) -> None:
-    """dist.mode=none under a launcher that started several processes would run each as an independent rank-0 run
-    (same outputs, N-fold work): refused before the process group or any model exists."""
-    world = launched_world_size()
-    if mode == "none" and world > 1:
-        raise ConfigError(f"dist.mode: value 'none' with WORLD_SIZE={world} (torchrun) would run {world} independent "
-                          "copies of the same run; set dist.mode=ddp or dist.mode=fsdp2 (or leave it auto), or launch "
-                          "without torchrun")
-
-
-def _validate_device(value: str) -> None:
-    """model.device must name a device this machine has: auto, cpu, cuda / cuda:N (N < the GPU count) or mps."""
-    allowed = "choose 'cpu', 'cuda', 'cuda:N' or 'mps', or 'auto' (the accelerator when there is one)"
-    if value == "auto":  # resolved by the Trainer (distributed.resolve_device) to a device this machine has
-        return
-    try:
-        dev = torch.device(value)
-    except (RuntimeError, ValueError, TypeError):
-        raise ConfigError(f"model.device: value {value!r} is not a torch device; {allowed}") from None
-    if dev.type == "cpu":
-        return
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ConfigError(f"model.device: value {value!r} is not available: torch.cuda.is_available() is false "
-                              f"(no GPU, no driver, or a CPU-only torch build); use model.device=cpu")
-        n = torch.cuda.device_count()
-        if dev.index is not None and dev.index >= n:
-            raise ConfigError(f"model.device: value {value!r} is out of range; this machine has {n} CUDA "
-                              f"device(s): cuda:0 .. cuda:{n - 1}")
-        return
-    if dev.type == "mps":
-        if not torch.backends.mps.is_available():
-            raise ConfigError(f"model.device: value {value!r} is not available: torch.backends.mps.is_available() "
-                              f"is false; use model.device=cpu")
-        return
-    raise ConfigError(f"model.device: value {value!r} is not supported; {allowed}")
-
-
-def _importable(name: str) -> bool:
-    """Whether ``import name`` can find the module (without importing it)."""
-    try:
-        return importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):
-        return False
-
-
-def _validate_logging(log: "LogConfig") -> None:
-    if log.wandb and not _importable("wandb"):
-        raise ConfigError("log.wandb: value True needs the wandb package, which is not installed; pip install wandb, "
-                          "or set log.wandb=false")
-    if log.tensorboard and not _importable("tensorboard"):  # runlog writes with torch.utils.tensorboard
-        raise ConfigError("log.tensorboard: value True needs the tensorboard package (torch.utils.tensorboard writes "
-                          "with it), which is not installed; pip install 'diffgrpo[tensorboard]', or set "
-                          "log.tensorboard=false")
-    if log.output_dir:
-        _validate_output_dir(log.output_dir)
-
-
-def _validate_output_dir(value: str) -> None:
-    """The run directory must be a directory we can write in, or creatable under one."""
-    key = "log.output_dir"
-    try:
-        p = Path(value)
-        if p.exists():
-            if not p.is_dir():
-                raise ConfigError(f"{key}: value {value!r} is an existing file, not a directory; choose a directory "
-                                  f"path")
-            if not os.access(p, os.W_OK | os.X_OK):
-                raise ConfigError(f"{key}: value {value!r} is not writable (no write permission); choose a "
-                                  f"directory you can write to")
-            return
-        parent = p.absolute().parent
-        while not parent.exists():
-            parent = parent.parent
-        if not parent.is_dir():
-            raise ConfigError(f"{key}: value {value!r} cannot be created: {str(parent)!r} is a file; choose a "
-                              f"directory path")
-        if not os.access(parent, os.W_OK | os.X_OK):
-            raise ConfigError(f"{key}: value {value!r} cannot be created: no write permission in {str(parent)!r}; "
-                              f"choose a directory you can write to")
-    except (OSError, ValueError) as e:
-        if isinstance(e, ConfigError):
-            raise
-        raise ConfigError(f"{key}: value {value!r} is not a usable path ({_one_line(e)})") from None
-
-
-@functools.lru_cache(maxsize=None)
-def _answer_tokens(task_name: str) -> int:
-    """Tokens (built-in character vocabulary) of the task's longest reference answer, over both splits."""
-    task = get_task(task_name)
-    return max(len(VOCAB.encode(e.answer)) for split in ("train", "test") for e in task.instances(split))
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _validate_dllm(cfg: RunConfig) -> None:
-    """Masked-LM sizes, with the sampler's rules (samplers/masked.py:schedule) on the effective values
-    gen_length or the task's default, block_length or gen_length, diffusion_steps or gen_length."""
-    d = cfg.dllm
-    if cfg.model.name == "hf_masked_lm" and not d.model_path:
-        raise ConfigError("dllm.model_path: required for model.name=hf_masked_lm (a local model directory or hub id)")
-    task = get_task(d.task)
-    _validate_dllm_scale(cfg, task)
-    if d.data_file:
-        examples = examples_from_file(d.data_file, task, prompt_field=d.prompt_field, answer_field=d.answer_field)
-        if cfg.model.name == "tiny_mlm":  # the built-in character vocabulary and its prompt positions
-            for i, ex in enumerate(examples, 1):
-                try:
-                    n = len(VOCAB.encode(ex.prompt))
-                except ValueError as e:
-                    raise ConfigError(f"dllm.data_file: record {i}: the prompt {ex.prompt!r} cannot be written in "
-                                      f"the built-in vocabulary ({e})") from None
-                if n > task.prompt_length:
-                    raise ConfigError(f"dllm.data_file: record {i}: the prompt {ex.prompt!r} has {n} tokens; the "
-                                      f"built-in tiny_mlm for dllm.task={d.task} reads at most {task.prompt_length}")
-    if cfg.model.name == "tiny_mlm" and d.gen_length:
-        if d.gen_length > task.gen_length:
-            raise ConfigError(f"dllm.gen_length: value {d.gen_length} is out of range; the built-in tiny_mlm for "
-                              f"dllm.task={d.task} has positions for {task.gen_length} completion tokens; must be "
-                              f"<= {task.gen_length} (0 = {task.gen_length})")
-        need = _answer_tokens(d.task) if d.gen_length < task.gen_length else 0
-        if d.gen_length < need:
-            raise ConfigError(f"dllm.gen_length: value {d.gen_length} is out of range; the longest "
-                              f"dllm.task={d.task} answer has {need} tokens; must be >= {need} (0 = the task's "
-                              f"default {task.gen_length})")
-    gen = d.gen_length or task.gen_length
-    src = f"dllm.gen_length={gen}" if d.gen_length else f"dllm.task={d.task}'s default gen_length {gen}"
-    block = d.block_length or gen
-    if gen % block:
-        raise ConfigError(f"dllm.block_length: value {d.block_length} does not divide the generation length {gen} "
-                          f"({src}); choose one of {_divisors(gen)} or 0 (one block)")
-    n_blocks = gen // block
-    steps = d.diffusion_steps or gen
-    if steps > gen:
-        raise ConfigError(f"dllm.diffusion_steps: value {steps} is out of range; at most one step per token: must "
-                          f"be <= the generation length {gen} ({src})")
-    if steps % n_blocks:
-        raise ConfigError(f"dllm.diffusion_steps: value {steps} is not a multiple of the {n_blocks} blocks "
-                          f"(generation length {gen} / dllm.block_length {block}); choose one of "
-                          f"{list(range(n_blocks, gen + 1, n_blocks))} or 0 (= {gen})")
-    try:
-        schedule(gen, block, steps)  # the sampler's own rules, in case they grow
-    except ValueError as e:
-        raise ConfigError(f"dllm.diffusion_steps: value {steps} is not usable ({e})") from None
-
-
-def _validate_dllm_scale(cfg: RunConfig, task) -> None:
-    """File tasks, held-out files, chat templates and the LoRA / dtype / sharding combinations of masked LMs."""
-    d = cfg.dllm
-    if d.task in FILE_TASKS:
-        if not d.data_file:
-            raise ConfigError(f"dllm.data_file: required for dllm.task={d.task} (it has no generator): a .jsonl file "
-                              f"or hf:<dataset>[:<split>] with fields {d.prompt_field!r} and {d.answer_field!r}")
-        if cfg.model.name != "hf_masked_lm":
-            raise ConfigError(f"dllm.task: value {d.task!r} needs model.name=hf_masked_lm (the built-in tiny_mlm "
-                              f"only knows {sorted(TASKS)})")
-    if d.eval_file:
-        examples_from_file(d.eval_file, task, key="dllm.eval_file", prompt_field=d.prompt_field,
-                           answer_field=d.answer_field)
-    if cfg.model.name == "tiny_mlm":
-        if d.chat_template == "true" or d.system_prompt:
-            key = "dllm.chat_template" if d.chat_template == "true" else "dllm.system_prompt"
-            raise ConfigError(f"{key}: the built-in tiny_mlm has a character vocabulary and no chat template; it "
-                              f"applies to model.name=hf_masked_lm")
-        if d.prompt_length and d.prompt_length != task.prompt_length:
-            raise ConfigError(f"dllm.prompt_length: value {d.prompt_length} does not fit the built-in tiny_mlm for "
-                              f"dllm.task={d.task}, which reads {task.prompt_length} prompt tokens; use 0")
-    if d.lora_target_modules and not d.lora_rank:
-        raise ConfigError("dllm.lora_target_modules: set only with dllm.lora_rank > 0 (LoRA is off at rank 0)")
-    if cfg.dist.mode == "fsdp2" and d.lora_rank and d.dtype != "float32":
-        raise ConfigError(f"dllm.dtype: value {d.dtype!r} with dllm.lora_rank={d.lora_rank} under dist.mode=fsdp2 is "
-                          f"not supported (FSDP2 shards each block in one dtype and the adapter trains in float32); "
-                          f"choose dllm.dtype=float32 (with dist.fsdp_param_dtype=bfloat16 to compute in bf16) or "
-                          f"dist.mode=ddp")
-
-
-def _validate_dllm_methods(cfg: RunConfig) -> None:
-    """The base methods' own rules: wd1 keeps groups on one rank; SPG has no KL term and no SML plug-in, its
-    masking block divides the completion and t_min <= t_max."""
-    d = cfg.dllm
-    if d.method == "wd1" and cfg.dist.group_layout == "spread" and cfg.dist.mode != "none":
-        raise ConfigError("dist.group_layout: value 'spread' is not allowed with dllm.method=wd1 (its group softmax "
-                          "needs each group's samples on one rank); must be 'local'")
-    if d.method != "spg":
-        return
-    if cfg.loss.beta != 0:
-        raise ConfigError(f"loss.beta: value {cfg.loss.beta} is not allowed with dllm.method=spg (SPG has no KL "
-                          "term); must be 0")
-    if cfg.daca.likelihood != "base":
-        raise ConfigError(f"daca.likelihood: value {cfg.daca.likelihood!r} is not allowed with dllm.method=spg (its "
-                          "upper bound needs SPG's own masks); must be 'base'")
-    if d.spg_t_min > d.spg_t_max:
-        raise ConfigError(f"dllm.spg_t_min: value {d.spg_t_min} is out of range; must be <= dllm.spg_t_max "
-                          f"({d.spg_t_max})")
-    gen = d.gen_length or get_task(d.task).gen_length
-    if d.spg_block_length and gen % d.spg_block_length:
-        raise ConfigError(f"dllm.spg_block_length: value {d.spg_block_length} does not divide the generation length "
-                          f"{gen}; choose one of {_divisors(gen)} or 0 (= dllm.block_length)")
-
-
-# Keys each family reads (a section name covers all its keys); any other key set to a non-default value is refused.
-_SHARED = ("seed", "model.name", "model.device", "model.cache_dir", "pretrain.steps", "pretrain.batch_size",
-           "pretrain.lr", "pretrain.seed", "advantage", "loss.beta", "loss.aggregation", "engine.micro_batch_size",
-           "train.num_iterations", "train.prompts_per_batch", "train.group_size", "train.lr", "train.lr_schedule",
-           "train.warmup_iterations", "train.weight_decay",
-           "train.adam_beta1", "train.adam_beta2", "train.max_grad_norm", "train.num_inner_epochs", "train.save_every",
-           "train.keep_checkpoints", "train.ema_decay", "train.max_bad_updates", "eval.every", "eval.seed", "log",
-           "dist", "train.checkpoint_format", "eval.guard_rewards", "train.on_hacking", "train.guard_max_fid_ratio",
-           "train.guard_max_drift", "train.guard_min_diversity_ratio", "train.guard_max_reward_drop", "train.keep_best")
-FAMILY_KEYS = {
-    "flow": _SHARED + ("model.guidance_scale", "model.image_size", "model.patch_size", "model.num_layers",
-                       "model.num_heads", "model.head_dim", "model.text_dim", "model.pretrained", "model.family",
-                       "model.dtype", "model.mixed_precision", "model.resolution", "model.num_frames",
-                       "model.negative_prompt", "model.max_sequence_length", "model.lora_rank", "model.lora_alpha",
-                       "model.lora_target_modules", "model.gradient_checkpointing", "pretrain.cond_dropout",
-                       "sampler", "reward", "loss.clip_range", "loss.kl_flowgrpo_compat", "steps", "engine",
-                       "loss.trust_region", "loss.kl_mask_bound", "loss.ratio_norm",
-                       "train.digits", "train.prompts_file", "train.prompt_column", "eval",
-                       "model.offload_text_encoders"),
-    "dllm": _SHARED + ("pretrain.answer_noise", "dllm", "daca"),
-}
-# engine keys that only some engines read
-ENGINE_KEYS = {"window": ("jagg",), "jagg_frac": ("jagg",), "jagg_min_score": ("jagg",),
-               "evaluation": ("jagg", "single_step"), "wave_size": ("retain",),
-               "candidate_steps": ("single_step",), "rectify": ("single_step",),
-               "forward_timesteps": ("nft", "awm"), "forward_rollout": ("nft", "awm"), "adv_clip": ("nft", "awm"),
-               "nft_beta": ("nft",), "old_decay_rate": ("nft",), "old_decay_max": ("nft",),
-               "awm_weighting": ("awm",), "awm_clip_range": ("awm",)}
-
-
-def _changed_keys(obj, default, prefix: str = "") -> list[str]:
+def changed_keys(obj, default, prefix: str = "") -> list[str]:
     """Dotted keys whose value in ``obj`` differs from ``default`` (nested dataclasses)."""
     out = []
     for f in dataclasses.fields(obj):
         a, b = getattr(obj, f.name), getattr(default, f.name)
         key = prefix + f.name
         if dataclasses.is_dataclass(a):
-            out += _changed_keys(a, b, key + ".")
+            out += changed_keys(a, b, key + ".")
         elif a != b:
             out.append(key)
     return out
 
 
-def _validate_family(cfg: RunConfig, family: str) -> None:
-    """A key set to a non-default value that the chosen model family never reads is an error, not a no-op."""
-    allowed = FAMILY_KEYS[family]
-    for key in _changed_keys(cfg, RunConfig()):
-        if not any(key == a or key.startswith(a + ".") for a in allowed):
-            what = ("flow-matching models (model.name in ['tiny', 'diffusers'])" if family != "flow" else
-                    "masked diffusion LMs (model.name in ['tiny_mlm', 'hf_masked_lm'])")
-            raise ConfigError(f"{key}: does not apply to model.name={cfg.model.name} (the {family} family); it is "
-                              f"read only for {what}; remove it")
+def owner_of(cfg: RunConfig, dotted: str) -> str:
+    """The family that reads the dotted key ``dotted`` of ``cfg``."""
+    obj, fld, _, _ = _walk(cfg, dotted)
+    return key_family(type(obj), fld.name)
 
 
-def _split_plugin(name: str) -> tuple[str, str, str]:
-    """``package.module:attr`` → (module, attr, problem); problem is empty when the form is well made."""
-    mod, _, attr = name.partition(":")
-    if not mod:
-        return mod, attr, "the module name is empty"
-    if not all(part.isidentifier() for part in mod.split(".")):
-        return mod, attr, f"{mod!r} is not a dotted module name"
-    if not attr.isidentifier():
-        return mod, attr, f"{attr!r} is not a Python name"
-    return mod, attr, ""
+_VALIDATORS: list[Callable[[RunConfig], None]] = []
 
 
-def _validate_engine_name(name: str) -> None:
-    allowed = f"choose one of {sorted(ENGINES)} or an importable module:Class"
-    if name in ENGINES:
-        return
-    if ":" not in name:
-        raise ConfigError(f"engine.name: value {name!r} is not a registered engine{suggest(name, list(ENGINES))}; "
-                          f"{allowed}")
-    mod, attr, problem = _split_plugin(name)
-    if problem:
-        raise ConfigError(f"engine.name: value {name!r} is not a valid module:Class ({problem}); {allowed}")
-    try:
-        obj = getattr(importlib.import_module(mod), attr)
-    except Exception as e:  # noqa: BLE001 - anything the user's module raises on import
-        raise ConfigError(f"engine.name: value {name!r} cannot be imported ({type(e).__name__}: {_one_line(e)}); "
-                          f"{allowed}") from None
-    if not inspect.isclass(obj):
-        raise ConfigError(f"engine.name: value {name!r} is not a class (it is a {type(obj).__name__}); {allowed}")
+def install_validator(fn: Callable[[RunConfig], None]) -> None:
+    """Set the whole-config check that :meth:`RunConfig.from_overrides` runs (``diffgrpo.validation.validate``,
+    installed when the package is imported)."""
+    _VALIDATORS[:] = [fn]
 
 
-def _validate_reward_name(name: str) -> None:
-    if name not in REWARDS and ":" in name:
-        _, _, problem = _split_plugin(name)
-        if problem:
-            raise ConfigError(f"reward.weights: reward {name!r} is not a valid module:function ({problem}); choose "
-                              f"one of {sorted(REWARDS)} or package.module:function")
-    try:
-        resolve_reward(name)  # raises ConfigError for unknown names and failed imports
-    except ConfigError:
-        raise
-    except Exception as e:  # noqa: BLE001 - anything the user's module raises on import
-        raise ConfigError(f"reward.weights: cannot import reward {name!r} ({type(e).__name__}: {_one_line(e)})"
-                          ) from None
-
-
-def _validate_flow(cfg: RunConfig) -> None:
-    _validate_engine_name(cfg.engine.name)
-    if not cfg.reward.weights:
-        raise ConfigError("reward.weights: at least one reward is required, e.g. reward.weights={digit_alignment: 1.0}")
-    for name in cfg.reward.weights:  # each weight is a finite number (checked with the field)
-        _validate_reward_name(str(name))
-    bad = [d for d in cfg.train.digits if not (isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= 9)]
-    if bad or not cfg.train.digits:
-        raise ConfigError(f"train.digits: value {cfg.train.digits!r} must be a non-empty list of digits 0..9")
-    if cfg.sampler.sde_type == "ode" and cfg.engine.name not in FORWARD_ENGINES:
-        raise ConfigError("sampler.sde_type: 'ode' has no exploration noise and cannot be trained; "
-                          "choose one of ['flow_sde', 'dance_sde', 'cps'] (eval.sde_type may be 'ode'), or a "
-                          f"forward-process engine (engine.name in {list(FORWARD_ENGINES)})")
-    if cfg.sampler.num_steps < 2:
-        raise ConfigError("sampler.num_steps: must be >= 2 (the final step is deterministic and never trained)")
-    k_max = cfg.sampler.num_steps - 1
-    size = min(cfg.steps.window_size, k_max)
-    if cfg.steps.window_start > k_max - size:  # a start no window can use, whatever steps.mode
-        raise ConfigError(f"steps.window_start: value {cfg.steps.window_start} is out of range; a window of {size} "
-                          f"steps (steps.window_size={cfg.steps.window_size}) must end within the {k_max} trainable "
-                          f"steps of sampler.num_steps={cfg.sampler.num_steps}: must be <= {k_max - size} "
-                          f"(or -1: a random start per sample)")
-    if cfg.model.name == "diffusers" and not cfg.model.pretrained:
-        raise ConfigError("model.pretrained: required for model.name=diffusers (a local pipeline directory or hub id)")
-    _validate_engine(cfg)
-    pre = cfg.model.pretrained
-    if pre and pre.startswith(("/", "./", "../", "~")) and not _exists(Path(pre).expanduser()):
-        raise ConfigError(f"model.pretrained: path {pre!r} does not exist (give a pipeline directory or a hub id)")
-    if cfg.model.family == "flux" and (cfg.model.negative_prompt or cfg.model.guidance_scale < 1.0):
-        raise ConfigError("model.negative_prompt: FLUX is guidance-distilled (model.guidance_scale feeds its guidance "
-                          "embedding, one forward); negative prompts and true CFG do not apply")
-    if cfg.model.image_size % cfg.model.patch_size:
-        raise ConfigError(f"model.patch_size: {cfg.model.patch_size} must divide model.image_size={cfg.model.image_size}")
-    _validate_rollout_savings(cfg)
-    if cfg.reward.background and cfg.sampler.batch_size == 0:
-        raise ConfigError("reward.background: value True needs sampling micro-batches to overlap with; set "
-                          "sampler.batch_size > 0 (e.g. a quarter of the batch), or reward.background=false")
-
-
-def _validate_rollout_savings(cfg: RunConfig) -> None:
-    """The sliding SDE window needs a fixed window to slide (steps.mode=window, steps.window_start >= 0)."""
-    s = cfg.steps
-    if s.window_shift_every > 0 and (s.mode != "window" or s.window_start < 0):
-        raise ConfigError(f"steps.window_shift_every: value {s.window_shift_every} needs steps.mode=window with "
-                          f"steps.window_start >= 0 (got steps.mode={s.mode}, window_start={s.window_start}); "
-                          "or set it to 0")
-
-
-def selected_per_trajectory(cfg: RunConfig) -> int:
-    """How many steps ``steps.*`` selects per trajectory (the final step is never trained)."""
-    k_max = cfg.sampler.num_steps - 1
-    if cfg.steps.mode == "all":
-        return k_max
-    if cfg.steps.mode == "window":
-        return min(cfg.steps.window_size, k_max)
-    return max(1, min(k_max, math.ceil(cfg.steps.fraction * k_max - 1e-9)))
-
-
-def _validate_engine(cfg: RunConfig) -> None:
-    e = cfg.engine
-    default = EngineConfig()
-    for key, users in ENGINE_KEYS.items():
-        if getattr(e, key) != getattr(default, key) and e.name in ENGINES and e.name not in users:
-            raise ConfigError(f"engine.{key}: does not apply to engine.name={e.name}; it is read only by "
-                              f"{list(users)}; remove it")
-    if e.name == "jagg":
-        n = selected_per_trajectory(cfg)
-        if e.window > n:
-            raise ConfigError(f"engine.window: W={e.window} is larger than the {n} steps selected per trajectory "
-                              f"(steps.mode={cfg.steps.mode}, sampler.num_steps={cfg.sampler.num_steps}); "
-                              f"choose 2 <= W <= {n}")
-    _validate_forward_engine(cfg)
-    _validate_loss_options(cfg)
-    if e.wave_size and cfg.advantage.std_mode == "global":
-        raise ConfigError("engine.wave_size: rollout waves need per-group advantages; advantage.std_mode=global "
-                          "couples every group, so use engine.wave_size=0 (whole batch) or std_mode=group")
-
-
-def _validate_forward_engine(cfg: RunConfig) -> None:
-    """nft / awm own their training units: the step-selection and step-ratio keys do not apply to them."""
-    e = cfg.engine
-    if e.name not in FORWARD_ENGINES:
-        return
-    default = RunConfig()
-    for key in _changed_keys(cfg.steps, default.steps, "steps.") + [
-            k for k in ("loss.clip_range", "loss.kl_flowgrpo_compat", "loss.trust_region", "loss.kl_mask_bound",
-                        "loss.ratio_norm")
-            if getattr(cfg.loss, k.split(".")[1]) != getattr(default.loss, k.split(".")[1])]:
-        alt = {"loss.clip_range": "; awm's ratio clip is engine.awm_clip_range"}.get(key, "")
-        raise ConfigError(f"{key}: does not apply to engine.name={e.name} (a forward-process engine trains "
-                          f"engine.forward_timesteps units per clean sample, not sampler steps){alt}; remove it")
-    T = cfg.sampler.num_steps
-    if e.forward_timesteps > T:
-        raise ConfigError(f"engine.forward_timesteps: value {e.forward_timesteps} is out of range; at most one unit "
-                          f"per grid time: must be <= sampler.num_steps={T} (0 = the paper's recipe)")
-
-
-def _validate_loss_options(cfg: RunConfig) -> None:
-    """The trust-region options of the flow step loss (losses.policy_loss): which combinations make sense."""
-    lo, d = cfg.loss, LossConfig()
-    if lo.trust_region == "clip" and lo.kl_mask_bound != d.kl_mask_bound:
-        raise ConfigError("loss.kl_mask_bound: applies only with loss.trust_region=kl_mask; set it or remove the bound")
-    if lo.trust_region == "kl_mask" and lo.ratio_norm:
-        raise ConfigError("loss.ratio_norm: normalises the ratio the PPO clip acts on; it does not combine with "
-                          "loss.trust_region=kl_mask (use one of them)")
-    if lo.trust_region == "kl_mask" and lo.clip_range != d.clip_range:
-        raise ConfigError("loss.clip_range: does not apply with loss.trust_region=kl_mask (the KL mask replaces the "
-                          "clip); remove it or set loss.trust_region=clip")
-    if (lo.trust_region != "clip" or lo.ratio_norm) and cfg.sampler.cps_flowgrpo_compat:
-        raise ConfigError("loss.trust_region / loss.ratio_norm: need a Gaussian log-density; "
-                          "sampler.cps_flowgrpo_compat=true scores with FlowGRPO's pseudo log-prob (set it to false)")
-    if lo.ratio_norm and cfg.engine.name == "reweight":
-        raise ConfigError("loss.ratio_norm: engine.name=reweight forms the first update from r = 1 without the step "
-                          "loss; use recompute, retain, jagg or single_step with the normalised ratio")
+def _validate(cfg: RunConfig) -> None:
+    if not _VALIDATORS:
+        raise RuntimeError("no config validator installed (import diffgrpo.validation)")
+    _VALIDATORS[0](cfg)

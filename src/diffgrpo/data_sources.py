@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import ConfigError
+from .fileio import read_utf8
 
 HF_PREFIX = "hf:"
 BUILTIN_PREFIX = "builtin:"
@@ -39,21 +40,6 @@ BUILTIN_DIR = Path(__file__).resolve().parent / "prompts"
 _CHECK_DATA = contextvars.ContextVar("diffgrpo_check_data", default=True)
 _HF_BUILDERS = ("json", "csv", "parquet", "text")
 _SPLIT_RE = re.compile(r"^[A-Za-z_][\w-]*$")
-
-
-def read_utf8(p: Path, key: str, spec: str | None = None) -> str:
-    """The UTF-8 text of ``p`` (a byte-order mark is dropped); an unreadable or non-UTF-8 file is a one-line
-    ConfigError naming ``key`` and the file as the user gave it (``spec``, default the path)."""
-    spec = str(p) if spec is None else spec
-    try:
-        data = p.read_bytes()
-    except OSError as e:
-        raise ConfigError(f"{key}: file {spec!r} cannot be read ({e.strerror or e})") from None
-    try:
-        return data.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{key}: file {spec!r} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset "
-                          f"{e.start}); save it as UTF-8") from None
 
 
 def _record(row: dict, column: str, where: str, spec: str, key: str) -> dict:

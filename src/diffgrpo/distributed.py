@@ -88,7 +88,7 @@ def launched_world_size() -> int:
 
 def resolve_mode(mode: str, world_size: int) -> str:
     """The data-parallel mode a run uses: ``auto`` is ``ddp`` when ``world_size`` > 1 processes were launched and
-    ``none`` in one process; explicit modes are kept (config.validate refuses ``none`` with world_size > 1)."""
+    ``none`` in one process; explicit modes are kept (validation.validate refuses ``none`` with world_size > 1)."""
     if mode == "auto":
         return "ddp" if world_size > 1 else "none"
     return mode
@@ -97,7 +97,7 @@ def resolve_mode(mode: str, world_size: int) -> str:
 def resolve_device(value: str, local_rank: int | None = None) -> str:
     """The torch device ``model.device`` names. ``auto``: the accelerator when there is one: ``cuda:<local_rank>``
     under a launcher (``local_rank`` given) or ``cuda`` in one process when CUDA is available, else ``mps`` when
-    available, else ``cpu``. Any other value is returned unchanged (config.validate checks it)."""
+    available, else ``cpu``. Any other value is returned unchanged (validation.validate checks it)."""
     if value != "auto":
         return value
     if torch.cuda.is_available():
@@ -281,7 +281,11 @@ def fully_shard_each(modules: list[torch.nn.Module], *, param_dtype: torch.dtype
     """``fully_shard`` each module in order (blocks before the module holding them) on one mesh over all ranks, with
     the policies of :func:`wrap_fsdp2`. A collective; call under a process group."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import (
+        CPUOffloadPolicy,
+        MixedPrecisionPolicy,
+        fully_shard,
+    )
 
     if isinstance(param_dtype, str):  # dist.fsdp_param_dtype
         param_dtype = DTYPES[param_dtype]
@@ -416,7 +420,11 @@ def load_sharded(module: torch.nn.Module, optimizer: torch.optim.Optimizer, dire
 def load_sharded_model(module: torch.nn.Module, directory) -> None:
     """The weights alone of a :func:`save_sharded` checkpoint into ``module`` (e.g. for an export: no optimizer is
     built): ``dcp.load`` of the ``model`` entries into this process's layout, then ``set_model_state_dict``."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        set_model_state_dict,
+    )
 
     opts = StateDictOptions(ignore_frozen_params=True)
     tensors = {"model": _untied(get_model_state_dict(module, options=opts))}

@@ -9,6 +9,27 @@ import contextlib
 
 import torch
 
+from . import distributed
+
+
+@contextlib.contextmanager
+def swapped(params: list[torch.Tensor], values: list[torch.Tensor], module=None):
+    """Inside the block ``params`` hold ``values`` (copied in place; the live values are restored after, also on an
+    error). ``module`` (FSDP2) is resharded after each copy so that its forwards gather the swapped values. The one
+    parameter swap: EMA weights for evaluation, NFT's θ_old for sampling."""
+    with torch.no_grad():
+        live = [p.detach().clone() for p in params]
+        for p, v in zip(params, values):
+            p.copy_(v)
+    distributed.reshard(module)
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for p, v in zip(params, live):
+                p.copy_(v)
+        distributed.reshard(module)
+
 
 class EMA:
     def __init__(self, named_params: dict[str, torch.nn.Parameter], decay: float):
@@ -23,18 +44,9 @@ class EMA:
         for n, p in self.params.items():
             self.shadow[n].lerp_(p.detach(), 1.0 - self.decay)
 
-    @contextlib.contextmanager
-    def swapped_in(self):
-        live = {n: p.detach().clone() for n, p in self.params.items()}
-        with torch.no_grad():
-            for n, p in self.params.items():
-                p.copy_(self.shadow[n])
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for n, p in self.params.items():
-                    p.copy_(live[n])
+    def swapped_in(self) -> contextlib.AbstractContextManager:
+        """The EMA weights in the parameters for the block (:func:`swapped`)."""
+        return swapped(list(self.params.values()), [self.shadow[n] for n in self.params])
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {n: t.clone() for n, t in self.shadow.items()}

@@ -28,13 +28,13 @@ from pathlib import Path
 from . import distributed
 from .cache import save_dir_atomic
 from .checkpoint import is_complete, latest_complete, load_checkpoint
-from .cli import _distrust, _fresh_device
 from .config import RunConfig, from_dict
 from .errors import ConfigError
 from .models import POLICIES
 from .models.hf_masked_lm import build_tiny_mlm_policy
 from .models.tiny import build_tiny_policy
 from .runlog import read_metrics
+from .saved_config import distrust, fresh_device
 
 BUILT_IN = {"tiny": build_tiny_policy, "tiny_mlm": build_tiny_mlm_policy}
 
@@ -114,7 +114,7 @@ def _load_weights(policy, ck: dict) -> None:
 def _config(ckpt: Path, overrides: list[str]):
     data = json.loads((ckpt / "state.json").read_text())["config"]
     raw = json.loads(json.dumps(data))  # for the model card, before code-naming keys are dropped
-    data = _fresh_device(_distrust(data, overrides, path=ckpt / "state.json", command="export", strict=False),
+    data = fresh_device(distrust(data, overrides, path=ckpt / "state.json", command="export", strict=False),
                          overrides)
     if isinstance(data.get("log"), dict):
         data["log"]["output_dir"] = ""

@@ -6,12 +6,12 @@ Three layers, each a protocol declared in one place:
   family  ``Family`` (here): planning a batch, the rollout, decoding, rewards, the loss weights (through
           ``loss_weights.grpo_loss_weights``, shared by every family), evaluation and its own RNG streams.
           ``flow.family.FlowFamily`` (flow-matching image/video transformers) and ``dllm.family.DLLMFamily``
-          (masked diffusion LMs) implement it as equals; ``trainer.FAMILIES`` is the registry.
+          (masked diffusion LMs) implement it as equals; ``families.FAMILIES`` is the registry.
   engine  how the gradient of a rollout is formed: a flow ``engines.base.Engine``, or a masked LM's
           likelihood method (``dllm.grpo.TokenGRPO``), called by its family's ``backward``.
 
-A new family is one module implementing :class:`Family`, one entry in ``trainer.FAMILIES`` and its model names
-in ``config.MODEL_FAMILIES``; the loop does not change.
+A new family is one package implementing :class:`Family` (with its ``rules.py``), one entry in
+``families.FAMILIES`` and its model names in ``config.MODEL_FAMILIES``; the loop does not change.
 """
 from __future__ import annotations
 
@@ -21,6 +21,8 @@ from typing import Any, Callable, Protocol
 
 import torch
 
+from .config import RunConfig
+from .distributed import WorldInfo
 from .types import EngineStats, Rollout
 
 
@@ -41,7 +43,13 @@ class Family(Protocol):
     guards: Any  # guards.EvalGuards: eval/guard/* of every evaluation, and the base model's statistics
 
     @staticmethod
-    def check_world(cfg, world) -> None:
+    def check_config(cfg: RunConfig) -> None:
+        """Refuse (ConfigError) a combination of keys this family cannot train (its ``rules.py``); run by
+        ``validation.validate`` before any model loads, after the per-field and machine checks."""
+        ...
+
+    @staticmethod
+    def check_world(cfg: RunConfig, world: WorldInfo) -> None:
         """Refuse (ConfigError) a data-parallel layout this family cannot run; called before the model loads."""
         ...
 

@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
-from .errors import TrainingError
+from .errors import ConfigError, TrainingError
 
 
 def atomic_write(path: str | Path, data: bytes | str | Callable[[Path], None]) -> Path:
@@ -93,4 +93,19 @@ def read_jsonl(path: str | Path, log=print) -> list[dict]:
     return rows
 
 
-__all__ = ["atomic_write", "append_line", "read_jsonl"]
+def read_utf8(p: Path, key: str, spec: str | None = None) -> str:
+    """The UTF-8 text of ``p`` (a byte-order mark is dropped); an unreadable or non-UTF-8 file is a one-line
+    ConfigError naming ``key`` and the file as the user gave it (``spec``, default the path)."""
+    spec = str(p) if spec is None else spec
+    try:
+        data = p.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"{key}: file {spec!r} cannot be read ({e.strerror or e})") from None
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{key}: file {spec!r} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset "
+                          f"{e.start}); save it as UTF-8") from None
+
+
+__all__ = ["atomic_write", "append_line", "read_jsonl", "read_utf8"]

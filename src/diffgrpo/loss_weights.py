@@ -25,6 +25,7 @@ import torch
 
 from . import distributed
 from .advantages import group_advantages, per_reward_advantages
+from .config import AdvantageConfig
 from .losses import aggregation_weights
 
 
@@ -39,7 +40,7 @@ class GRPOWeights:
     stats: dict[str, float]  # advantage statistics (frac_reward_zero_std, adv_clip_frac, …, trained_units: all ranks')
 
 
-def grpo_loss_weights(rewards: torch.Tensor, group_ids: torch.Tensor, planned: torch.Tensor, *, adv_cfg,
+def grpo_loss_weights(rewards: torch.Tensor, group_ids: torch.Tensor, planned: torch.Tensor, *, adv_cfg: AdvantageConfig,
                       aggregation: str, world: distributed.WorldInfo, spread: bool = False,
                       std_mode: str | None = None, baseline: str | None = None,
                       sample_weights: Callable[[torch.Tensor], torch.Tensor | None] | None = None,

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import base64
 import html
-import io
 import json
 import statistics
 from pathlib import Path
 
 from . import guards
 from .fileio import atomic_write
-from .runlog import read_metrics
+from .runlog import curve_png, read_metrics
 
 
 def _png_b64(path: Path) -> str | None:
@@ -19,32 +18,8 @@ def _png_b64(path: Path) -> str | None:
 
 
 def _plot_b64(rows: list[dict], keys: list[str], title: str) -> str | None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.2))
-    drew = False
-    for k in keys:
-        pts = [(r["iteration"], r[k]) for r in rows if isinstance(r.get(k), (int, float)) and "iteration" in r]
-        if pts:
-            xs, ys = zip(*pts)
-            ax.plot(xs, ys, marker="o" if len(pts) < 20 else None, label=k)
-            drew = True
-    if not drew:
-        plt.close(fig)
-        return None
-    ax.set_title(title)
-    ax.set_xlabel("iteration")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100)
-    plt.close(fig)
-    return base64.b64encode(buf.getvalue()).decode()
-
+    png = curve_png(rows, keys, title, size=(6, 3.2), dpi=100, fontsize=7)
+    return base64.b64encode(png).decode() if png is not None else None
 
 def _summary(run: Path) -> dict:
     """The run's summary.json (empty when absent or unreadable)."""

@@ -10,6 +10,7 @@ run's last write, the end evaluation) finishes every tracker once, however the r
 from __future__ import annotations
 
 import importlib.util
+import io
 import json
 import math
 import secrets
@@ -211,27 +212,40 @@ def save_grid(images: torch.Tensor, path: Path, nrow: int, scale: int = 4, capti
     atomic_write(path, lambda tmp: img.save(tmp, format=fmt))
 
 
-def plot_curves(rows: list[dict], path: Path, keys: tuple[str, ...], title: str = "") -> bool:
-    """Line plot of ``keys`` against iteration for the rows that have them. Returns False if nothing to plot."""
+def curve_png(rows: list[dict], keys: tuple[str, ...] | list[str], title: str = "", *, size: tuple[float, float] = (6, 3.5),
+              dpi: int = 110, fontsize: int = 8) -> bytes | None:
+    """PNG bytes of a line plot of ``keys`` against iteration for the rows that have them (numeric values), or None
+    when there is nothing to plot. The one curve plotter: run outputs (:func:`plot_curves`) and reports use it."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    fig, ax = plt.subplots(figsize=size)
     drew = False
     for key in keys:
-        pts = [(r["iteration"], r[key]) for r in rows if r.get(key) is not None and "iteration" in r]
+        pts = [(r["iteration"], r[key]) for r in rows if isinstance(r.get(key), (int, float)) and "iteration" in r]
         if pts:
             xs, ys = zip(*pts)
             ax.plot(xs, ys, marker="o" if len(pts) < 20 else None, label=key)
             drew = True
+    png = None
     if drew:
         ax.set_xlabel("iteration")
         ax.set_title(title)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=fontsize)
         ax.grid(alpha=0.3)
         fig.tight_layout()
-        atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
+        buf = io.BytesIO()
+        fig.savefig(buf, dpi=dpi, format="png")
+        png = buf.getvalue()
     plt.close(fig)
-    return drew
+    return png
+
+
+def plot_curves(rows: list[dict], path: Path, keys: tuple[str, ...], title: str = "") -> bool:
+    """Line plot of ``keys`` against iteration written to ``path``. Returns False if nothing to plot."""
+    png = curve_png(rows, keys, title)
+    if png is not None:
+        atomic_write(path, png)
+    return png is not None

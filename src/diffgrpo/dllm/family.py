@@ -25,6 +25,7 @@ import time
 import torch
 
 from .. import distributed, guards
+from ..config import RunConfig
 from ..engines.base import EngineContext
 from ..errors import ConfigError
 from ..family import Sync
@@ -32,11 +33,11 @@ from ..loss_weights import apply, grpo_loss_weights
 from ..models.hf_masked_lm import shard_blocks
 from ..rewards.verifiers import d1_format_components
 from ..samplers import masked
+from ..tasks import Example, examples_from_file, get_task
 from ..types import EngineStats, Rollout, TokenTrajectory
-from . import credit
+from . import credit, rules
 from .grpo import METHODS, TokenGRPO
 from .likelihood import completion_mask
-from .tasks import Example, examples_from_file, get_task
 
 SAMPLER_RECORDS = ("commit_step", "confidence", "entropy", "margin", "block_rank", "order", "step_log_prob")
 
@@ -46,7 +47,7 @@ class DLLMFamily:
 
     name = "dllm"
 
-    def __init__(self, cfg, policy, world: distributed.WorldInfo, *, log=print):
+    def __init__(self, cfg: RunConfig, policy, world: distributed.WorldInfo, *, log=print):
         self.cfg, self.d, self.daca = cfg, cfg.dllm, cfg.daca
         self.policy, self.world, self.log = policy, world, log
         self.device = policy.device
@@ -82,8 +83,10 @@ class DLLMFamily:
         self.guards = guards.EvalGuards.for_text(cfg, log=lambda *a: self.log(*a))  # eval/guard/*
 
     # ------------------------------------------------------------------ the family protocol
+    check_config = staticmethod(rules.check)  # the family's rules (rules.py), run by validation.validate
+
     @staticmethod
-    def check_world(cfg, world) -> None:
+    def check_world(cfg: RunConfig, world: distributed.WorldInfo) -> None:
         if world.world_size > 1 and cfg.dist.mode == "fsdp2" and cfg.model.name != "hf_masked_lm":
             raise ConfigError(f"dist.mode=fsdp2 for masked diffusion LMs shards the blocks of model.name=hf_masked_lm; "
                               f"the built-in {cfg.model.name} trains data parallel with dist.mode=ddp")

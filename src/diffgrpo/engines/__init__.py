@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 
+from ..config import EngineConfig
 from ._steps import SELECTION_MODES, select_steps
 from .awm import AWMEngine
 from .base import Engine, EngineContext
@@ -31,7 +32,7 @@ ENGINES: dict[str, type] = {
 FORWARD_ENGINES = ("nft", "awm")
 
 
-def build_engine(cfg) -> Engine:
+def build_engine(cfg: EngineConfig) -> Engine:
     """Engine instance for ``cfg.name`` (registry key or ``module:Class``)."""
     name = cfg.name
     if name in ENGINES:

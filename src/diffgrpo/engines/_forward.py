@@ -16,7 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import distributed
+from ..config import RunConfig, changed_keys
+from ..ema import swapped
+from ..errors import ConfigError
 from ..types import BatchPlan
 from .base import take_cond
 
@@ -28,6 +30,24 @@ class ForwardState:
     idx: torch.Tensor  # (B, K) long: each unit's time as an index k of the σ grid (t = σ_k, k < T so t > 0)
     noise: torch.Tensor  # (B, K, *S) standard-normal ε of each unit
     old_log_prob: torch.Tensor | None = None  # (B, K) awm: ℓ_old of the first update (for inner epochs > 0)
+
+
+def check_forward_config(cfg: RunConfig) -> None:
+    """nft / awm own their training units: the step-selection and step-ratio keys do not apply to them."""
+    e = cfg.engine
+    default = RunConfig()
+    for key in changed_keys(cfg.steps, default.steps, "steps.") + [
+            k for k in ("loss.clip_range", "loss.kl_flowgrpo_compat", "loss.trust_region", "loss.kl_mask_bound",
+                        "loss.ratio_norm")
+            if getattr(cfg.loss, k.split(".")[1]) != getattr(default.loss, k.split(".")[1])]:
+        alt = {"loss.clip_range": "; awm's ratio clip is engine.awm_clip_range"}.get(key, "")
+        raise ConfigError(f"{key}: does not apply to engine.name={e.name} (a forward-process engine trains "
+                          f"engine.forward_timesteps units per clean sample, not sampler steps){alt}; remove it")
+    T = cfg.sampler.num_steps
+    if e.forward_timesteps > T:
+        raise ConfigError(f"engine.forward_timesteps: value {e.forward_timesteps} is out of range; at most one unit "
+                          f"per grid time: must be <= sampler.num_steps={T} (0 = the paper's recipe)")
+
 
 
 # ---------------------------------------------------------------------- timestep draws (pure)
@@ -138,25 +158,12 @@ class OldPolicy:
                 o.mul_(d).add_(p.detach(), alpha=1 - d)
             self.current = d == 0.0
 
-    @contextlib.contextmanager
-    def active(self, params: list[torch.Tensor], module=None):
-        """Inside the block the parameters hold θ_old (copied in place, restored after); ``module`` is resharded
-        (FSDP2) so that its forwards gather the swapped values. No-op while θ_old equals θ."""
+    def active(self, params: list[torch.Tensor], module=None) -> contextlib.AbstractContextManager:
+        """Inside the block the parameters hold θ_old (``ema.swapped``: copied in place, restored after; ``module``
+        resharded under FSDP2). No-op while θ_old equals θ."""
         if self.values is None or self.current:
-            yield
-            return
-        with torch.no_grad():
-            saved = [p.detach().clone() for p in params]
-            for p, o in zip(params, self.values):
-                p.copy_(o)
-        distributed.reshard(module)
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for p, s in zip(params, saved):
-                    p.copy_(s)
-            distributed.reshard(module)
+            return contextlib.nullcontext()
+        return swapped(params, self.values, module)
 
 
 @contextlib.contextmanager

@@ -14,6 +14,8 @@ import math
 
 import torch
 
+from ..config import RunConfig
+
 SELECTION_MODES = ("all", "first_fraction", "random", "window")
 
 
@@ -46,3 +48,13 @@ def select_steps(mode: str, num_steps: int, batch: int, *, fraction: float = 1.0
     else:
         raise ValueError(f"steps.mode must be one of {SELECTION_MODES}, got {mode!r}")
     return sel
+
+
+def selected_per_trajectory(cfg: RunConfig) -> int:
+    """How many steps ``steps.*`` selects per trajectory (the final step is never trained)."""
+    k_max = cfg.sampler.num_steps - 1
+    if cfg.steps.mode == "all":
+        return k_max
+    if cfg.steps.mode == "window":
+        return min(cfg.steps.window_size, k_max)
+    return max(1, min(k_max, math.ceil(cfg.steps.fraction * k_max - 1e-9)))

@@ -34,10 +34,12 @@ import contextlib
 
 import torch
 
+from ..config import EngineConfig
 from ..losses import aggregate, ppo_clip_loss
 from ..types import BatchPlan, EngineStats, Rollout
 from ._forward import (
     ForwardState,
+    check_forward_config,
     clip_advantages,
     conditional_only,
     count_unit_backward,
@@ -48,7 +50,13 @@ from ._forward import (
     unit_inputs,
     velocity_kl,
 )
-from .base import EngineContext, engine_run, no_rollout_hooks, one_wave, unit_sample_weights
+from .base import (
+    EngineContext,
+    engine_run,
+    no_rollout_hooks,
+    plain_sampling,
+    unit_sample_weights,
+)
 
 AWM_UNITS = 6  # the released recipe's train_timesteps
 AWM_TIME_FRACTION = 0.9  # the released recipe's timestep_fraction: times from grid indices 1 … ⌊0.9·T⌋
@@ -76,8 +84,10 @@ class AWMEngine:
     Hooks: :meth:`plan` (units and their draws; ODE rollout) and :meth:`backward` (the loss above)."""
 
     name = "awm"
+    config_keys = ("forward_timesteps", "forward_rollout", "adv_clip", "awm_weighting", "awm_clip_range")  # the engine.* keys it reads besides name and micro_batch_size
+    check_config = staticmethod(check_forward_config)
 
-    def __init__(self, cfg):
+    def __init__(self, cfg: EngineConfig):
         self.cfg = cfg
         self.adv_clip = float(cfg.adv_clip)
         self.clip_range = float(cfg.awm_clip_range)
@@ -95,7 +105,8 @@ class AWMEngine:
         times = stratified_grid_times(T, B, self.num_units(T), AWM_TIME_FRACTION, generator)
         plan_units(plan, times, ode=self.ode, generator=generator)
 
-    collect = one_wave
+    wave_size = 0
+    sampling = plain_sampling
     rollout_hooks = no_rollout_hooks
     sample_weights = unit_sample_weights
 

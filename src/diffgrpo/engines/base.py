@@ -14,6 +14,7 @@ from typing import Any, Callable, Protocol
 
 import torch
 
+from ..config import RunConfig
 from ..losses import aggregate, gaussian_step_kl, policy_loss
 from ..samplers import flow_sde
 from ..types import BatchPlan, EngineStats, FlowTrajectory, Rollout, RolloutHooks
@@ -53,25 +54,35 @@ class Engine(Protocol):
 
     1. ``plan(plan, generator)`` before sampling: amend the :class:`~diffgrpo.types.BatchPlan` (trained steps,
        SDE/ODE steps, ``plan.engine_state``), drawing any randomness from ``generator`` (the step stream).
-    2. ``collect(ctx, plan, rollout)``: run the batch through ``rollout(plan) -> Rollout`` (sampling, rewards,
-       loss weights) once, or in waves with each wave's first-update gradient accumulated into ``.grad`` before
-       the next (Retain). → (rollout, stats of the first update already in ``.grad``, or None).
-    3. ``rollout_hooks(ctx, plan)`` (called by ``rollout``): grad-enabled rollout forwards the engine keeps or
-       back-propagates during sampling, or None. Their state rides on ``plan.engine_state``.
+    2. ``sampling(ctx)``: the context the family samples the batch in (e.g. NFT's θ_old swapped in); the family
+       samples in one piece, or, when the engine's ``wave_size`` > 0, in waves of that many complete groups with
+       each wave's ``backward(ctx, wave, 0)`` accumulated into ``.grad`` before the next wave samples (Retain).
+    3. ``rollout_hooks(ctx, plan, cond)`` (called while sampling, with the batch's encoded conditioning):
+       grad-enabled rollout forwards the engine keeps or back-propagates during sampling, or None. Their state
+       rides on ``plan.engine_state``.
     4. ``sample_weights(ctx, traj, trained)`` (called when the loss weights are formed): per-sample loss
        multipliers (B,) from the trained (B, T) steps, or None.
     5. ``backward(ctx, rollout, epoch)``: accumulate ∇ Σ w·L into ``.grad`` (epoch 0 = first update after the
        rollout); never steps the optimizer and never rescales the loss.
+
+    Configuration: ``config_keys`` names the ``engine.*`` keys the engine reads besides ``name`` and
+    ``micro_batch_size`` (any other one set is refused), and ``check_config(cfg)`` (a static method) raises
+    ConfigError for a combination the engine cannot train; both run before any model loads.
     """
 
     name: str
+    config_keys: tuple[str, ...]
+    wave_size: int  # complete groups per rollout wave; 0 = the whole batch in one piece
+
+    @staticmethod
+    def check_config(cfg: RunConfig) -> None: ...
 
     def plan(self, plan: BatchPlan, generator: torch.Generator) -> None: ...
 
-    def collect(self, ctx: EngineContext, plan: BatchPlan,
-                rollout: Callable[[BatchPlan], Rollout]) -> tuple[Rollout, EngineStats | None]: ...
+    def sampling(self, ctx: EngineContext) -> contextlib.AbstractContextManager: ...
 
-    def rollout_hooks(self, ctx: EngineContext, plan: BatchPlan) -> RolloutHooks | None: ...
+    def rollout_hooks(self, ctx: EngineContext, plan: BatchPlan,
+                      cond: dict[str, torch.Tensor]) -> RolloutHooks | None: ...
 
     def sample_weights(self, ctx: EngineContext, traj: FlowTrajectory,
                        trained: torch.Tensor) -> torch.Tensor | None: ...
@@ -80,18 +91,22 @@ class Engine(Protocol):
 
 
 # The no-op hooks, for an engine to name in its class body where a hook does not apply (``plan = keep_plan``):
-# every engine still states all five hooks, without inheriting an implementation.
+# every engine still states all of its hooks, without inheriting an implementation.
+def no_config_rules(cfg: RunConfig) -> None:
+    """``Engine.check_config`` of an engine with no rules beyond its keys' own."""
+
+
 def keep_plan(engine, plan: BatchPlan, generator: torch.Generator) -> None:
     """``Engine.plan`` of an engine that trains the family's plan as it is."""
 
 
-def one_wave(engine, ctx: EngineContext, plan: BatchPlan,
-             rollout: Callable[[BatchPlan], Rollout]) -> tuple[Rollout, EngineStats | None]:
-    """``Engine.collect`` of an engine that samples a batch in one piece: the rollout, no gradient yet."""
-    return rollout(plan), None
+def plain_sampling(engine, ctx: EngineContext) -> contextlib.AbstractContextManager:
+    """``Engine.sampling`` of an engine that samples with the policy as it is."""
+    return contextlib.nullcontext()
 
 
-def no_rollout_hooks(engine, ctx: EngineContext, plan: BatchPlan) -> RolloutHooks | None:
+def no_rollout_hooks(engine, ctx: EngineContext, plan: BatchPlan,
+                     cond: dict[str, torch.Tensor]) -> RolloutHooks | None:
     """``Engine.rollout_hooks`` of an engine that does no work during sampling."""
     return None
 

@@ -62,12 +62,23 @@ from dataclasses import dataclass
 
 import torch
 
+from ..config import EngineConfig, RunConfig
+from ..errors import ConfigError
 from ..types import BatchPlan, EngineStats, Rollout, RolloutHooks
-from .base import (EngineContext, StatsAccumulator, chunks, count_backward, engine_run, keep_plan, one_wave, step_loss,
-                   take_cond, unit_sample_weights)
-from .recompute import recompute_pairs
-from .retain import RetainedSteps, retain_hooks, usable_store
-
+from ._graph import RetainedSteps, recompute_pairs, retain_hooks, usable_store
+from ._steps import selected_per_trajectory
+from .base import (
+    EngineContext,
+    StatsAccumulator,
+    chunks,
+    count_backward,
+    engine_run,
+    keep_plan,
+    plain_sampling,
+    step_loss,
+    take_cond,
+    unit_sample_weights,
+)
 
 # ----------------------------------------------------------------------------------------------------------
 # pure helpers
@@ -145,13 +156,25 @@ class Window:
 # engine
 # ----------------------------------------------------------------------------------------------------------
 
+def check_jagg_config(cfg: RunConfig) -> None:
+    """A window of W steps must fit in the steps selected per trajectory."""
+    e = cfg.engine
+    n = selected_per_trajectory(cfg)
+    if e.window > n:
+        raise ConfigError(f"engine.window: W={e.window} is larger than the {n} steps selected per trajectory "
+                          f"(steps.mode={cfg.steps.mode}, sampler.num_steps={cfg.sampler.num_steps}); "
+                          f"choose 2 <= W <= {n}")
+
+
 class JaggEngine:
     """JAGG gradient engine (see the module docstring). Config: ``window``, ``jagg_frac``, ``jagg_min_score``."""
 
     name = "jagg"
+    config_keys = ("window", "jagg_frac", "jagg_min_score", "evaluation")  # the engine.* keys it reads besides name and micro_batch_size
+    check_config = staticmethod(check_jagg_config)
     alpha_fn = staticmethod(sigma_weights)  # (W,) σ values → (W,) α
 
-    def __init__(self, cfg):
+    def __init__(self, cfg: EngineConfig):
         self.cfg = cfg
         self.window = int(cfg.window)
         self.jagg_frac = float(cfg.jagg_frac)
@@ -166,15 +189,17 @@ class JaggEngine:
     # -- planning ------------------------------------------------------------------------------------------
 
     plan = keep_plan
-    collect = one_wave
+    wave_size = 0
+    sampling = plain_sampling
     sample_weights = unit_sample_weights
 
-    def rollout_hooks(self, ctx: EngineContext, plan: BatchPlan) -> RolloutHooks | None:
+    def rollout_hooks(self, ctx: EngineContext, plan: BatchPlan,
+                      cond: dict[str, torch.Tensor]) -> RolloutHooks | None:
         """``evaluation=retain``: keep the rollout graphs of the window endpoints (from ``plan.selected``) in a
         :class:`RetainedSteps` on ``plan.engine_state``."""
         if self.evaluation != "retain":
             return None
-        hooks, plan.engine_state = retain_hooks(ctx, plan, anchor_mask(plan.selected, self.window))
+        hooks, plan.engine_state = retain_hooks(ctx, cond, anchor_mask(plan.selected, self.window))
         return hooks
 
     def windows(self, rollout: Rollout) -> list[Window]:

@@ -43,11 +43,13 @@ import contextlib
 
 import torch
 
+from ..config import EngineConfig
 from ..losses import aggregate
 from ..types import BatchPlan, EngineStats, Rollout
 from ._forward import (
     ForwardState,
     OldPolicy,
+    check_forward_config,
     clip_advantages,
     conditional_only,
     count_unit_backward,
@@ -58,7 +60,13 @@ from ._forward import (
     unit_inputs,
     velocity_kl,
 )
-from .base import EngineContext, engine_run, no_rollout_hooks, trainable_params, unit_sample_weights
+from .base import (
+    EngineContext,
+    engine_run,
+    no_rollout_hooks,
+    trainable_params,
+    unit_sample_weights,
+)
 
 NFT_TIME_FRACTION = 0.99  # the released recipe's timestep_fraction: ⌊0.99·T⌋ grid times per sample
 
@@ -91,12 +99,14 @@ class NFTEngine:
     """DiffusionNFT. Config: ``engine.nft_beta``, ``engine.adv_clip``, ``engine.forward_timesteps``,
     ``engine.forward_rollout``, ``engine.old_decay_rate``, ``engine.old_decay_max``; ``loss.beta`` (KL).
 
-    Hooks: :meth:`plan` (units and their draws; ODE rollout), :meth:`collect` (EMA step of θ_old, then the rollout
+    Hooks: :meth:`plan` (units and their draws; ODE rollout), :meth:`sampling` (EMA step of θ_old, then the rollout
     with θ_old), :meth:`backward` (the loss above)."""
 
     name = "nft"
+    config_keys = ("forward_timesteps", "forward_rollout", "adv_clip", "nft_beta", "old_decay_rate", "old_decay_max")  # the engine.* keys it reads besides name and micro_batch_size
+    check_config = staticmethod(check_forward_config)
 
-    def __init__(self, cfg):
+    def __init__(self, cfg: EngineConfig):
         self.cfg = cfg
         self.beta = float(cfg.nft_beta)
         self.adv_clip = float(cfg.adv_clip)
@@ -112,11 +122,14 @@ class NFTEngine:
         times = grid_times(T, B, self.num_units(T), generator)
         plan_units(plan, times, ode=self.ode, generator=generator)
 
-    def collect(self, ctx: EngineContext, plan: BatchPlan, rollout) -> tuple[Rollout, EngineStats | None]:
-        """θ_old ← EMA step (θ_old = θ on the first call), then sample the batch with θ_old."""
+    wave_size = 0
+
+    @contextlib.contextmanager
+    def sampling(self, ctx: EngineContext):
+        """θ_old ← EMA step (θ_old = θ on the first call), then the batch is sampled with θ_old."""
         self.old.update(trainable_params(ctx), self.cfg.old_decay_rate, self.cfg.old_decay_max)
         with self.old.active(trainable_params(ctx), ctx.policy.forward_module):
-            return rollout(plan), None
+            yield
 
     rollout_hooks = no_rollout_hooks
     sample_weights = unit_sample_weights

@@ -11,60 +11,34 @@ on top of the rollout's T no-grad forwards. Steps are processed one at a time, i
 """
 from __future__ import annotations
 
-import contextlib
-
-import torch
-
+from ..config import EngineConfig
 from ..types import EngineStats, Rollout
-from .base import (EngineContext, StatsAccumulator, chunks, count_backward, engine_run, keep_plan, no_rollout_hooks,
-                   one_wave, reference_velocity, step_loss, take_cond, unit_sample_weights)
-
-
-def recompute_pairs(ctx: EngineContext, rollout: Rollout, stats: EngineStats, acc: StatsAccumulator,
-                    pairs: torch.Tensor, *, last_backward: bool = True) -> None:
-    """Exact per-step backward for the (trajectory, step) pairs in the boolean mask ``pairs`` (B, T).
-
-    Shared by engines that fall back to exact treatment for some steps. Gradient sync is suppressed on every
-    backward but the last one when ``last_backward`` (otherwise on all of them).
-    """
-    work = []
-    for k in range(rollout.traj.num_steps):
-        for idx in chunks(pairs[:, k].nonzero().flatten(), ctx.micro_batch_size):
-            work.append((k, idx))
-    for j, (k, idx) in enumerate(work):
-        v_ref = reference_velocity(ctx, rollout, idx, k)
-        sig = rollout.traj.sigmas[k].expand(len(idx))
-        final = last_backward and j == len(work) - 1
-        with (torch.enable_grad(), (contextlib.nullcontext() if final else ctx.no_sync())):
-            v = ctx.policy.velocity(rollout.traj.xs[idx, k], sig, take_cond(rollout.traj.cond, idx))  # (n, *S) with graph
-            loss, terms = step_loss(ctx, rollout, idx, k, v, v_ref)
-            loss.backward()
-        count_backward(ctx, stats, len(idx))
-        acc.add(terms)
-
-
-def recompute_fallback(ctx: EngineContext, rollout: Rollout, name: str) -> EngineStats:
-    """Exact recompute of every selected pair, reported as engine ``name`` with ``fallback_recompute = 1``.
-
-    Used by the recompute-free engines once θ has moved away from the rollout's θ_old (inner epochs > 0)."""
-    acc = StatsAccumulator()
-    with engine_run(ctx, name) as stats:
-        recompute_pairs(ctx, rollout, stats, acc, rollout.selected)
-    stats.metrics.update(acc.metrics())
-    stats.metrics["fallback_recompute"] = 1.0
-    return stats
+from ._graph import recompute_pairs
+from .base import (
+    EngineContext,
+    StatsAccumulator,
+    engine_run,
+    keep_plan,
+    no_config_rules,
+    no_rollout_hooks,
+    plain_sampling,
+    unit_sample_weights,
+)
 
 
 class RecomputeEngine:
     """The baseline (see the module docstring). No plan, rollout or weighting hooks: those are no-ops."""
 
     name = "recompute"
+    config_keys = ()  # the engine.* keys it reads besides name and micro_batch_size
+    check_config = staticmethod(no_config_rules)
 
-    def __init__(self, cfg=None):
+    def __init__(self, cfg: EngineConfig | None = None):
         self.cfg = cfg
 
     plan = keep_plan
-    collect = one_wave
+    wave_size = 0
+    sampling = plain_sampling
     rollout_hooks = no_rollout_hooks
     sample_weights = unit_sample_weights
 

@@ -31,12 +31,22 @@ import time
 import torch
 
 from .. import distributed
+from ..config import EngineConfig, RunConfig
+from ..errors import ConfigError
 from ..samplers import flow_sde
 from ..types import BatchPlan, EngineStats, Rollout, RolloutHooks
+from ._graph import recompute_fallback, recompute_pairs
 from ._per_sample import PerSampleGrads, per_sample_grads_loop
-from .base import (EngineContext, StatsAccumulator, engine_run, keep_plan, one_wave, take_cond, trainable_params,
-                   unit_sample_weights)
-from .recompute import recompute_fallback, recompute_pairs
+from .base import (
+    EngineContext,
+    StatsAccumulator,
+    engine_run,
+    keep_plan,
+    plain_sampling,
+    take_cond,
+    trainable_params,
+    unit_sample_weights,
+)
 
 
 class GradBuffers:
@@ -88,19 +98,30 @@ def combine(pg: torch.Tensor, kl: torch.Tensor | None, adv: torch.Tensor, c: tor
     return g
 
 
+def check_reweight_config(cfg: RunConfig) -> None:
+    """The first update is formed from r = 1 without the step loss: no normalised ratio."""
+    if cfg.loss.ratio_norm:
+        raise ConfigError("loss.ratio_norm: engine.name=reweight forms the first update from r = 1 without the step "
+                          "loss; use recompute, retain, jagg or single_step with the normalised ratio")
+
+
 class ReweightEngine:
     """LeanGRPO-Reweight (see the module docstring). No engine-specific config."""
 
     name = "reweight"
+    config_keys = ()  # the engine.* keys it reads besides name and micro_batch_size
+    check_config = staticmethod(check_reweight_config)
 
-    def __init__(self, cfg=None):
+    def __init__(self, cfg: EngineConfig | None = None):
         self.cfg = cfg
 
     plan = keep_plan
-    collect = one_wave
+    wave_size = 0
+    sampling = plain_sampling
     sample_weights = unit_sample_weights
 
-    def rollout_hooks(self, ctx: EngineContext, plan: BatchPlan) -> RolloutHooks | None:
+    def rollout_hooks(self, ctx: EngineContext, plan: BatchPlan,
+                      cond: dict[str, torch.Tensor]) -> RolloutHooks | None:
         """Back-propagate every planned step during sampling into per-trajectory buffers (``plan.engine_state``)."""
         if ctx.sigmas is None:
             raise RuntimeError("reweight: EngineContext.sigmas is not set (the flow family sets it)")
@@ -121,7 +142,6 @@ class ReweightEngine:
         if psg.supported():
             buf.exit.enter_context(psg.recording())
         buf.exit.enter_context(ctx.no_sync())
-        cond_cache = {}
 
         def on_grad_step(k, idx, v, x_k, x_next):
             t0 = time.perf_counter()
@@ -133,10 +153,8 @@ class ReweightEngine:
                 g_pg = torch.autograd.grad(out.log_prob.sum(), v_leaf, retain_graph=ctx.beta > 0)[0]
                 g_kl = None
                 if ctx.beta > 0:
-                    if "cond" not in cond_cache:
-                        cond_cache["cond"] = ctx.policy.encode(plan.prompts)
-                    with torch.no_grad(), ctx.policy.reference():
-                        v_ref = ctx.policy.velocity(x_k, sigmas[k].expand(n), take_cond(cond_cache["cond"], idx))
+                    with torch.no_grad(), ctx.policy.reference():  # the rollout's encoded conditioning
+                        v_ref = ctx.policy.velocity(x_k, sigmas[k].expand(n), take_cond(cond, idx))
                         ref_mean = flow_sde.step(v_ref, sigmas[k], sigmas[k + 1], x_k, prev_sample=x_next,
                                                  **ctx.kernel).mean
                     kl = flow_sde.gaussian_kl(out.mean, ref_mean, out.std, flowgrpo_compat=ctx.kl_flowgrpo_compat,

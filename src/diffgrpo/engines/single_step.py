@@ -35,12 +35,22 @@ from typing import Callable
 
 import torch
 
+from ..config import EngineConfig, RunConfig
 from ..errors import ConfigError
 from ..samplers import flow_sde
 from ..types import BatchPlan, EngineStats, FlowTrajectory, Rollout, RolloutHooks
-from .base import (EngineContext, StatsAccumulator, chunks, count_backward, engine_run, one_wave, reference_velocity,
-                   step_loss, take_cond)
-from .retain import RetainedSteps, retain_hooks, usable_store
+from ._graph import RetainedSteps, retain_hooks, usable_store
+from .base import (
+    EngineContext,
+    StatsAccumulator,
+    chunks,
+    count_backward,
+    engine_run,
+    plain_sampling,
+    reference_velocity,
+    step_loss,
+    take_cond,
+)
 
 CANDIDATE_PRESETS = ("first_half", "all")
 
@@ -151,6 +161,11 @@ def rectification_weights(factors: torch.Tensor, trained: torch.Tensor,
 
 
 # ---------------------------------------------------------------------- the engine
+def check_single_step_config(cfg: RunConfig) -> None:
+    """``engine.candidate_steps`` on the run's grid (``sampler.num_steps``), before any model loads."""
+    candidate_steps(cfg.engine.candidate_steps, cfg.sampler.num_steps)
+
+
 class SingleStepEngine:
     """Flash-GRPO. Config: ``engine.candidate_steps``, ``engine.rectify``, ``engine.evaluation``.
 
@@ -160,8 +175,10 @@ class SingleStepEngine:
     """
 
     name = "single_step"
+    config_keys = ("evaluation", "candidate_steps", "rectify")  # the engine.* keys it reads besides name and micro_batch_size
+    check_config = staticmethod(check_single_step_config)
 
-    def __init__(self, cfg):
+    def __init__(self, cfg: EngineConfig):
         self.cfg = cfg
         self.candidate_spec = str(cfg.candidate_steps)
         self.rectify = bool(cfg.rectify)
@@ -185,13 +202,15 @@ class SingleStepEngine:
         plan.sde_mask = sel.clone()  # SDE kernel at k_i only, ODE elsewhere
         plan.engine_state = SingleStepState(k=k)
 
-    collect = one_wave
+    wave_size = 0
+    sampling = plain_sampling
 
-    def rollout_hooks(self, ctx: EngineContext, plan: BatchPlan) -> RolloutHooks | None:
+    def rollout_hooks(self, ctx: EngineContext, plan: BatchPlan,
+                      cond: dict[str, torch.Tensor]) -> RolloutHooks | None:
         """``evaluation=retain``: keep the rollout graph of each sample's trained step (from the plan)."""
         if self.evaluation != "retain":
             return None
-        hooks, store = retain_hooks(ctx, plan, plan.selected)
+        hooks, store = retain_hooks(ctx, cond, plan.selected)
         if isinstance(plan.engine_state, SingleStepState):
             plan.engine_state = SingleStepState(k=plan.engine_state.k, store=store)
         else:  # a plan this engine did not make: the trained steps come from the selection

@@ -4,9 +4,10 @@ One iteration of this family, top to bottom:
 
     plan      prompts (prompts_per_batch × group_size), group ids, initial noise x_0, trained steps; the engine
               amends the plan (``Engine.plan``: e.g. one step per group, ODE elsewhere)
-    collect   the engine runs the plan through ``_rollout`` once, or in waves of complete groups (Retain)
+    collect   ``_rollout`` of the plan in the engine's sampling context, once or in waves of complete groups
+              (``Engine.wave_size``: Retain), each wave's first-update backward before the next wave
     _rollout  encode → sample T steps with ``flow_sde.step`` (forwards the engine asked for run with grad,
-              ``Engine.rollout_hooks``) → decode → rewards → ``grpo_loss_weights`` (advantages, trained steps,
+              ``Engine.rollout_hooks``, given the encoded conditioning) → decode → rewards → ``grpo_loss_weights`` (advantages, trained steps,
               aggregation weights × the engine's ``sample_weights``) → :class:`~diffgrpo.types.Rollout` whose
               payload is a :class:`~diffgrpo.types.FlowTrajectory`
     backward  ``Engine.backward`` fills ``.grad``
@@ -26,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from .. import distributed, guards, quality
+from ..config import RunConfig
 from ..data import digit_prompt, prompt_digit
 from ..data_sources import EpochSampler, load_prompts, prompt_metadata
 from ..engines import build_engine, select_steps
@@ -39,6 +41,8 @@ from ..samplers import flow_sde
 from ..samplers import options as rollout_options
 from ..samplers.rollout import sample_trajectories
 from ..types import BatchPlan, EngineStats, FlowTrajectory, Rollout
+from . import rules
+from .waves import merge_rollouts, split_waves
 
 
 class FlowFamily:
@@ -46,7 +50,7 @@ class FlowFamily:
 
     name = "flow"
 
-    def __init__(self, cfg, policy, world: distributed.WorldInfo, *, log=print):
+    def __init__(self, cfg: RunConfig, policy, world: distributed.WorldInfo, *, log=print):
         self.cfg, self.policy, self.world, self.log = cfg, policy, world, log
         self.device = policy.device
         self.spread = world.world_size > 1 and cfg.dist.group_layout == "spread"
@@ -76,8 +80,10 @@ class FlowFamily:
         self.plans_made = 0  # training batches planned (the sliding SDE window's clock)
 
     # ------------------------------------------------------------------ the family protocol
+    check_config = staticmethod(rules.check)  # the family's rules (rules.py), run by validation.validate
+
     @staticmethod
-    def check_world(cfg, world) -> None:
+    def check_world(cfg: RunConfig, world: distributed.WorldInfo) -> None:
         """FSDP2 all-gathers weights in every network call, so every rank must make the same calls."""
         if world.world_size == 1 or cfg.dist.mode != "fsdp2":
             return
@@ -105,7 +111,20 @@ class FlowFamily:
         return self._rollout(self.plan(prompts, group_ids))
 
     def collect(self) -> tuple[Rollout, EngineStats | None]:
-        return self.engine.collect(self.ctx, self.plan(), self._rollout)
+        """The next training batch, sampled in the engine's context (``Engine.sampling``): in one piece, or in waves
+        of ``engine.wave_size`` complete groups, each wave's first-update gradient accumulated into ``.grad``
+        (zeroed by the caller) before the next wave samples. → (rollout, first-update stats or None)."""
+        plan = self.plan()
+        with self.engine.sampling(self.ctx):
+            if not self.engine.wave_size:
+                return self._rollout(plan), None
+            total, ros = EngineStats(engine=self.engine.name), []
+            for sub in split_waves(plan, self.engine.wave_size):
+                ro = self._rollout(sub)
+                total.merge(self.engine.backward(self.ctx, ro, 0))
+                ros.append(ro)
+        total.metrics["waves"] = float(len(ros))
+        return merge_rollouts(ros), total
 
     def backward(self, rollout: Rollout, epoch: int) -> EngineStats:
         return self.engine.backward(self.ctx, rollout, epoch)
@@ -198,8 +217,8 @@ class FlowFamily:
         # FSDP2 leaves the root's parameters unsharded from a forward (e.g. evaluation) until the next backward;
         # rollout hooks map the modules' registered parameters to the optimizer's (sharded) ones, so reshard first
         distributed.reshard(self.policy.forward_module)
-        hooks = self.engine.rollout_hooks(self.ctx, plan)
         cond = self.policy.encode(plan.prompts)
+        hooks = self.engine.rollout_hooks(self.ctx, plan, cond)  # a reference forward reuses the encoding
         n = self.cfg.sampler.batch_size
         extra = rollout_options.sampler_kwargs(self.cfg.sampler, plan, self.sigmas)
         if self.cfg.reward.background and hooks is None and 0 < n < len(plan.prompts):

@@ -2,7 +2,7 @@
 
 One class, :class:`DiffusersFlowPolicy`, wraps a diffusers transformer (and, when built from a pipeline, its
 text encoders and VAE) behind the interface the rollout and the engines use (see ``models/__init__.py``).
-What differs between families is data, kept in :data:`FAMILIES`:
+What differs between families is data, kept in :data:`PIPELINES`:
 
 | family    | transformer class              | timestep | text conditioning               | latents (rollout → model)      | guidance |
 |-----------|--------------------------------|----------|---------------------------------|--------------------------------|----------|
@@ -44,17 +44,25 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..cache import save_dir_atomic
+from ..config import RunConfig
 from ..distributed import launched_local_rank, resolve_device
 from ..errors import ConfigError
 from ..types import DTYPES
-from .lora import ATTN_TARGETS, JOINT_TARGETS, adapter_disabled, add_lora, load_lora_state_dict, lora_state_dict
+from .lora import (
+    ATTN_TARGETS,
+    JOINT_TARGETS,
+    adapter_disabled,
+    add_lora,
+    load_lora_state_dict,
+    lora_state_dict,
+)
 from .reference import frozen_reference
 
 # ------------------------------------------------------------------------------------------- family table
 
 
 @dataclass(frozen=True)
-class Family:
+class PipelineSpec:
     name: str
     transformer_class: str
     pipeline_class: str
@@ -68,26 +76,26 @@ class Family:
     max_sequence_length: int  # default text length of the pipeline's encode_prompt
 
 
-FAMILIES: dict[str, Family] = {
-    "sd3": Family("sd3", "SD3Transformer2DModel", "StableDiffusion3Pipeline", 1000.0, False, False, True, False,
+PIPELINES: dict[str, PipelineSpec] = {
+    "sd3": PipelineSpec("sd3", "SD3Transformer2DModel", "StableDiffusion3Pipeline", 1000.0, False, False, True, False,
                   ("prompt_embeds", "pooled"), JOINT_TARGETS, 256),
-    "flux": Family("flux", "FluxTransformer2DModel", "FluxPipeline", 1.0, True, False, False, False,
+    "flux": PipelineSpec("flux", "FluxTransformer2DModel", "FluxPipeline", 1.0, True, False, False, False,
                    ("prompt_embeds", "pooled"), JOINT_TARGETS, 512),
-    "wan": Family("wan", "WanTransformer3DModel", "WanPipeline", 1000.0, False, True, True, False,
+    "wan": PipelineSpec("wan", "WanTransformer3DModel", "WanPipeline", 1000.0, False, True, True, False,
                   ("prompt_embeds",), ATTN_TARGETS, 512),
-    "qwenimage": Family("qwenimage", "QwenImageTransformer2DModel", "QwenImagePipeline", 1.0, True, False, True, True,
+    "qwenimage": PipelineSpec("qwenimage", "QwenImageTransformer2DModel", "QwenImagePipeline", 1.0, True, False, True, True,
                         ("prompt_embeds", "prompt_mask"), JOINT_TARGETS, 1024),
 }
 
 
 def detect_family(transformer: nn.Module) -> str:
-    """Family key from the transformer's class (or one of its bases)."""
+    """Pipeline key (model.family) from the transformer's class (or one of its bases)."""
     for cls in type(transformer).__mro__:
-        for key, fam in FAMILIES.items():
+        for key, fam in PIPELINES.items():
             if cls.__name__ == fam.transformer_class:
                 return key
     raise ValueError(f"unsupported transformer class {type(transformer).__name__}; supported: "
-                     f"{[f.transformer_class for f in FAMILIES.values()]}")
+                     f"{[f.transformer_class for f in PIPELINES.values()]}")
 
 
 # ------------------------------------------------------------------------------------------- packing
@@ -116,7 +124,7 @@ def flux_image_ids(h: int, w: int, device, dtype) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------- per-family forward
 
 
-def _forward(fam: Family, tr: nn.Module, h: torch.Tensor, sigma: torch.Tensor, cond: dict, *,
+def _forward(fam: PipelineSpec, tr: nn.Module, h: torch.Tensor, sigma: torch.Tensor, cond: dict, *,
              latent_hw: tuple[int, int], guidance: float | None) -> torch.Tensor:
     """One transformer call in the family's native layout. h: model input (packed for flux/qwen); sigma (N,)."""
     t = sigma * fam.timestep_scale
@@ -314,9 +322,9 @@ class DiffusersFlowPolicy:
                  keep_reference: bool = False, decode_batch_size: int = 8, cache_size: int = 512,
                  offload_text_encoders: bool = False, text_encoders: list[nn.Module] | None = None):
         fam_key = detect_family(transformer) if family in ("", "auto") else family
-        if fam_key not in FAMILIES:
-            raise ValueError(f"unknown family {family!r}; choose one of {sorted(FAMILIES)}")
-        self.family = FAMILIES[fam_key]
+        if fam_key not in PIPELINES:
+            raise ValueError(f"unknown family {family!r}; choose one of {sorted(PIPELINES)}")
+        self.family = PIPELINES[fam_key]
         self.device = torch.device(device)
         self.pipeline = pipeline
         self.transformer = transformer.to(self.device)
@@ -504,7 +512,7 @@ def _is_local(path: str) -> bool:
 def latent_shape_for(pipe, family: str, resolution: int, num_frames: int) -> tuple[int, ...]:
     """(C, H/f, W/f) for images or (C, F', H/f, W/f) for video, from the pipeline's VAE factors."""
     tr = pipe.transformer
-    fam = FAMILIES[family]
+    fam = PIPELINES[family]
     f = getattr(pipe, "vae_scale_factor_spatial", None) or getattr(pipe, "vae_scale_factor", 8)
     C = tr.config.in_channels // 4 if fam.packed else tr.config.in_channels
     h = resolution // f
@@ -519,7 +527,7 @@ def latent_shape_for(pipe, family: str, resolution: int, num_frames: int) -> tup
     return (C, h, h)
 
 
-def build_diffusers_policy(cfg, *, progress: bool = True, log=print) -> DiffusersFlowPolicy:
+def build_diffusers_policy(cfg: RunConfig, *, progress: bool = True, log=print) -> DiffusersFlowPolicy:
     """``model.name=diffusers``: load the pipeline at ``model.pretrained`` with ``from_pretrained`` and wrap it."""
     from diffusers import DiffusionPipeline
 
@@ -562,5 +570,5 @@ def build_diffusers_policy(cfg, *, progress: bool = True, log=print) -> Diffuser
         keep_reference=cfg.loss.beta > 0, offload_text_encoders=m.offload_text_encoders)
 
 
-__all__ = ["DiffusersFlowPolicy", "FAMILIES", "Family", "build_diffusers_policy", "detect_family", "pack_2x2",
+__all__ = ["DiffusersFlowPolicy", "PIPELINES", "PipelineSpec", "build_diffusers_policy", "detect_family", "pack_2x2",
            "unpack_2x2", "cfg_combine", "vae_decode", "pipeline_encoder", "TextEncoderOffload"]

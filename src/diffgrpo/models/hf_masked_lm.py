@@ -16,7 +16,7 @@ disabled: no weight copy). Prompts go through the tokenizer's chat template when
 root (LLaDA's ``transformer.blocks``, Dream's ``layers``), peft's wrapper included.
 
 Built-in model (``model.name=tiny_mlm``): a real ``transformers.BertForMaskedLM`` at a tiny config with the
-character vocabulary of :mod:`diffgrpo.dllm.tasks`, pretrained on generated task data (train split) with
+character vocabulary of :mod:`diffgrpo.tasks`, pretrained on generated task data (train split) with
 the masked-diffusion objective (LLaDA): t ~ U(0, 1), every completion token masked with probability t,
     L = E_t [ (1/t) Σ_j 1[j masked] · −log p_θ(y_j | x_t) ] / L,
 the prompt never masked. Weights are cached per task/architecture/recipe under the cache directory.
@@ -33,10 +33,17 @@ import torch
 import torch.nn as nn
 
 from ..cache import cache_lock, cache_root, save_dir_atomic
-from ..distributed import fully_shard_each, is_initialized, launched_local_rank, resolve_device, sharded
+from ..config import PretrainConfig, RunConfig
+from ..distributed import (
+    fully_shard_each,
+    is_initialized,
+    launched_local_rank,
+    resolve_device,
+    sharded,
+)
 from ..distributed import transformer_blocks as root_blocks
-from ..dllm.tasks import VOCAB, get_task, pad_right
 from ..errors import ConfigError
+from ..tasks import VOCAB, get_task, pad_right
 from ..types import DTYPES
 from .pretraining import pretrain_step
 from .reference import frozen_reference
@@ -285,7 +292,7 @@ def masked_diffusion_loss(logits_fn, prompt_ids: torch.Tensor, completion_ids: t
     return (ce * m / t).sum() / (B * L)
 
 
-def _recipe_key(task: str, arch: dict, pcfg) -> str:
+def _recipe_key(task: str, arch: dict, pcfg: PretrainConfig) -> str:
     recipe = {"task": task, "arch": arch, "steps": pcfg.steps, "bs": pcfg.batch_size, "lr": pcfg.lr,
               "seed": pcfg.seed, "kind": "mdm", "v": 1}
     if pcfg.answer_noise > 0:  # absent when 0, so clean bases keep their cache key
@@ -295,7 +302,7 @@ def _recipe_key(task: str, arch: dict, pcfg) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
-def pretrain_tiny_mlm(task, pcfg, *, progress: bool = True, arch: dict | None = None) -> nn.Module:
+def pretrain_tiny_mlm(task, pcfg: PretrainConfig, *, progress: bool = True, arch: dict | None = None) -> nn.Module:
     """Masked-diffusion pretraining of the tiny BERT on the task's train split. Returns the model (eval mode).
 
     With ``pcfg.answer_noise`` = ρ > 0 each drawn example keeps its prompt but, with probability ρ, its answer
@@ -334,7 +341,7 @@ def pretrain_tiny_mlm(task, pcfg, *, progress: bool = True, arch: dict | None = 
     return net.eval()
 
 
-def load_or_pretrain_mlm(task, pcfg, *, cache_dir: str = "", progress: bool = True, log=print,
+def load_or_pretrain_mlm(task, pcfg: PretrainConfig, *, cache_dir: str = "", progress: bool = True, log=print,
                          arch: dict | None = None) -> nn.Module:
     """The cached pretrained tiny dLLM for this task and recipe; pretrains (and caches) it if absent.
 
@@ -454,7 +461,7 @@ def load_hf_masked_lm(path: str, *, trust_remote_code: bool = False, logits_shif
                           keep_reference=keep_reference)
 
 
-def build_tiny_mlm_policy(cfg, *, progress=True, log=print, pretrained=True) -> MaskedLMPolicy:
+def build_tiny_mlm_policy(cfg: RunConfig, *, progress=True, log=print, pretrained=True) -> MaskedLMPolicy:
     """Factory for ``model.name=tiny_mlm``: the cached pretrained tiny dLLM for ``dllm.task``."""
 
     task = get_task(cfg.dllm.task)
@@ -469,7 +476,7 @@ def build_tiny_mlm_policy(cfg, *, progress=True, log=print, pretrained=True) -> 
     return MaskedLMPolicy(net, vocab=VOCAB, device=device, keep_reference=cfg.loss.beta > 0)
 
 
-def build_hf_masked_lm_policy(cfg, *, progress=True, log=print) -> MaskedLMPolicy:
+def build_hf_masked_lm_policy(cfg: RunConfig, *, progress=True, log=print) -> MaskedLMPolicy:
     """Factory for ``model.name=hf_masked_lm``: ``dllm.model_path`` (local directory or hub id)."""
     d = cfg.dllm
     if not d.model_path:

@@ -21,6 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..cache import cache_lock, cache_root, save_dir_atomic
+from ..config import ModelConfig, PretrainConfig, RunConfig
 from ..data import NUMBER_WORDS, digits_split
 from ..distributed import launched_local_rank, resolve_device
 from .diffusers_adapter import DiffusersFlowPolicy
@@ -91,12 +92,12 @@ class TinyFlowNet(nn.Module):
                                 timestep=sigma * 1000.0, return_dict=False)[0]
 
 
-def arch_kwargs(mcfg) -> dict:
+def arch_kwargs(mcfg: ModelConfig) -> dict:
     return dict(image_size=mcfg.image_size, patch_size=mcfg.patch_size, num_layers=mcfg.num_layers,
                 num_heads=mcfg.num_heads, head_dim=mcfg.head_dim, text_dim=mcfg.text_dim)
 
 
-def _recipe_key(arch: dict, pcfg) -> str:
+def _recipe_key(arch: dict, pcfg: PretrainConfig) -> str:
     blob = json.dumps({"arch": arch, "steps": pcfg.steps, "bs": pcfg.batch_size, "lr": pcfg.lr,
                        "drop": pcfg.cond_dropout, "seed": pcfg.seed, "v": 2}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
@@ -110,7 +111,7 @@ def _training_prompts(y: torch.Tensor, g: torch.Generator, dropout: float) -> li
             for d, t, dr in zip(y, t_idx, drop)]
 
 
-def pretrain(mcfg, pcfg, *, progress: bool = True) -> TinyFlowNet:
+def pretrain(mcfg: ModelConfig, pcfg: PretrainConfig, *, progress: bool = True) -> TinyFlowNet:
     """Rectified-flow pretraining on the digits train split; returns the trained network (CPU, eval mode)."""
     from tqdm.auto import tqdm
 
@@ -141,7 +142,7 @@ def pretrain(mcfg, pcfg, *, progress: bool = True) -> TinyFlowNet:
     return net.eval()
 
 
-def load_or_pretrain(mcfg, pcfg, *, progress: bool = True, log=print) -> TinyFlowNet:
+def load_or_pretrain(mcfg: ModelConfig, pcfg: PretrainConfig, *, progress: bool = True, log=print) -> TinyFlowNet:
     """The cached pretrained network for this architecture and recipe; pretrains (and caches) it if absent."""
     from safetensors.torch import load_file, save_file
 
@@ -167,7 +168,7 @@ def decode_pixels(x: torch.Tensor) -> torch.Tensor:
     return ((x.float() + 1) / 2).clamp(0, 1)
 
 
-def build_tiny_policy(cfg, *, progress=True, log=print, pretrained=True) -> DiffusersFlowPolicy:
+def build_tiny_policy(cfg: RunConfig, *, progress=True, log=print, pretrained=True) -> DiffusersFlowPolicy:
     """Adapter factory used by the trainer: cached pretrained network (or random init) → policy.
 
     The policy is a :class:`DiffusersFlowPolicy` (family ``sd3``) over ``net.transformer``, with the frozen

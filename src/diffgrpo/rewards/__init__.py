@@ -273,7 +273,7 @@ def check_rewards(weights: Mapping[str, float], options: Mapping[str, Mapping], 
     - ``reward.options`` (see :func:`check_options`);
     - a registry reward whose optional package is missing names the package and the ``rewards`` extra.
 
-    (A diffusion LM is scored by its task's verifier: ``config.validate`` refuses any ``reward.*`` key set on such a
+    (A diffusion LM is scored by its task's verifier: ``validation.validate`` refuses any ``reward.*`` key set on such a
     run, as a key its family does not read.)"""
     if "digit_alignment" in weights and model_name != "tiny":
         raise ConfigError(f"reward.weights: 'digit_alignment' scores the built-in one-channel digit images "

@@ -13,11 +13,11 @@ Numeric answers (GSM8K, MATH-style integers and decimals):
   * a reference is read the same way, GSM8K's ``#### 72`` tail first.
   Literals longer than 40 digits are not numbers (no huge-integer work).
 
-The numeric reading lives with the other task verifiers in :mod:`diffgrpo.dllm.tasks` (re-exported here).
+The numeric reading lives with the other task verifiers in :mod:`diffgrpo.tasks` (re-exported here).
 
 Registry rewards (``reward.weights``; signature ``fn(completions, prompts, metadata) -> (B,)``): ``verify_gsm8k``
 (reference: ``metadata["answer"]``), ``verify_countdown`` / ``verify_sudoku`` / ``verify_json_schema`` (the task's
-own verifier of :mod:`diffgrpo.dllm.tasks`; the instance is read from the prompt and ``metadata["answer"]``, which
+own verifier of :mod:`diffgrpo.tasks`; the instance is read from the prompt and ``metadata["answer"]``, which
 sudoku needs: its solution) and ``d1_format``. A completion that is not a string (an image tensor) scores 0.
 
 d1's format rewards (Zhao et al., 2025, ``diffu_grpo`` reward functions for GSM8K): strict XML format (0.5),
@@ -28,8 +28,17 @@ from __future__ import annotations
 
 import re
 
-from ..dllm.tasks import (NUMERIC_MAX_CHARS, extract_boxed, get_task, last_answer_tag, last_number, numeric_correct,
-                          parse_number, predicted_number, reference_number)
+from ..tasks import (
+    NUMERIC_MAX_CHARS,
+    extract_boxed,
+    get_task,
+    last_answer_tag,
+    last_number,
+    numeric_correct,
+    parse_number,
+    predicted_number,
+    reference_number,
+)
 
 MAX_CHARS = NUMERIC_MAX_CHARS  # completions longer than this are not parsed (reward 0)
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import torch
 
+from ..config import SamplerConfig, StepsConfig
 from . import savings
 
 
-def plan_steps(steps_cfg, selected: torch.Tensor, iteration: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+def plan_steps(steps_cfg: StepsConfig, selected: torch.Tensor, iteration: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """selected (B, T) from ``select_steps`` → (selected, sde_mask (B, T) or None) for training iteration
     ``iteration`` (0-based): the MixGRPO sliding window replaces a fixed window when ``window_shift_every`` > 0;
     ``ode_outside`` makes every unselected step an ODE step."""
@@ -21,7 +22,7 @@ def plan_steps(steps_cfg, selected: torch.Tensor, iteration: int) -> tuple[torch
     return selected, (selected.clone() if s.ode_outside else None)
 
 
-def sampler_kwargs(sampler_cfg, plan, sigmas: torch.Tensor) -> dict:
+def sampler_kwargs(sampler_cfg: SamplerConfig, plan, sigmas: torch.Tensor) -> dict:
     """Extra ``sample_trajectories`` arguments for a plan: shared prefix (group ids) and the cheap tail."""
     s = sampler_cfg
     out: dict = {}

@@ -1,0 +1,135 @@
+"""The dLLM family's configuration rules: masked-LM sizes on the sampler's own schedule, file tasks, held-out
+files, chat templates, the LoRA / dtype / sharding combinations and each base method's rules. Run by
+:func:`diffgrpo.validation.validate` before any model loads (``DLLMFamily.check_config``)."""
+from __future__ import annotations
+
+import functools
+
+from .. import guards
+from ..config import RunConfig
+from ..errors import ConfigError
+from ..samplers.masked import schedule
+from ..tasks import FILE_TASKS, TASKS, VOCAB, examples_from_file, get_task
+
+
+def check(cfg: RunConfig) -> None:
+    """Every cross-field rule of a masked diffusion LM run."""
+    _validate_dllm(cfg)
+    _validate_dllm_methods(cfg)
+    guards.check_config(cfg, "dllm")  # eval.guard_rewards (text verifiers), train.keep_best
+
+
+@functools.lru_cache(maxsize=None)
+def _answer_tokens(task_name: str) -> int:
+    """Tokens (built-in character vocabulary) of the task's longest reference answer, over both splits."""
+    task = get_task(task_name)
+    return max(len(VOCAB.encode(e.answer)) for split in ("train", "test") for e in task.instances(split))
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _validate_dllm(cfg: RunConfig) -> None:
+    """Masked-LM sizes, with the sampler's rules (samplers/masked.py:schedule) on the effective values
+    gen_length or the task's default, block_length or gen_length, diffusion_steps or gen_length."""
+    d = cfg.dllm
+    if cfg.model.name == "hf_masked_lm" and not d.model_path:
+        raise ConfigError("dllm.model_path: required for model.name=hf_masked_lm (a local model directory or hub id)")
+    task = get_task(d.task)
+    _validate_dllm_scale(cfg, task)
+    if d.data_file:
+        examples = examples_from_file(d.data_file, task, prompt_field=d.prompt_field, answer_field=d.answer_field)
+        if cfg.model.name == "tiny_mlm":  # the built-in character vocabulary and its prompt positions
+            for i, ex in enumerate(examples, 1):
+                try:
+                    n = len(VOCAB.encode(ex.prompt))
+                except ValueError as e:
+                    raise ConfigError(f"dllm.data_file: record {i}: the prompt {ex.prompt!r} cannot be written in "
+                                      f"the built-in vocabulary ({e})") from None
+                if n > task.prompt_length:
+                    raise ConfigError(f"dllm.data_file: record {i}: the prompt {ex.prompt!r} has {n} tokens; the "
+                                      f"built-in tiny_mlm for dllm.task={d.task} reads at most {task.prompt_length}")
+    if cfg.model.name == "tiny_mlm" and d.gen_length:
+        if d.gen_length > task.gen_length:
+            raise ConfigError(f"dllm.gen_length: value {d.gen_length} is out of range; the built-in tiny_mlm for "
+                              f"dllm.task={d.task} has positions for {task.gen_length} completion tokens; must be "
+                              f"<= {task.gen_length} (0 = {task.gen_length})")
+        need = _answer_tokens(d.task) if d.gen_length < task.gen_length else 0
+        if d.gen_length < need:
+            raise ConfigError(f"dllm.gen_length: value {d.gen_length} is out of range; the longest "
+                              f"dllm.task={d.task} answer has {need} tokens; must be >= {need} (0 = the task's "
+                              f"default {task.gen_length})")
+    gen = d.gen_length or task.gen_length
+    src = f"dllm.gen_length={gen}" if d.gen_length else f"dllm.task={d.task}'s default gen_length {gen}"
+    block = d.block_length or gen
+    if gen % block:
+        raise ConfigError(f"dllm.block_length: value {d.block_length} does not divide the generation length {gen} "
+                          f"({src}); choose one of {_divisors(gen)} or 0 (one block)")
+    n_blocks = gen // block
+    steps = d.diffusion_steps or gen
+    if steps > gen:
+        raise ConfigError(f"dllm.diffusion_steps: value {steps} is out of range; at most one step per token: must "
+                          f"be <= the generation length {gen} ({src})")
+    if steps % n_blocks:
+        raise ConfigError(f"dllm.diffusion_steps: value {steps} is not a multiple of the {n_blocks} blocks "
+                          f"(generation length {gen} / dllm.block_length {block}); choose one of "
+                          f"{list(range(n_blocks, gen + 1, n_blocks))} or 0 (= {gen})")
+    try:
+        schedule(gen, block, steps)  # the sampler's own rules, in case they grow
+    except ValueError as e:
+        raise ConfigError(f"dllm.diffusion_steps: value {steps} is not usable ({e})") from None
+
+
+def _validate_dllm_scale(cfg: RunConfig, task) -> None:
+    """File tasks, held-out files, chat templates and the LoRA / dtype / sharding combinations of masked LMs."""
+    d = cfg.dllm
+    if d.task in FILE_TASKS:
+        if not d.data_file:
+            raise ConfigError(f"dllm.data_file: required for dllm.task={d.task} (it has no generator): a .jsonl file "
+                              f"or hf:<dataset>[:<split>] with fields {d.prompt_field!r} and {d.answer_field!r}")
+        if cfg.model.name != "hf_masked_lm":
+            raise ConfigError(f"dllm.task: value {d.task!r} needs model.name=hf_masked_lm (the built-in tiny_mlm "
+                              f"only knows {sorted(TASKS)})")
+    if d.eval_file:
+        examples_from_file(d.eval_file, task, key="dllm.eval_file", prompt_field=d.prompt_field,
+                           answer_field=d.answer_field)
+    if cfg.model.name == "tiny_mlm":
+        if d.chat_template == "true" or d.system_prompt:
+            key = "dllm.chat_template" if d.chat_template == "true" else "dllm.system_prompt"
+            raise ConfigError(f"{key}: the built-in tiny_mlm has a character vocabulary and no chat template; it "
+                              f"applies to model.name=hf_masked_lm")
+        if d.prompt_length and d.prompt_length != task.prompt_length:
+            raise ConfigError(f"dllm.prompt_length: value {d.prompt_length} does not fit the built-in tiny_mlm for "
+                              f"dllm.task={d.task}, which reads {task.prompt_length} prompt tokens; use 0")
+    if d.lora_target_modules and not d.lora_rank:
+        raise ConfigError("dllm.lora_target_modules: set only with dllm.lora_rank > 0 (LoRA is off at rank 0)")
+    if cfg.dist.mode == "fsdp2" and d.lora_rank and d.dtype != "float32":
+        raise ConfigError(f"dllm.dtype: value {d.dtype!r} with dllm.lora_rank={d.lora_rank} under dist.mode=fsdp2 is "
+                          f"not supported (FSDP2 shards each block in one dtype and the adapter trains in float32); "
+                          f"choose dllm.dtype=float32 (with dist.fsdp_param_dtype=bfloat16 to compute in bf16) or "
+                          f"dist.mode=ddp")
+
+
+def _validate_dllm_methods(cfg: RunConfig) -> None:
+    """The base methods' own rules: wd1 keeps groups on one rank; SPG has no KL term and no SML plug-in, its
+    masking block divides the completion and t_min <= t_max."""
+    d = cfg.dllm
+    if d.method == "wd1" and cfg.dist.group_layout == "spread" and cfg.dist.mode != "none":
+        raise ConfigError("dist.group_layout: value 'spread' is not allowed with dllm.method=wd1 (its group softmax "
+                          "needs each group's samples on one rank); must be 'local'")
+    if d.method != "spg":
+        return
+    if cfg.loss.beta != 0:
+        raise ConfigError(f"loss.beta: value {cfg.loss.beta} is not allowed with dllm.method=spg (SPG has no KL "
+                          "term); must be 0")
+    if cfg.daca.likelihood != "base":
+        raise ConfigError(f"daca.likelihood: value {cfg.daca.likelihood!r} is not allowed with dllm.method=spg (its "
+                          "upper bound needs SPG's own masks); must be 'base'")
+    if d.spg_t_min > d.spg_t_max:
+        raise ConfigError(f"dllm.spg_t_min: value {d.spg_t_min} is out of range; must be <= dllm.spg_t_max "
+                          f"({d.spg_t_max})")
+    gen = d.gen_length or get_task(d.task).gen_length
+    if d.spg_block_length and gen % d.spg_block_length:
+        raise ConfigError(f"dllm.spg_block_length: value {d.spg_block_length} does not divide the generation length "
+                          f"{gen}; choose one of {_divisors(gen)} or 0 (= dllm.block_length)")

@@ -1,0 +1,173 @@
+"""The flow family's configuration rules: rewards, prompts, the sampler grid, steps, the model, rollout savings,
+the loss options, and the chosen engine (its keys and its own ``check_config``). Run by
+:func:`diffgrpo.validation.validate` before any model loads; every message names the key and what is allowed."""
+from __future__ import annotations
+
+import importlib
+import inspect
+from pathlib import Path
+
+from .. import guards
+from ..config import EngineConfig, LossConfig, RunConfig, one_line
+from ..engines import ENGINES, FORWARD_ENGINES
+from ..errors import ConfigError, suggest
+from ..rewards import REWARDS, check_rewards, resolve_reward
+
+
+def check(cfg: RunConfig) -> None:
+    """Every cross-field rule of a flow-matching run (``FlowFamily.check_config``)."""
+    _validate_flow(cfg)
+    held_out = guards.check_config(cfg, "flow")  # eval.guard_*, train.keep_best; guard rewards take reward.options
+    check_rewards({**cfg.reward.weights, **held_out}, cfg.reward.options, model_name=cfg.model.name)
+
+
+def _exists(p: Path) -> bool:
+    try:
+        return p.exists()
+    except (OSError, ValueError):  # a name too long, an embedded NUL byte
+        return False
+
+
+def _split_plugin(name: str) -> tuple[str, str, str]:
+    """``package.module:attr`` → (module, attr, problem); problem is empty when the form is well made."""
+    mod, _, attr = name.partition(":")
+    if not mod:
+        return mod, attr, "the module name is empty"
+    if not all(part.isidentifier() for part in mod.split(".")):
+        return mod, attr, f"{mod!r} is not a dotted module name"
+    if not attr.isidentifier():
+        return mod, attr, f"{attr!r} is not a Python name"
+    return mod, attr, ""
+
+
+def _validate_engine_name(name: str) -> None:
+    allowed = f"choose one of {sorted(ENGINES)} or an importable module:Class"
+    if name in ENGINES:
+        return
+    if ":" not in name:
+        raise ConfigError(f"engine.name: value {name!r} is not a registered engine{suggest(name, list(ENGINES))}; "
+                          f"{allowed}")
+    mod, attr, problem = _split_plugin(name)
+    if problem:
+        raise ConfigError(f"engine.name: value {name!r} is not a valid module:Class ({problem}); {allowed}")
+    try:
+        obj = getattr(importlib.import_module(mod), attr)
+    except Exception as e:  # noqa: BLE001 - anything the user's module raises on import
+        raise ConfigError(f"engine.name: value {name!r} cannot be imported ({type(e).__name__}: {one_line(e)}); "
+                          f"{allowed}") from None
+    if not inspect.isclass(obj):
+        raise ConfigError(f"engine.name: value {name!r} is not a class (it is a {type(obj).__name__}); {allowed}")
+
+
+def _validate_reward_name(name: str) -> None:
+    if name not in REWARDS and ":" in name:
+        _, _, problem = _split_plugin(name)
+        if problem:
+            raise ConfigError(f"reward.weights: reward {name!r} is not a valid module:function ({problem}); choose "
+                              f"one of {sorted(REWARDS)} or package.module:function")
+    try:
+        resolve_reward(name)  # raises ConfigError for unknown names and failed imports
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - anything the user's module raises on import
+        raise ConfigError(f"reward.weights: cannot import reward {name!r} ({type(e).__name__}: {one_line(e)})"
+                          ) from None
+
+
+def _validate_flow(cfg: RunConfig) -> None:
+    _validate_engine_name(cfg.engine.name)
+    if not cfg.reward.weights:
+        raise ConfigError("reward.weights: at least one reward is required, e.g. reward.weights={digit_alignment: 1.0}")
+    for name in cfg.reward.weights:  # each weight is a finite number (checked with the field)
+        _validate_reward_name(str(name))
+    bad = [d for d in cfg.train.digits if not (isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= 9)]
+    if bad or not cfg.train.digits:
+        raise ConfigError(f"train.digits: value {cfg.train.digits!r} must be a non-empty list of digits 0..9")
+    if cfg.sampler.sde_type == "ode" and cfg.engine.name not in FORWARD_ENGINES:
+        raise ConfigError("sampler.sde_type: 'ode' has no exploration noise and cannot be trained; "
+                          "choose one of ['flow_sde', 'dance_sde', 'cps'] (eval.sde_type may be 'ode'), or a "
+                          f"forward-process engine (engine.name in {list(FORWARD_ENGINES)})")
+    if cfg.sampler.num_steps < 2:
+        raise ConfigError("sampler.num_steps: must be >= 2 (the final step is deterministic and never trained)")
+    k_max = cfg.sampler.num_steps - 1
+    size = min(cfg.steps.window_size, k_max)
+    if cfg.steps.window_start > k_max - size:  # a start no window can use, whatever steps.mode
+        raise ConfigError(f"steps.window_start: value {cfg.steps.window_start} is out of range; a window of {size} "
+                          f"steps (steps.window_size={cfg.steps.window_size}) must end within the {k_max} trainable "
+                          f"steps of sampler.num_steps={cfg.sampler.num_steps}: must be <= {k_max - size} "
+                          f"(or -1: a random start per sample)")
+    if cfg.model.name == "diffusers" and not cfg.model.pretrained:
+        raise ConfigError("model.pretrained: required for model.name=diffusers (a local pipeline directory or hub id)")
+    _validate_engine(cfg)
+    pre = cfg.model.pretrained
+    if pre and pre.startswith(("/", "./", "../", "~")) and not _exists(Path(pre).expanduser()):
+        raise ConfigError(f"model.pretrained: path {pre!r} does not exist (give a pipeline directory or a hub id)")
+    if cfg.model.family == "flux" and (cfg.model.negative_prompt or cfg.model.guidance_scale < 1.0):
+        raise ConfigError("model.negative_prompt: FLUX is guidance-distilled (model.guidance_scale feeds its guidance "
+                          "embedding, one forward); negative prompts and true CFG do not apply")
+    if cfg.model.image_size % cfg.model.patch_size:
+        raise ConfigError(f"model.patch_size: {cfg.model.patch_size} must divide model.image_size={cfg.model.image_size}")
+    _validate_rollout_savings(cfg)
+    if cfg.reward.background and cfg.sampler.batch_size == 0:
+        raise ConfigError("reward.background: value True needs sampling micro-batches to overlap with; set "
+                          "sampler.batch_size > 0 (e.g. a quarter of the batch), or reward.background=false")
+
+
+def _validate_rollout_savings(cfg: RunConfig) -> None:
+    """The sliding SDE window needs a fixed window to slide (steps.mode=window, steps.window_start >= 0)."""
+    s = cfg.steps
+    if s.window_shift_every > 0 and (s.mode != "window" or s.window_start < 0):
+        raise ConfigError(f"steps.window_shift_every: value {s.window_shift_every} needs steps.mode=window with "
+                          f"steps.window_start >= 0 (got steps.mode={s.mode}, window_start={s.window_start}); "
+                          "or set it to 0")
+
+
+
+def engine_class(name: str) -> type:
+    """The engine class ``engine.name`` names (registry key or an importable ``module:Class``, checked first)."""
+    if name in ENGINES:
+        return ENGINES[name]
+    mod, _, attr = name.partition(":")
+    return getattr(importlib.import_module(mod), attr)
+
+
+def engine_users() -> dict[str, list[str]]:
+    """``engine.*`` key → the registered engines that read it (their ``config_keys``), in registry order."""
+    users: dict[str, list[str]] = {}
+    for name, cls in ENGINES.items():
+        for key in cls.config_keys:
+            users.setdefault(key, []).append(name)
+    return users
+
+
+def _validate_engine(cfg: RunConfig) -> None:
+    """The engine-specific keys (each engine declares the ones it reads), then the engine's own rules."""
+    e = cfg.engine
+    default = EngineConfig()
+    cls = engine_class(e.name)
+    declared = getattr(cls, "config_keys", None)  # a module:Class engine may predate the declaration
+    if declared is not None:
+        for key, users in engine_users().items():
+            if getattr(e, key) != getattr(default, key) and key not in declared:
+                raise ConfigError(f"engine.{key}: does not apply to engine.name={e.name}; it is read only by "
+                                  f"{list(users)}; remove it")
+    check_config = getattr(cls, "check_config", None)
+    if check_config is not None:
+        check_config(cfg)
+    _validate_loss_options(cfg)
+
+
+def _validate_loss_options(cfg: RunConfig) -> None:
+    """The trust-region options of the flow step loss (losses.policy_loss): which combinations make sense."""
+    lo, d = cfg.loss, LossConfig()
+    if lo.trust_region == "clip" and lo.kl_mask_bound != d.kl_mask_bound:
+        raise ConfigError("loss.kl_mask_bound: applies only with loss.trust_region=kl_mask; set it or remove the bound")
+    if lo.trust_region == "kl_mask" and lo.ratio_norm:
+        raise ConfigError("loss.ratio_norm: normalises the ratio the PPO clip acts on; it does not combine with "
+                          "loss.trust_region=kl_mask (use one of them)")
+    if lo.trust_region == "kl_mask" and lo.clip_range != d.clip_range:
+        raise ConfigError("loss.clip_range: does not apply with loss.trust_region=kl_mask (the KL mask replaces the "
+                          "clip); remove it or set loss.trust_region=clip")
+    if (lo.trust_region != "clip" or lo.ratio_norm) and cfg.sampler.cps_flowgrpo_compat:
+        raise ConfigError("loss.trust_region / loss.ratio_norm: need a Gaussian log-density; "
+                          "sampler.cps_flowgrpo_compat=true scores with FlowGRPO's pseudo log-prob (set it to false)")

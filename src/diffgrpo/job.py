@@ -1,0 +1,254 @@
+"""The job around the training loop: the run directory and its lock, resume, signals, the schedule of evaluations
+and checkpoints, and the outputs (metrics, sample grids, weights, the exported model, curves, summary).
+
+``Trainer.train`` runs :class:`Job`; the loop itself (``Trainer.step``) knows nothing of files. Only rank 0
+writes; every rank trains, evaluates and takes part in the collectives (checkpoints, the run directory's name).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import torch
+from filelock import FileLock, Timeout
+from safetensors.torch import save_file
+from tqdm.auto import tqdm
+
+from . import checkpoint, distributed, guards
+from .config import RunConfig
+from .distributed import WorldInfo
+from .errors import ConfigError, TrainingError
+from .fileio import atomic_write
+from .media import SampleTable, caption_of, side_by_side
+from .runlog import MetricsWriter, plot_curves, read_metrics, save_grid
+
+
+def run_dir(cfg: RunConfig, world: WorldInfo) -> Path:
+    """The run directory; by default a new ``runs/<timestamp>`` (made exclusively, so runs started in the same
+    second get distinct directories: ``-2``, ``-3``, …), rank 0's for every rank."""
+    if not cfg.log.output_dir:
+        name = None
+        if world.rank == 0:
+            stamp = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+            stamp.parent.mkdir(parents=True, exist_ok=True)
+            for n in range(1, 1000):
+                cand = stamp if n == 1 else stamp.with_name(f"{stamp.name}-{n}")
+                try:
+                    cand.mkdir()
+                    name = str(cand)
+                    break
+                except FileExistsError:
+                    continue
+        cfg.log.output_dir = distributed.all_gather_object(name)[0]
+    p = Path(cfg.log.output_dir)
+    if world.rank == 0:
+        try:
+            p.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"log.output_dir: cannot create {str(p)!r} ({e.strerror})") from None
+    return p
+
+
+def resume(trainer, out: Path) -> bool:
+    """Load the newest complete checkpoint of ``out`` and drop metric rows written after it. Without one, the
+    run restarts from iteration 0 (its earlier log is kept as ``metrics.restarted.jsonl``)."""
+    ckpt = checkpoint.latest_complete(out, log=trainer.log)
+    if ckpt is None:
+        trainer.log(f"no complete checkpoint in {out}; restarting the run from iteration 0")
+        if trainer.world.rank == 0 and (out / "metrics.jsonl").exists():
+            os.replace(out / "metrics.jsonl", out / "metrics.restarted.jsonl")
+        distributed.all_gather_object(None)  # the other ranks wait for the move
+        return False
+    trainer.load_state(checkpoint.load_checkpoint(ckpt))
+    if not trainer.weights_finite():
+        raise TrainingError(f"checkpoint {ckpt} holds non-finite weights; delete it to resume from an earlier one")
+    # a resume may change the learning rate (the checkpoint holds the old one): it becomes the schedule's base lr
+    checkpoint.set_base_lr(trainer.optimizer, trainer.scheduler, trainer.cfg.train.lr)
+    rows = [r for r in read_metrics(out / "metrics.jsonl", log=trainer.log) if r.get("iteration", 0) <= trainer.iteration]
+    if trainer.world.rank == 0:
+        atomic_write(out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+    trainer.log(f"resumed from {ckpt} (iteration {trainer.iteration})")
+    return True
+
+
+class Job:
+    """One ``train`` call of a trainer: ``run(resume)`` → the summary ``{"start", "end"}`` (+ ``"interrupted"``)."""
+
+    def __init__(self, trainer):
+        self.trainer, self.cfg, self.log = trainer, trainer.cfg, trainer.log
+        self.lead = trainer.world.rank == 0  # only rank 0 writes files
+        self.saved_at = -1  # iteration of the last checkpoint written or loaded
+        self.stop_signal = None
+        self.watch = guards.Watch(self.cfg.train, log=lambda *a: self.log(*a))  # train.on_hacking, keep_best
+
+    def run(self, resume_run: bool = False) -> dict[str, float]:
+        """The whole job in the run directory, which is locked for the run's life (a second run or resume of it is
+        refused). SIGINT/SIGTERM finish the current iteration, save a checkpoint and return."""
+        out = run_dir(self.cfg, self.trainer.world)
+        lock = FileLock(str(out / ".lock"))
+        if self.lead:  # rank 0 holds it for the whole job
+            try:
+                lock.acquire(timeout=0)
+            except Timeout:
+                raise TrainingError(f"log.output_dir: {str(out)!r} is in use by another run (its lock file "
+                                    f"{out / '.lock'} is held); wait for it to end or choose another directory") from None
+            except OSError as e:  # e.g. a symlink planted at .lock: never followed
+                raise TrainingError(f"log.output_dir: cannot lock {str(out / '.lock')!r} ({e.strerror})") from None
+        try:
+            return self._run(out, resume_run)
+        finally:
+            if lock.is_locked:
+                lock.release()
+
+    def _run(self, out: Path, resume_run: bool) -> dict[str, float]:
+        cfg, tr = self.cfg, self.trainer
+        resumed = resume(tr, out) if resume_run else False
+        if resumed:
+            self.saved_at = tr.iteration
+        elif distributed.all_gather_object((out / "metrics.jsonl").exists())[0]:
+            raise TrainingError(f"log.output_dir: {str(out)!r} already holds a run; resume it with "
+                                "--resume or choose another directory")
+        if self.lead:  # a resumed run's config carries the overrides it was resumed with
+            atomic_write(out / "config.yaml", cfg.to_yaml())
+        writer = (MetricsWriter(out, tensorboard=cfg.log.tensorboard, wandb=cfg.log.wandb, config=cfg.to_dict())
+                  if self.lead else _NullWriter())
+        self.log(f"run directory: {out}")
+        with writer:  # closed once, after the end evaluation, or on a signal or an error
+            outcome = self._loop(out, resumed, writer)
+        if "interrupted" in outcome:
+            return outcome
+        self.log(f"eval at end:   {_fmt(outcome['end'])}")
+        return self._outputs(out, outcome)
+
+    def _outputs(self, out: Path, summary: dict) -> dict:
+        """Final weights (and EMA), the exported model, the reward curve and ``summary.json`` (rank 0)."""
+        tr = self.trainer
+        weights = distributed.to_full(tr.policy.state_dict())  # a collective under FSDP2
+        ema_weights = tr.ema.state_dict() if tr.ema is not None else None
+        if not self.lead:
+            return summary
+        atomic_write(out / "weights.safetensors", lambda tmp: save_file(weights, str(tmp)))
+        if ema_weights is not None:
+            atomic_write(out / "weights_ema.safetensors", lambda tmp: save_file(ema_weights, str(tmp)))
+        tr.policy.export(out)  # the library's own format: LoRA for load_lora_weights, or a from_pretrained directory
+        if self.cfg.log.save_images:
+            rows = read_metrics(out / "metrics.jsonl", log=self.log)
+            keys = ("reward",) + tuple(k for k in summary["end"] if k.startswith("eval/rewards/"))
+            plot_curves(rows, out / "reward_curve.png", keys, title="reward (train) and held-out eval")
+        atomic_write(out / "summary.json", json.dumps(summary, indent=2))
+        return summary
+
+    def _evaluate(self, out: Path, writer, tag: str) -> dict:
+        """One held-out evaluation: its row, the sample table, and the grids (``samples_<tag>.png``)."""
+        cfg, it = self.cfg, self.trainer.iteration
+        table = SampleTable(out, it, save_media=cfg.log.save_images) if self.lead else None
+        row, images = self.trainer.evaluate(table)
+        row["iteration"] = it
+        tr = self.trainer
+        self.watch.judge(row, run_dir=out, lead=self.lead, weights=lambda: distributed.to_full(
+            tr.ema.state_dict() if tr.ema is not None else tr.policy.state_dict()))
+        if tag == "start" and self.lead:
+            tr.family.guards.save_base(out)  # the base model's feature statistics, for resumes
+        writer.write(row)
+        samples = table.close() if table is not None else []  # samples/eval_<iteration>.jsonl
+        writer.log_table(samples, it)
+        if images is not None:
+            reward = row.get("eval/reward")
+            caption = (f"iteration {it}{f' ({tag})' if tag in ('start', 'end') else ''}: "
+                       f"mean held-out reward {'n/a' if reward is None else f'{reward:.4f}'}")
+            nrow = cfg.eval.seeds_per_prompt * 2
+            writer.log_images(images, it, nrow=nrow, caption=caption)
+            if self.lead and cfg.log.save_images:
+                save_grid(images, out / f"samples_{tag}.png", nrow=nrow,
+                          captions=[caption_of(r) for r in samples[:len(images)]])
+                if tag == "end":
+                    side_by_side(out / "samples_start.png", out / "samples_end.png", out / "samples_start_end.png")
+        return row
+
+    def _save(self) -> None:
+        self.trainer.save_checkpoint()
+        self.saved_at = self.trainer.iteration
+
+    def _loop(self, out: Path, resumed: bool, writer) -> dict:
+        """Start evaluation, the iterations (an evaluation every ``eval.every``), checkpoints and the end
+        evaluation. Returns ``{"start", "end"}`` rows, plus ``"interrupted"`` when a signal stopped the run."""
+        cfg, tr = self.cfg, self.trainer
+        rows = read_metrics(out / "metrics.jsonl", log=self.log) if resumed else []
+        evals = [r for r in rows if any(k.startswith("eval/") for k in r)]
+        if resumed:
+            tr.family.guards.load_base(out)
+            self.watch.resume(evals[0] if evals else None, out)
+        first = evals[0] if evals else self._evaluate(out, writer, "start")
+        last_eval, start_iteration = (evals[-1] if evals else first), tr.iteration
+        self.log(f"eval at start: {_fmt(first)}")
+        handlers = {}
+        if threading.current_thread() is threading.main_thread():
+            handlers = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        bar = tqdm(total=cfg.train.num_iterations, initial=tr.iteration, desc="GRPO",
+                   disable=not (cfg.log.progress and self.lead))
+        try:
+            while tr.iteration < cfg.train.num_iterations:
+                row = tr.step()
+                writer.write(row)
+                bar.update(1)
+                bar.set_postfix(reward=f"{row['reward']:.3f}", it_s=f"{row['time/iteration']:.1f}s")
+                if cfg.eval.every and tr.iteration % cfg.eval.every == 0 and tr.iteration < cfg.train.num_iterations:
+                    last_eval = self._evaluate(out, writer, str(tr.iteration))
+                    if self.watch.stop:  # train.on_hacking=stop and a guard fell
+                        break
+                if (cfg.train.save_every and tr.iteration % cfg.train.save_every == 0) or self.stop_signal:
+                    self._save()
+                if self.stop_signal is not None:
+                    self.log(f"stopped by signal {self.stop_signal} after iteration {tr.iteration}; "
+                             f"continue with: diffgrpo train --resume {out}")
+                    return {"start": first, "end": last_eval, "interrupted": int(self.stop_signal)}
+            bar.close()
+            if cfg.train.save_every and self.saved_at != tr.iteration:  # "train N more" resumes from here
+                self._save()
+            ended = bool(evals and evals[-1].get("iteration") == tr.iteration)
+            if not self.watch.stop and (tr.iteration > start_iteration or not ended):
+                last_eval = self._evaluate(out, writer, "end")  # (a resumed finished run holds its end evaluation)
+        finally:
+            bar.close()
+            for sig, h in handlers.items():
+                signal.signal(sig, h)
+        return {"start": first, "end": last_eval, **self.watch.summary()}  # "stopped", "best" (guards)
+
+    def _on_signal(self, signum, frame):
+        if self.stop_signal is not None:  # second signal: stop now
+            raise KeyboardInterrupt
+        self.stop_signal = signum
+        self.log(f"received signal {signum}: finishing the current iteration, then saving a checkpoint")
+
+
+def _fmt(row: dict) -> str:
+    return ", ".join(f"{k}={v:.4f}" for k, v in row.items() if k.startswith("eval/"))
+
+
+class _NullWriter:
+    """The metrics writer of ranks > 0."""
+
+    def write(self, row: dict) -> None:
+        pass
+
+    def log_images(self, images: torch.Tensor, step: int, nrow: int, caption: str) -> None:
+        pass
+
+    def log_table(self, rows: list, step: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
+__all__ = ["Job", "resume", "run_dir"]
