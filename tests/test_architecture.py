@@ -207,11 +207,12 @@ def test_the_import_graph_has_no_cycles_cli_included():
 FLOORS = [
     {"errors", "types", "fileio", "config", "cache", "data", "data_sources", "media", "losses", "advantages",
      "prompts", "tasks"},
-    {"distributed", "ema", "samplers", "loss_weights", "runlog", "report", "models", "rewards", "quality"},
+    {"distributed", "ema", "samplers", "loss_weights", "runlog", "report", "models", "rewards", "quality",
+     "guards"},
     {"engines", "family", "checkpoint", "saved_config"},
     {"flow", "dllm"},
     {"families", "validation", "job", "trainer"},
-    {"export", "bench", "cli", "diffgrpo"},
+    {"export", "bench", "bench_quality", "cli", "diffgrpo"},
 ]
 
 

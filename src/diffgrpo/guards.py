@@ -342,15 +342,21 @@ class Watch:
         self.best: dict | None = None  # {"iteration", "metric", "value"}
         self.stop: str | None = None  # why the run stops (on_hacking=stop and a guard fell)
 
-    def resume(self, start: dict | None, run_dir: Path) -> None:
+    def resume(self, start: dict | None, run_dir: Path, evaluation: EvalGuards) -> None:
+        """A resumed run: its start evaluation's row, its best so far, the base statistics of ``evaluation``."""
+        evaluation.load_base(run_dir)
         self.start = start
         path = Path(run_dir) / BEST_DIR / "best.json"
         if self.metric and path.is_file() and not path.is_symlink():
             self.best = json.loads(path.read_text())
 
-    def judge(self, row: dict, *, run_dir: Path, lead: bool, weights: Callable[[], dict]) -> list[str]:
+    def judge(self, row: dict, *, run_dir: Path, lead: bool, weights: Callable[[], dict],
+              base: EvalGuards | None = None) -> list[str]:
         """Add ``eval/guard/ok`` (1 inside every guard, 0 otherwise) to ``row``; warn or set :attr:`stop`; keep the
-        weights as ``best/`` when the keep-best metric improves inside the guards. → the guards out of limits."""
+        weights as ``best/`` when the keep-best metric improves inside the guards; ``base`` (the start evaluation):
+        write its base statistics into the run directory. → the guards out of limits."""
+        if base is not None and lead:
+            base.save_base(run_dir)
         if self.start is None:
             self.start = dict(row)
         out = tripped(self.start, row, self.th)

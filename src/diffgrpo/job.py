@@ -148,11 +148,8 @@ class Job:
         table = SampleTable(out, it, save_media=cfg.log.save_images) if self.lead else None
         row, images = self.trainer.evaluate(table)
         row["iteration"] = it
-        tr = self.trainer
-        self.watch.judge(row, run_dir=out, lead=self.lead, weights=lambda: distributed.to_full(
-            tr.ema.state_dict() if tr.ema is not None else tr.policy.state_dict()))
-        if tag == "start" and self.lead:
-            tr.family.guards.save_base(out)  # the base model's feature statistics, for resumes
+        self.watch.judge(row, run_dir=out, lead=self.lead, weights=self.trainer.eval_weights,  # guards, keep_best
+                         base=self.trainer.family.guards if tag == "start" else None)
         writer.write(row)
         samples = table.close() if table is not None else []  # samples/eval_<iteration>.jsonl
         writer.log_table(samples, it)
@@ -179,9 +176,8 @@ class Job:
         cfg, tr = self.cfg, self.trainer
         rows = read_metrics(out / "metrics.jsonl", log=self.log) if resumed else []
         evals = [r for r in rows if any(k.startswith("eval/") for k in r)]
-        if resumed:
-            tr.family.guards.load_base(out)
-            self.watch.resume(evals[0] if evals else None, out)
+        if resumed:  # the start evaluation's row and the base model's statistics
+            self.watch.resume(evals[0] if evals else None, out, tr.family.guards)
         first = evals[0] if evals else self._evaluate(out, writer, "start")
         last_eval, start_iteration = (evals[-1] if evals else first), tr.iteration
         self.log(f"eval at start: {_fmt(first)}")
