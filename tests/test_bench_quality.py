@@ -37,7 +37,7 @@ def test_bootstrap_interval_and_plateau_check():
 
 def test_first_reach_needs_the_guards_inside():
     th = guards.Thresholds(max_reward_drop=0.1, max_drift=0.5)
-    mk = lambda it, r, g, d: {"iteration": it, "seconds": it * 2.0, "cost": it * 10.0,  # noqa: E731
+    mk = lambda it, r, g, d: {"iteration": it, "seconds": it * 2.0, "cost": it * 10.0,
                               "metrics": {"eval/reward": r, "eval/guard/rewards/a/mean": g, "eval/guard/drift": d}}
     curve = [mk(0, 0.1, 1.0, 0.0), mk(1, 0.6, 0.5, 0.1), mk(2, 0.7, 0.95, 0.2), mk(3, 0.9, 0.95, 0.9)]
     low = bench_quality.first_reach(curve, 0.05, "eval/reward", th)  # the start is above it, but never counts

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 from scipy.spatial.distance import pdist
 
-from diffgrpo import RunConfig, Trainer, guards, quality
+from diffgrpo import RunConfig, guards, quality
 from diffgrpo.cli import main
 from diffgrpo.config import ConfigError
 from diffgrpo.rewards import image as image_rewards
