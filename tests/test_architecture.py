@@ -209,11 +209,11 @@ FLOORS = [
      "prompts", "tasks", "_version", "recipes", "flags", "configdoc", "console", "yamlio", "threads",
      "sandbox"},
     {"distributed", "ema", "samplers", "loss_weights", "runlog", "report", "models", "rewards", "quality", "runtime",
-     "hub", "rundir"},
+     "hub", "rundir", "guards"},
     {"engines", "family", "checkpoint", "saved_config"},
     {"flow", "dllm"},
     {"families", "validation", "job", "trainer"},
-    {"export", "bench", "cli", "diffgrpo", "__main__"},
+    {"export", "bench", "bench_quality", "cli", "diffgrpo", "__main__"},
 ]
 
 

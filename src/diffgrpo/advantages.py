@@ -78,3 +78,41 @@ def group_advantages(
         "num_invalid": int((~valid).sum()),
     }
     return adv, stats
+
+
+def per_reward_advantages(
+    components: torch.Tensor,
+    weights: torch.Tensor,
+    group_ids: torch.Tensor,
+    *,
+    valid: torch.Tensor | None = None,
+    std_mode: str = "group",
+    baseline: str = "mean",
+    clip: float = 5.0,
+    eps: float = 1e-4,
+    std: str = "unbiased",
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """GDPO-style decoupled normalisation of a weighted sum of K rewards: each component is normalised within its
+    group on its own (``group_advantages`` without clipping), the normalised advantages are summed with the reward
+    weights, and the sum is divided by its standard deviation over the batch's valid samples (so its scale does not
+    grow with K), then clipped. A component with a much larger spread then no longer drowns the others, and a group
+    whose components move in opposite directions keeps both signals.
+
+    components (K, B), weights (K,), group_ids (B,), valid (B,) bool → advantages (B,) float32 and the statistics of
+    :func:`group_advantages` (``frac_reward_zero_std``: groups whose weighted total is constant)."""
+    r = components.detach().float()
+    if valid is None:
+        valid = torch.isfinite(r).all(0)
+    valid = valid & torch.isfinite(r).all(0)
+    total = (weights.float()[:, None] * torch.where(valid, r, torch.zeros_like(r))).sum(0)  # (B,)
+    _, stats = group_advantages(torch.where(valid, total, torch.full_like(total, float("nan"))), group_ids,
+                                valid=valid, std_mode=std_mode, baseline=baseline, clip=clip, eps=eps, std=std)
+    per = torch.stack([group_advantages(r[k], group_ids, valid=valid, std_mode=std_mode, baseline=baseline,
+                                        clip=float("inf"), eps=eps, std=std)[0] for k in range(r.shape[0])])  # (K, B)
+    adv = (weights.float()[:, None] * per).sum(0)  # (B,), 0 where invalid
+    scale = adv[valid].std(correction=int(std == "unbiased")) if int(valid.sum()) > 1 else torch.ones((), device=adv.device)
+    adv = adv / (scale + eps)
+    clipped = adv.abs() >= clip
+    stats["adv_clip_frac"] = float((clipped & valid).float().sum() / valid.float().sum().clamp(min=1))
+    return adv.clamp(-clip, clip), stats
+

@@ -105,6 +105,12 @@ def cmd_train(args) -> int:
         print(f"interrupted by signal {summary['interrupted']}; resume with: diffgrpo train --resume "
               f"{cfg.log.output_dir}")
         return 128 + int(summary["interrupted"])
+    if summary.get("stopped"):  # train.on_hacking=stop: a guard fell
+        best = summary.get("best")
+        print(f"stopped: {summary['stopped']}" + (f"; best checkpoint ({best['metric']}={best['value']:.4f} at "
+                                                  f"iteration {best['iteration']}) in {cfg.log.output_dir}/best"
+                                                  if best else ""))
+        return 3
     rows = read_jsonl(Path(cfg.log.output_dir) / "metrics.jsonl", log=lambda *a: None)
     for line in end_summary(Path(cfg.log.output_dir), summary, wall_seconds=time.perf_counter() - t0, train_rows=rows):
         print(line)
@@ -234,6 +240,15 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_bench_quality(args) -> int:
+    from . import bench_quality
+
+    cfg = _load_cfg(args)
+    _threads()
+    bench_quality.from_args(cfg, args)
+    return 0
+
+
 def cmd_report(args) -> int:
     from .report import write_report
 
@@ -336,6 +351,22 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--repeats", type=int, default=3)
     be.add_argument("--out", help="output directory (default runs/bench)")
     be.set_defaults(func=cmd_bench)
+    bq = bsub.add_parser("quality", help="time to quality of config variants × seeds against a reference, inside "
+                                         "start-anchored guards (see docs/guards.md)")
+    common(bq)
+    bq.add_argument("--variant", action="append", required=True, metavar="NAME[=key=value,...]",
+                    help="a variant: overrides on the base config (repeatable; the first is the reference unless "
+                         "--reference names another)")
+    bq.add_argument("--reference", default="", help="the reference variant (default: the first)")
+    bq.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    bq.add_argument("--iterations", type=int, default=0, help="budget: iterations of the reference (as counted cost)")
+    bq.add_argument("--budget-cost", type=float, default=0.0, help="budget: counted cost per cell")
+    bq.add_argument("--evals", type=int, default=6, help="evaluations per cell after the start one")
+    bq.add_argument("--target-fraction", type=float, default=0.95, help="of the reference's gain at its plateau")
+    bq.add_argument("--target", type=float, default=None, help="an explicit target value of --metric instead")
+    bq.add_argument("--metric", default="eval/reward", help="the held-out metric to reach (higher is better)")
+    bq.add_argument("--out", default=str(Path("runs") / "bench_quality"), help="output directory")
+    bq.set_defaults(func=cmd_bench_quality)
     sp = sub.add_parser("report", help="write a self-contained HTML report of a run")
     sp.add_argument("run_dir")
     sp.add_argument("--out", help="output file (default RUN_DIR/report.html)")

@@ -156,6 +156,9 @@ class AdvantageConfig:
     std: str = _f("unbiased", choices=("unbiased", "population"),
                   doc="the std estimate: n−1 (torch.std, TRL) or n (np.std: FlowGRPO / DiffusionNFT / AWM's "
                       "per-prompt trackers; advantages larger by √(n/(n−1)))")
+    per_reward_norm: bool = _f(False, doc="flow, several rewards: normalise each reward within its group on its own, "
+                                          "sum with reward.weights, divide by the sum's batch std (GDPO-style)",
+                               family="flow")
 
 
 @dataclass
@@ -259,6 +262,19 @@ class TrainConfig:
                                     "(no gather) and any number of processes can resume them; files: one "
                                     "safetensors + optimizer file written by rank 0 (bitwise resume); auto: dcp "
                                     "under dist.mode=fsdp2, else files")
+    # guards (diffgrpo.guards): limits relative to the run's start evaluation; 0 turns a limit off
+    on_hacking: str = _f("off", choices=("off", "warn", "stop"),
+                         doc="an evaluation outside the guards: off (only logged as eval/guard/ok), warn (a warning), "
+                             "stop (the run ends there, exit code 3, the message names the guard)")
+    guard_max_fid_ratio: float = _f(1.5, lo=0.0, doc="eval/fid (built-in task) at most this × its start value")
+    guard_max_drift: float = _f(0.5, lo=0.0, doc="eval/guard/drift (Fréchet distance to the base model's samples "
+                                                  "/ their total variance) at most this")
+    guard_min_diversity_ratio: float = _f(0.8, lo=0.0, hi=1.0, doc="eval/diversity and eval/guard/diversity at "
+                                                                    "least this × their start value")
+    guard_max_reward_drop: float = _f(0.1, lo=0.0, doc="each eval/guard/rewards/<name>/mean at least start − this "
+                                                        "× |start|")
+    keep_best: str = _f("", doc="keep the weights of the evaluation with the highest value of this metric (e.g. "
+                                "eval/reward) among those inside the guards in <run>/best/; empty = off")
 
 
 @dataclass
@@ -386,6 +402,12 @@ class EvalConfig:
                                               "train.prompts_file; the metadata reaches the rewards")
     batch_size: int = _f(0, lo=0, doc="evaluation samples sampled, decoded and scored together; 0 = all at once "
                                       "(with > 0 only the first 64 images are kept for the sample grid)")
+    guard_rewards: list = _f([], doc="held-out guard rewards, evaluated and never trained on (eval/guard/rewards/"
+                                     "<name>/mean): registry names or module:function; text verifiers or d1_format "
+                                     "for masked diffusion LMs", family="any")
+    guard_features: str = _f("auto", doc="feature space of eval/guard/fd_base, drift, diversity (flow): auto, "
+                                         "digits, clip (the CLIP of a CLIP-class reward), none or module:function "
+                                         "(images -> (B, D)); masked LMs use hashed character trigrams")
 
 
 @dataclass

@@ -40,6 +40,7 @@ class Family(Protocol):
 
     name: str
     policy: Any
+    guards: Any  # guards.EvalGuards: eval/guard/* of every evaluation, and the base model's statistics
 
     @staticmethod
     def check_config(cfg: RunConfig) -> None:

@@ -17,7 +17,7 @@ import torch
 from filelock import FileLock, Timeout
 from safetensors.torch import save_file
 
-from . import checkpoint, distributed, rundir
+from . import checkpoint, distributed, guards, rundir
 from .config import RunConfig
 from .console import Progress
 from .distributed import WorldInfo
@@ -83,6 +83,7 @@ class Job:
         self.lead = trainer.world.rank == 0  # only rank 0 writes files
         self.saved_at = -1  # iteration of the last checkpoint written or loaded
         self.stop_signal = None
+        self.watch = guards.Watch(self.cfg.train, log=lambda *a: self.log(*a))  # train.on_hacking, keep_best
 
     def run(self, resume_run: bool = False) -> dict[str, float]:
         """The whole job in the run directory, which is locked for the run's life (a second run or resume of it is
@@ -152,6 +153,8 @@ class Job:
         table = SampleTable(out, it, save_media=cfg.log.save_images) if self.lead else None
         row, images = self.trainer.evaluate(table)
         row["iteration"] = it
+        self.watch.judge(row, run_dir=out, lead=self.lead, weights=self.trainer.eval_weights,  # guards, keep_best
+                         base=self.trainer.family.guards if tag == "start" else None)
         writer.write(row)
         samples = table.close() if table is not None else []  # samples/eval_<iteration>.jsonl
         writer.log_table(samples, it)
@@ -178,6 +181,8 @@ class Job:
         cfg, tr = self.cfg, self.trainer
         rows = read_metrics(out / "metrics.jsonl", log=self.log) if resumed else []
         evals = [r for r in rows if any(k.startswith("eval/") for k in r)]
+        if resumed:  # the start evaluation's row and the base model's statistics
+            self.watch.resume(evals[0] if evals else None, out, tr.family.guards)
         first = evals[0] if evals else self._evaluate(out, writer, "start")
         last_eval, start_iteration = (evals[-1] if evals else first), tr.iteration
         self.log(f"eval at start: {_fmt(first)}")
@@ -193,6 +198,8 @@ class Job:
                 bar.update(row)
                 if cfg.eval.every and tr.iteration % cfg.eval.every == 0 and tr.iteration < cfg.train.num_iterations:
                     last_eval = self._evaluate(out, writer, str(tr.iteration))
+                    if self.watch.stop:  # train.on_hacking=stop and a guard fell
+                        break
                 if (cfg.train.save_every and tr.iteration % cfg.train.save_every == 0) or self.stop_signal:
                     self._save()
                 if self.stop_signal is not None:
@@ -202,13 +209,14 @@ class Job:
             bar.close()
             if cfg.train.save_every and self.saved_at != tr.iteration:  # "train N more" resumes from here
                 self._save()
-            if tr.iteration > start_iteration or not (evals and evals[-1].get("iteration") == tr.iteration):
+            ended = bool(evals and evals[-1].get("iteration") == tr.iteration)
+            if not self.watch.stop and (tr.iteration > start_iteration or not ended):
                 last_eval = self._evaluate(out, writer, "end")  # (a resumed finished run holds its end evaluation)
         finally:
             bar.close()
             for sig, h in handlers.items():
                 signal.signal(sig, h)
-        return {"start": first, "end": last_eval}
+        return {"start": first, "end": last_eval, **self.watch.summary()}  # "stopped", "best" (guards)
 
     def _on_signal(self, signum, frame):
         if self.stop_signal is not None:  # second signal: stop now, unless it is the first one delivered twice

@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 
 from . import distributed
-from .advantages import group_advantages
+from .advantages import group_advantages, per_reward_advantages
 from .config import AdvantageConfig
 from .losses import aggregation_weights
 
@@ -44,14 +44,16 @@ def grpo_loss_weights(rewards: torch.Tensor, group_ids: torch.Tensor, planned: t
                       aggregation: str, world: distributed.WorldInfo, spread: bool = False,
                       std_mode: str | None = None, baseline: str | None = None,
                       sample_weights: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
-                      wave: tuple | None = None, log=print) -> GRPOWeights:
+                      wave: tuple | None = None, components: dict | None = None, log=print) -> GRPOWeights:
     """rewards (B,), group_ids (B,), planned (B, N) bool → :class:`GRPOWeights` (tensors on ``planned``'s device).
 
     ``adv_cfg``: the ``advantage`` config section (clip, eps, filter_zero_std, and std_mode / baseline unless
     given). ``sample_weights(trained (B, N)) -> (B,) | None`` per-sample multipliers computed from the trained
     units. ``wave``: (whole batch's planned (B_all, N), this wave's rows (B,)) when the batch is rolled out in
     waves: the normaliser then counts the whole batch's planned units (samples dropped in other waves count as
-    planned), so that the waves sum to the one-wave objective. A collective when W > 1 (every rank calls it).
+    planned), so that the waves sum to the one-wave objective. ``components``: {name: (weight, scores (B,))} of a
+    weighted sum of rewards, normalised one by one (``advantages.per_reward_advantages``) when
+    ``adv_cfg.per_reward_norm``. A collective when W > 1 (every rank calls it).
     """
     W, rank, B = world.world_size, world.rank, len(rewards)
     dev = planned.device
@@ -59,9 +61,16 @@ def grpo_loss_weights(rewards: torch.Tensor, group_ids: torch.Tensor, planned: t
     all_rewards, all_gids = rewards, group_ids.cpu()
     if W > 1:
         all_rewards, all_gids = distributed.gather_groups(rewards, all_gids, spread=spread)
-    adv, stats = group_advantages(all_rewards, all_gids, valid=torch.isfinite(all_rewards),
-                                  std_mode=std_mode or adv_cfg.std_mode, baseline=baseline or adv_cfg.baseline,
-                                  clip=adv_cfg.clip, eps=adv_cfg.eps, std=adv_cfg.std)
+    kw = dict(valid=torch.isfinite(all_rewards), std_mode=std_mode or adv_cfg.std_mode,
+              baseline=baseline or adv_cfg.baseline, clip=adv_cfg.clip, eps=adv_cfg.eps, std=adv_cfg.std)
+    if adv_cfg.per_reward_norm and components:
+        scores = torch.stack([v.float().cpu() for _, v in components.values()])  # (K, B)
+        if W > 1:
+            scores = torch.stack([distributed.gather_groups(s, group_ids.cpu(), spread=spread)[0] for s in scores])
+        w_k = torch.tensor([float(w) for w, _ in components.values()])
+        adv, stats = per_reward_advantages(scores.to(all_rewards.device), w_k.to(all_rewards.device), all_gids, **kw)
+    else:
+        adv, stats = group_advantages(all_rewards, all_gids, **kw)
     adv = adv[rank * B:(rank + 1) * B] if W > 1 else adv
     keep = valid.clone()
     if adv_cfg.filter_zero_std:

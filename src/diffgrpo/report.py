@@ -32,6 +32,7 @@ import yaml
 from ._version import __version__
 from .config import RunConfig
 from .fileio import atomic_write
+from .guards import PREFIX as GUARD_PREFIX
 from .runlog import read_metrics
 
 # metric family → (title, caption, keys or key prefixes); a key belongs to the first family that claims it
@@ -43,6 +44,9 @@ FAMILIES = (
                  "the data); a rise while the reward climbs is the sign of reward hacking.", ("eval/fid",)),
     ("Diversity", "Mean pairwise feature distance among one prompt's held-out samples; a fall means the policy "
                   "collapses onto fewer outputs.", ("eval/diversity",)),
+    ("Guards", "Held-out guard rewards (never trained on), the distance of the samples to the base model's own "
+               "samples on the same prompts and seeds, per-prompt diversity; eval/guard/ok is 1 inside every "
+               "start-anchored limit.", (GUARD_PREFIX,)),
     ("Optimisation", "Per update: KL to the reference, fraction of clipped ratios, fraction of groups with equal "
                      "rewards, gradient norm and loss, each on its own axis.",
      ("kl", "clip_ratio", "frac_reward_zero_std", "grad_norm", "loss", "learning_rate")),
@@ -198,6 +202,18 @@ def _cell(v) -> str:
     return html.escape(text if len(text) <= 200 else text[:199] + "…")
 
 
+def _summary(run: Path) -> dict:
+    """The run's summary.json (empty when absent or unreadable)."""
+    path = run / "summary.json"
+    if not path.is_file() or path.is_symlink():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
 def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     """Write ``report.html`` (or ``out``) for a run directory; returns its path."""
     run = Path(run_dir)
@@ -237,6 +253,13 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
              f"<h1>Run report: {html.escape(run.name)}</h1><table>"]
     parts += [f"<tr><th>{html.escape(k)}</th><td>{html.escape(str(v))}</td></tr>" for k, v in header]
     parts.append("</table>")
+    summary = _summary(run)
+    if summary.get("stopped"):
+        parts.append(f"<p><b>Stopped by a guard (train.on_hacking=stop):</b> {html.escape(summary['stopped'])}</p>")
+    if summary.get("best"):
+        b = summary["best"]
+        parts.append(f"<p>Best weights inside the guards: {html.escape(str(b['metric']))} = {b['value']:.4f} at "
+                     f"iteration {b['iteration']} (<code>best/weights.safetensors</code>).</p>")
     if evals:
         first, last = evals[0], evals[-1]
         parts.append("<h2>Held-out evaluation, start → end</h2><table><tr><th>metric</th><th>start</th>"

@@ -14,10 +14,11 @@ from .errors import ConfigError
 # Keys a resume may change: how long, how fast and how the run is logged, and where it runs. Anything else would
 # change the model, the data or the objective of a run half-way.
 RESUMABLE = ("train.num_iterations", "train.lr", "train.save_every", "train.keep_checkpoints", "train.max_bad_updates",
-             "eval.every", "log.", "dist.", "model.device", "model.cpu_threads", "model.cache_dir", "train.checkpoint_format")
+             "eval.every", "log.", "dist.", "model.device", "model.cpu_threads", "model.cache_dir",
+             "train.checkpoint_format", "train.on_hacking", "train.guard_", "train.keep_best")
 # Values that make the library import or run code: taken from the current command line only, never from a run
 # directory's saved config.yaml (a downloaded run directory must not execute its author's code).
-CODE_KEYS = ("reward.weights", "engine.name", "dllm.trust_remote_code")
+CODE_KEYS = ("reward.weights", "engine.name", "dllm.trust_remote_code", "eval.guard_rewards", "eval.guard_features")
 
 
 def flat(d: dict, prefix: str = "") -> dict:

@@ -228,6 +228,10 @@ class Trainer:
                 "time/reward": ro.timings["reward"], "time/train": stats.seconds.get("train", 0.0),
                 "time/iteration": time.perf_counter() - t0}
 
+    def eval_weights(self) -> dict:
+        """The weights evaluation uses (the EMA's when train.ema_decay > 0), full tensors (a collective under FSDP2)."""
+        return distributed.to_full(self.ema.state_dict() if self.ema is not None else self.policy.state_dict())
+
     def evaluate(self, table=None) -> tuple[dict[str, float], torch.Tensor | None]:
         """Held-out evaluation by the family, with the EMA weights when ``train.ema_decay`` > 0; ``table`` (a
         ``media.SampleTable``, rank 0) receives one row per sample."""

@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from .. import distributed
+from .. import distributed, guards
 from ..config import RunConfig
 from ..engines.base import EngineContext
 from ..errors import ConfigError
@@ -85,6 +85,7 @@ class DLLMFamily:
         self.ctx = EngineContext(policy=policy, kernel={}, clip_range=self.d.clip_range, beta=cfg.loss.beta,
                                  micro_batch_size=cfg.engine.micro_batch_size)
         self.method = TokenGRPO(self.d, self.daca, self.ctx, generator=gen_masks)
+        self.guards = guards.EvalGuards.for_text(cfg, log=lambda *a: self.log(*a))  # eval/guard/*
 
     # ------------------------------------------------------------------ the family protocol
     check_config = staticmethod(rules.check)  # the family's rules (rules.py), run by validation.validate
@@ -198,9 +199,10 @@ class DLLMFamily:
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
     def score(self, examples: list[Example], *, temperature: float, samples: int = 1, seed: int = 0,
-              prefix: str = "eval/", table=None) -> dict[str, float]:
+              prefix: str = "eval/", table=None, guard: bool = False) -> dict[str, float]:
         """Decode ``samples`` completions per example (seeded, batches of 256) and average the task's reward
-        components: → {prefix+"reward", prefix+"accuracy", prefix+"rewards/<k>/mean"}. Not counted as cost."""
+        components: → {prefix+"reward", prefix+"accuracy", prefix+"rewards/<k>/mean"} (and with ``guard`` the
+        eval/guard/* metrics of :mod:`diffgrpo.guards`). Not counted as cost."""
         ex = [e for e in examples for _ in range(samples)]
         saved = dict(self.policy.counters)
         g = torch.Generator(device=self.device).manual_seed(seed)
@@ -218,6 +220,8 @@ class DLLMFamily:
         row = {f"{prefix}reward": float(scored["reward"].mean()), f"{prefix}accuracy": float(scored["correct"].mean())}
         for k, v in scored.items():
             row[f"{prefix}rewards/{k}/mean"] = float(v.mean())
+        if guard:
+            row.update(self.guards.texts(outs, [e.prompt for e in ex], [{"answer": e.answer} for e in ex]))
         return row
 
     def evaluate(self, table=None) -> tuple[dict[str, float], None]:
@@ -226,7 +230,7 @@ class DLLMFamily:
         pool = self.eval_pool
         ex = pool[: self.d.eval_size] if self.d.eval_size else pool
         return self.score(ex, temperature=self.d.eval_temperature, samples=self.d.eval_samples,
-                          seed=self.cfg.eval.seed, table=table), None
+                          seed=self.cfg.eval.seed, table=table, guard=True), None
 
 
 D1_FORMAT_KEYS = ("format_strict", "format_soft", "format_xmlcount")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 
+from .. import guards
 from ..config import RunConfig
 from ..errors import ConfigError
 from ..samplers.masked import schedule
@@ -18,6 +19,7 @@ def check(cfg: RunConfig) -> None:
     check_decoding(cfg.dllm)
     _validate_dllm(cfg)
     _validate_dllm_methods(cfg)
+    guards.check_config(cfg, "dllm")  # eval.guard_rewards (text verifiers), train.keep_best
 
 
 @functools.lru_cache(maxsize=None)

@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from .. import distributed, quality
+from .. import distributed, guards, quality
 from ..config import RunConfig
 from ..data import digit_prompt, prompt_digit
 from ..data_sources import EpochSampler, load_prompts, prompt_metadata
@@ -79,6 +79,7 @@ class FlowFamily:
         self.sampler = EpochSampler(len(self.records), cfg.seed) if self.records else None
         # reward callables on the policy's device with reward.options bound (models load on first use)
         self.reward_fns = make_rewards(cfg.reward.weights, cfg.reward.options, self.device, timeout=cfg.reward.timeout)
+        self.guards = guards.EvalGuards.for_flow(cfg, self.device, log=lambda *a: self.log(*a))  # eval/guard/*
         self.plans_made = 0  # training batches planned (the sliding SDE window's clock)
 
     # ------------------------------------------------------------------ the family protocol
@@ -294,6 +295,8 @@ class FlowFamily:
         apply(ro, grpo_loss_weights(
             ro.rewards, ro.group_ids, ro.selected, adv_cfg=self.cfg.advantage, aggregation=self.cfg.loss.aggregation,
             world=self.world, spread=self.spread, wave=wave, log=self.log,
+            components=({k: (w, ro.reward_components[k]) for k, w in self.cfg.reward.weights.items()}
+                        if self.cfg.advantage.per_reward_norm else None),
             sample_weights=lambda trained: self.engine.sample_weights(self.ctx, ro.traj, trained)))
 
     # ------------------------------------------------------------------ evaluation
@@ -328,7 +331,8 @@ class FlowFamily:
         want_media = table is not None or W > 1  # rank 0 alone knows whether it writes a table
         save_media = want_media and self.cfg.log.save_images
         rewards, comps, grid = torch.full((N,), float("nan")), {}, {}
-        guards = quality.GuardStats(self.cfg.model.image_size, self.cfg.eval.seeds_per_prompt)  # built-in task
+        digit_guards = quality.GuardStats(self.cfg.model.image_size, self.cfg.eval.seeds_per_prompt)  # built-in task
+        held_out = self.guards.begin()  # eval/guard/*: guard rewards, distance to the base samples, diversity
         for lo in range(0, share, n):
             idx = rows[lo:lo + n]
             im, r, c = self._eval_chunk([prompts[i] for i in idx], [seeds[i] for i in idx],
@@ -337,7 +341,9 @@ class FlowFamily:
             part = {"index": [idx[j] for j in real], "reward": r[real], "comps": {k: v[real] for k, v in c.items()},
                     "grid": {idx[j]: grid_frames(im[j:j + 1])[0].cpu() for j in real if idx[j] < EVAL_GRID_IMAGES},
                     "media": [to_uint8(im[j]) for j in real] if save_media else None,
-                    "feats": quality.digit_features(im[real]) if quality.guards_apply(self.cfg, im) else None}
+                    "feats": quality.digit_features(im[real]) if quality.guards_apply(self.cfg, im) else None,
+                    "guard": self.guards.chunk(im[real], [prompts[idx[j]] for j in real],
+                                               [metadata[idx[j]] for j in real])}
             del im
             for got in distributed.all_gather_object(part):
                 index = torch.tensor(got["index"], dtype=torch.long)
@@ -346,7 +352,8 @@ class FlowFamily:
                     comps.setdefault(k, torch.full((N,), float("nan")))[index] = v
                 grid.update(got["grid"])
                 if got["feats"] is not None:
-                    guards.add(got["index"], got["feats"])
+                    digit_guards.add(got["index"], got["feats"])
+                held_out.add(got["index"], got["guard"])
                 if table is not None:
                     for j, i in enumerate(got["index"]):
                         table.add_sample(i, prompts[i], metadata[i], {k: v[j] for k, v in got["comps"].items()},
@@ -354,7 +361,8 @@ class FlowFamily:
         row = {"eval/reward": float(rewards[torch.isfinite(rewards)].mean())}
         for name, v in comps.items():
             row[f"eval/rewards/{name}/mean"] = float(v[torch.isfinite(v)].mean())
-        row.update(guards.result())  # eval/fid, eval/diversity of the built-in task's digit images
+        row.update(digit_guards.result())  # eval/fid, eval/diversity of the built-in task's digit images
+        row.update(held_out.result())
         return row, torch.stack([grid[i] for i in sorted(grid)])
 
     def _eval_generator(self) -> torch.Generator:

@@ -7,6 +7,7 @@ import importlib
 import inspect
 from pathlib import Path
 
+from .. import guards
 from ..config import EngineConfig, LossConfig, RunConfig, one_line
 from ..engines import ENGINES, FORWARD_ENGINES
 from ..errors import ConfigError, suggest
@@ -18,7 +19,8 @@ def check(cfg: RunConfig) -> None:
     """Every cross-field rule of a flow-matching run (``FlowFamily.check_config``)."""
     check_compile(cfg.model, cfg.dist.mode)
     _validate_flow(cfg)
-    check_rewards(cfg.reward.weights, cfg.reward.options, model_name=cfg.model.name)
+    held_out = guards.check_config(cfg, "flow")  # eval.guard_*, train.keep_best; guard rewards take reward.options
+    check_rewards({**cfg.reward.weights, **held_out}, cfg.reward.options, model_name=cfg.model.name)
 
 
 def _exists(p: Path) -> bool:

@@ -1,0 +1,405 @@
+"""``diffgrpo bench quality``: time to quality of config variants against a reference, inside start-anchored guards.
+
+Every *cell* (variant × seed) is a :class:`~diffgrpo.trainer.Trainer` built from one base config plus the variant's
+overrides and ``seed=<s>``; all cells live in one process and are stepped **interleaved**: the next iteration goes to
+the unfinished cell with the least counted cost so far (ties: listing order), so the schedule does not depend on the
+machine's load, and load noise hits every variant alike.
+
+  cost        sample-forwards (rollout and training, with and without grad) + 2 × sample-backwards (the counters)
+  budget      ``iterations`` of the reference variant, converted to counted cost (the reference seeds' mean cost per
+              iteration × iterations, measured on their first iteration), the same for every cell; or a counted
+              cost directly. Never seconds: a loaded machine cannot move the target.
+  wall-clock  cumulative ``trainer.step()`` seconds of each cell (evaluation excluded), measured side by side
+  evaluation  at the start and whenever a cell's cost passes budget·j/evals (j = 1 … evals): ``trainer.evaluate()``
+              (fixed prompts and seeds), with the guards of :mod:`diffgrpo.guards` beside the reward
+
+Target: the start reward plus ``target_fraction`` × the reference's gain at its plateau (the mean of the last quarter
+of its seed-mean curve, minus the start). The reference *plateaued* when the least-squares trend across that last
+quarter is within twice the standard error of the seed mean (one seed: not judged). A cell reaches the target at its
+first evaluation whose reward ≥ target while every guard is inside its limits relative to **that cell's own start**
+(``guards.tripped`` with the ``train.guard_*`` thresholds); reaching it only outside the guards is reported as
+hacking. Time to target, its speed-up over the reference (seeds paired) and their 95 % intervals come from a
+percentile bootstrap over seeds (a seed that never reaches the target counts as infinitely slow).
+
+Outputs (``out``): ``table.md``, ``summary.json`` (every cell's evaluation curve, the aggregate, intervals),
+``curves.png`` (reward vs wall-clock and vs cost, guard metrics vs reward), ``configs/<variant>_seed<s>.yaml`` (one
+resolved config per cell) and ``command.txt``; no per-iteration logs. Cost: the cells' training plus
+(evals + 1) evaluations per cell.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shlex
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from . import guards
+from .config import MODEL_FAMILIES, RunConfig
+from .errors import ConfigError
+from .fileio import atomic_write
+from .trainer import Trainer
+
+METRIC = "eval/reward"
+GUARD_PLOTS = ("eval/fid", "eval/guard/drift", "eval/guard/diversity", "eval/diversity")
+
+
+# ---------------------------------------------------------------------- pure functions
+def parse_variant(spec: str) -> tuple[str, list[str]]:
+    """``NAME=key=value,key=value`` (or a bare ``NAME``: no overrides) → (name, overrides)."""
+    name, _, ov = spec.partition("=")
+    if not name.strip():
+        raise ConfigError(f"--variant: {spec!r} must be NAME or NAME=key=value[,key=value...]")
+    return name.strip(), [o.strip() for o in ov.split(",") if o.strip()]
+
+
+def bootstrap_ci(samples: np.ndarray, stat, n: int = 2000, seed: int = 0, level: float = 0.95) -> tuple[float, float]:
+    """Percentile interval of ``stat(samples[idx])`` over ``n`` resamples of the rows (seeds) with replacement.
+    samples (S, ...) → (lo, hi); NaN when S < 2."""
+    S = samples.shape[0]
+    if S < 2:
+        return float("nan"), float("nan")
+    rng = np.random.default_rng(seed)
+    vals = np.array([stat(samples[rng.integers(0, S, S)]) for _ in range(n)], dtype=float)
+    a = (1 - level) / 2
+    q = np.quantile(vals, [a, 1 - a], method="inverted_cdf")  # no interpolation: an infinite draw stays infinite
+    return float(q[0]), float(q[1])
+
+
+def plateau(xs: list[float], means: list[float], sds: list[float], seeds: int) -> dict:
+    """Did a seed-mean curve plateau? Its last quarter (at least 2 points): level (mean), trend (least-squares slope ×
+    span) and noise (2 × mean std over seeds / √seeds); plateaued when |trend| ≤ noise (None with one seed)."""
+    k = max(2, math.ceil(len(xs) / 4))
+    x, y = np.asarray(xs[-k:], float), np.asarray(means[-k:], float)
+    slope = float(np.polyfit(x, y, 1)[0]) if len(x) > 1 and np.ptp(x) > 0 else 0.0
+    trend = slope * float(np.ptp(x))
+    noise = 2 * float(np.mean(sds[-k:])) / math.sqrt(seeds) if seeds > 1 else float("nan")
+    return {"level": float(y.mean()), "trend": trend, "noise": noise, "points": k,
+            "plateaued": None if seeds < 2 else bool(abs(trend) <= noise)}
+
+
+def first_reach(curve: list[dict], target: float, metric: str, th: guards.Thresholds) -> dict:
+    """First evaluation after the start of one cell's curve at the target: inside its start-anchored guards, and
+    regardless of them."""
+    start = curve[0]["metrics"]
+    hit = raw = None
+    hacked = False
+    for p in curve[1:]:
+        v = p["metrics"].get(metric, float("nan"))
+        if not v >= target:
+            continue
+        inside = not guards.tripped(start, p["metrics"], th)
+        raw = raw or p
+        hit = hit or (p if inside else None)
+        hacked = hacked or not inside
+    return {"seconds": hit["seconds"] if hit else math.inf, "cost": hit["cost"] if hit else math.inf,
+            "iteration": hit["iteration"] if hit else None, "raw_seconds": raw["seconds"] if raw else math.inf,
+            "hacks": hacked}
+
+
+# ---------------------------------------------------------------------- one cell, stepped from outside
+@dataclass
+class Cell:
+    variant: str
+    seed: int
+    cfg: RunConfig
+    trainer: Trainer
+    overrides: list = field(default_factory=list)
+    seconds: float = 0.0
+    cost: float = 0.0
+    iterations: int = 0
+    curve: list = field(default_factory=list)
+    done: bool = False
+
+    def evaluate(self) -> None:
+        row, _ = self.trainer.evaluate()
+        self.curve.append({"iteration": self.iterations, "seconds": self.seconds, "cost": self.cost,
+                           "metrics": {k: float(v) for k, v in row.items() if k.startswith("eval/")}})
+
+    def step(self) -> None:
+        c = self.trainer.policy.counters
+        f0 = c["forwards_grad"] + c["forwards_nograd"]
+        t0 = time.perf_counter()
+        row = self.trainer.step()
+        self.seconds += time.perf_counter() - t0
+        self.cost += (c["forwards_grad"] + c["forwards_nograd"] - f0) + 2 * row["sample_backwards"]
+        self.iterations += 1
+
+
+def build_cells(base: RunConfig, variants: dict[str, list[str]], seeds: list[int], log=print) -> list[Cell]:
+    """Every (variant, seed) cell, configs validated before any model loads."""
+    cfgs = [(v, s, RunConfig.from_overrides([*ov, f"seed={s}"], base=base)) for s in seeds
+            for v, ov in variants.items()]
+    return [Cell(v, s, cfg, Trainer(cfg, log=lambda *a: None), overrides=variants[v]) for v, s, cfg in cfgs]
+
+
+def interleave(cells: list[Cell], reference: str, *, iterations: int = 0, budget_cost: float = 0.0, evals: int = 4,
+               max_iterations: int = 0, log=print) -> float:
+    """Step the unfinished cell with the least cost until every cell has spent the budget (→ the budget in cost):
+    ``budget_cost``, or ``iterations`` of the reference (its seeds' mean cost of one iteration × iterations).
+    Each cell is evaluated at the start and when its cost passes budget·j/evals."""
+    for c in cells:
+        c.evaluate()
+    cap = max_iterations or 1_000_000
+    if budget_cost <= 0:  # one iteration of every reference seed fixes the cost of a reference iteration
+        refs = [c for c in cells if c.variant == reference]
+        for c in refs:
+            c.step()
+        budget_cost = statistics.mean(c.cost for c in refs) * iterations
+        for c in refs:
+            _at_marks(c, budget_cost, evals, cap, log)
+    while True:
+        live = [c for c in cells if not c.done]
+        if not live:
+            return budget_cost
+        c = min(live, key=lambda q: q.cost)  # min keeps the listing order on ties
+        c.step()
+        _at_marks(c, budget_cost, evals, cap, log)
+
+
+def _at_marks(c: Cell, budget: float, evals: int, cap: int, log) -> None:
+    """After a step: evaluate ``c`` when its cost passed the next mark budget·j/evals; finish it at the budget."""
+    finished = c.cost >= budget or c.iterations >= cap
+    passed = sum(1 for j in range(1, evals + 1) if c.cost >= budget * j / evals)
+    if len(c.curve) - 1 < passed or finished:
+        c.evaluate()
+        while len(c.curve) - 1 < (evals if finished else passed):  # marks passed in one step share a point
+            c.curve.insert(len(c.curve) - 1, dict(c.curve[-1]))
+    if finished:
+        c.done = True
+        first, last = c.curve[0]["metrics"], c.curve[-1]["metrics"]
+        log(f"  {c.variant:20s} seed {c.seed}: {c.iterations} it, {c.seconds:.1f}s, cost {c.cost:.0f}, "
+            f"{METRIC} {first.get(METRIC, float('nan')):.4f} -> {last.get(METRIC, float('nan')):.4f}")
+
+
+# ---------------------------------------------------------------------- aggregation
+def _mean(xs):
+    xs = [x for x in xs if isinstance(x, (int, float)) and math.isfinite(x)]
+    return statistics.mean(xs) if xs else float("nan")
+
+
+def _std(xs):
+    xs = [x for x in xs if isinstance(x, (int, float)) and math.isfinite(x)]
+    return statistics.stdev(xs) if len(xs) > 1 else 0.0
+
+
+def mean_curve(cells: list[Cell], metric: str) -> list[dict]:
+    """Seed-mean curve, evaluation by evaluation (the j-th evaluation of each seed; cut at the shortest)."""
+    n = min(len(c.curve) for c in cells)
+    out = []
+    for j in range(n):
+        pts = [c.curve[j] for c in cells]
+        keys = sorted({k for p in pts for k in p["metrics"]})
+        out.append({"seconds": _mean([p["seconds"] for p in pts]), "cost": _mean([p["cost"] for p in pts]),
+                    "iteration": _mean([p["iteration"] for p in pts]),
+                    "metrics": {k: _mean([p["metrics"].get(k) for p in pts]) for k in keys},
+                    "reward_std": _std([p["metrics"].get(metric) for p in pts])})
+    return out
+
+
+def summarize(cells: list[Cell], reference: str, *, metric: str, target_fraction: float,
+              th: guards.Thresholds, target: float | None = None) -> dict:
+    variants = list(dict.fromkeys(c.variant for c in cells))
+    by = {v: sorted((c for c in cells if c.variant == v), key=lambda c: c.seed) for v in variants}
+    curves = {v: mean_curve(cs, metric) for v, cs in by.items()}
+    ref = curves[reference]
+    start = ref[0]["metrics"].get(metric, float("nan"))
+    plat = plateau([p["cost"] for p in ref], [p["metrics"].get(metric, float("nan")) for p in ref],
+                   [p["reward_std"] for p in ref], len(by[reference]))
+    if target is None:
+        target = start + target_fraction * (plat["level"] - start)
+    reach = {v: [first_reach(c.curve, target, metric, th) for c in cs] for v, cs in by.items()}
+    ref_t = np.array([r["seconds"] for r in reach[reference]])
+    rows = []
+    for v, cs in by.items():
+        t = np.array([r["seconds"] for r in reach[v]])
+        k = np.array([r["cost"] for r in reach[v]])
+        finals = [c.curve[-1]["metrics"] for c in cs]
+        last = curves[v][-1]["metrics"]
+        paired = np.stack([ref_t, t], 1) if len(t) == len(ref_t) else None
+        rows.append({
+            "variant": v, "overrides": cs[0].overrides,
+            "seeds": [c.seed for c in cs], "iterations": _mean([c.iterations for c in cs]),
+            "seconds_per_iteration": _mean([c.seconds / max(c.iterations, 1) for c in cs]),
+            "cost_per_iteration": _mean([c.cost / max(c.iterations, 1) for c in cs]),
+            "seconds_total": _mean([c.seconds for c in cs]),
+            "final_reward": _mean([f.get(metric) for f in finals]), "final_reward_std": _std([f.get(metric) for f in finals]),
+            "final_guards": {k: last[k] for k in last if k.startswith(("eval/guard/", "eval/fid", "eval/diversity"))},
+            "final_out_of_guards": sorted({g.split()[0] for c in cs for g in guards.tripped(c.curve[0]["metrics"],
+                                                                                         c.curve[-1]["metrics"], th)}),
+            "reached": int(np.isfinite(t).sum()),
+            "time_to_target": float(np.mean(t)), "time_to_target_ci": bootstrap_ci(t, np.mean),
+            "cost_to_target": float(np.mean(k)), "cost_to_target_ci": bootstrap_ci(k, np.mean),
+            "time_to_target_ignoring_guards": float(np.mean([r["raw_seconds"] for r in reach[v]])),
+            "speedup": _speedup(paired) if paired is not None else float("nan"),
+            "speedup_ci": bootstrap_ci(paired, _speedup) if paired is not None else (float("nan"), float("nan")),
+            "hacks": any(r["hacks"] for r in reach[v]), "per_seed": reach[v], "curve": curves[v]})
+    return {"metric": metric, "reference": reference, "start": start, "target": target,
+            "reference_gain": plat["level"] - start,
+            "target_fraction": target_fraction, "plateau": plat, "thresholds": th.__dict__, "rows": rows}
+
+
+def _speedup(m: np.ndarray) -> float:
+    """m (S, 2): per seed (reference's, variant's) time to target → mean ÷ mean (∞ where the variant never reaches
+    it and the reference does; NaN where neither does)."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return float(np.mean(m[:, 0]) / np.mean(m[:, 1]))
+
+
+# ---------------------------------------------------------------------- outputs
+def _fmt(x, f="{:.1f}"):
+    return "—" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f.format(x)
+
+
+def _ci(ci, f="{:.1f}"):
+    lo, hi = ci
+    return "" if not (math.isfinite(lo) or math.isfinite(hi)) else f" [{_fmt(lo, f)}, {_fmt(hi, f)}]"
+
+
+def to_markdown(meta: dict, s: dict) -> str:
+    p = s["plateau"]
+    plat = ("not judged (one seed)" if p["plateaued"] is None else
+            ("yes" if p["plateaued"] else "**no**") + f" (trend {p['trend']:+.4f} vs noise ±{p['noise']:.4f} over its "
+            f"last {p['points']} evaluations)")
+    th = s["thresholds"]
+    budget_words = f" (= {meta['iterations']} iterations of {s['reference']})" if meta["iterations"] else ""
+    lines = [
+        f"# Time to quality: {meta['title']}", "", f"Command: `{meta['command']}`", "",
+        f"Cells: {len(meta['variants'])} variants × seeds {meta['seeds']}, stepped interleaved in one process (least "
+        f"counted cost first). Budget: {meta['budget_cost']:.0f} counted cost units per cell"
+        f"{budget_words}"
+        f"; {meta['evals']} evaluations per cell after the start one ({meta['eval_samples']} held-out samples each). "
+        f"Total benchmark time {meta['total_seconds']:.0f} s; machine load at start {meta['load']}.", "",
+        f"Target: {s['metric']} ≥ {s['target']:.4f} = start {s['start']:.4f} + {s['target_fraction']:g} × the "
+        f"reference's gain at its plateau (level {p['level']:.4f}). Reference plateaued: {plat}."
+        + (" **The reference gained nothing within the budget: the target is not a gain; raise the budget.**"
+           if s["reference_gain"] <= 0 else ""), "",
+        f"Guards, each relative to the cell's own start: eval/fid ≤ {th['max_fid_ratio']:g}× (built-in task), "
+        f"eval/guard/drift ≤ {th['max_drift']:g}, diversity ≥ {th['min_diversity_ratio']:g}×, guard rewards ≥ start − "
+        f"{th['max_reward_drop']:g}×|start| (0 = off).", "",
+        "| variant | s / it | cost / it | iterations | reached | time to target (s) [95% CI] | cost to target | "
+        "speed-up vs reference (time) [95% CI] | final reward | out of guards at end | hacks |",
+        "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in s["rows"]:
+        lines.append(
+            f"| {r['variant']} | {r['seconds_per_iteration']:.2f} | {r['cost_per_iteration']:.0f} | "
+            f"{r['iterations']:.1f} | {r['reached']}/{len(r['seeds'])} | {_fmt(r['time_to_target'])}"
+            f"{_ci(r['time_to_target_ci'])} | {_fmt(r['cost_to_target'], '{:.0f}')} | {_fmt(r['speedup'], '{:.2f}×')}"
+            f"{_ci(r['speedup_ci'], '{:.2f}')} | {r['final_reward']:.4f} ± {r['final_reward_std']:.4f} | "
+            f"{', '.join(r['final_out_of_guards']) or 'none'} | {'yes' if r['hacks'] else 'no'} |")
+    lines += ["", "'time to target': training wall-clock (mean over seeds) at each seed's first evaluation at the target "
+                  "inside its guards (— : some seed never did within the budget); 'hacks': some seed was at the target "
+                  "with a guard out of limits; intervals: percentile bootstrap over seeds (speed-up: seeds paired)."]
+    return "\n".join(lines) + "\n"
+
+
+def plot(s: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    metric = s["metric"]
+    gkeys = [k for k in GUARD_PLOTS if any(k in p["metrics"] for r in s["rows"] for p in r["curve"])][:2]
+    fig, axes = plt.subplots(1, 2 + len(gkeys), figsize=(5.2 * (2 + len(gkeys)), 4.4), squeeze=False)
+    axes = axes[0]
+    for i, row in enumerate(s["rows"]):
+        c, col = row["curve"], f"C{i % 10}"
+        ys = [p["metrics"].get(metric, float("nan")) for p in c]
+        sd = [p["reward_std"] for p in c]
+        for ax, x in ((axes[0], "seconds"), (axes[1], "cost")):
+            xs = [p[x] for p in c]
+            ax.plot(xs, ys, marker="o", ms=3, color=col, label=row["variant"])
+            ax.fill_between(xs, [y - d for y, d in zip(ys, sd)], [y + d for y, d in zip(ys, sd)], color=col, alpha=0.12)
+        for ax, k in zip(axes[2:], gkeys):
+            ax.plot([p["metrics"].get(k, float("nan")) for p in c], ys, marker="o", ms=3, color=col, label=row["variant"])
+    for ax in axes:
+        ax.axhline(s["target"], color="k", ls="--", lw=0.8)
+        ax.grid(alpha=0.3)
+        ax.set_ylabel(f"{metric} (seed mean)")
+    axes[0].set_xlabel("training wall-clock, s (band: ± std over seeds)")
+    axes[1].set_xlabel("counted cost (sample-forwards + 2 × sample-backwards)")
+    for ax, k in zip(axes[2:], gkeys):
+        ax.set_xlabel(f"{k} (guard)")
+    axes[0].legend(fontsize=7)
+    fig.suptitle("Time to quality (dashed: target)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _eval_samples(c: Cell) -> int:
+    """Samples of one evaluation of cell ``c``."""
+    fam, cfg = c.trainer.family, c.cfg
+    if MODEL_FAMILIES[cfg.model.name] == "flow":
+        return len(fam.eval_prompts()[0])
+    d = cfg.dllm
+    return len(fam.eval_pool[: d.eval_size] if d.eval_size else fam.eval_pool) * d.eval_samples
+
+
+def run(base: RunConfig, variants: dict[str, list[str]], seeds: list[int], *, out: str | Path, reference: str = "",
+        iterations: int = 0, budget_cost: float = 0.0, evals: int = 4, target_fraction: float = 0.95,
+        target: float | None = None, metric: str = METRIC, title: str = "", command: str = "",
+        max_iterations: int = 0, log=print) -> dict:
+    """The whole benchmark; writes the outputs under ``out`` and returns the summary (see the module docstring)."""
+    reference = reference or next(iter(variants))
+    if reference not in variants:
+        raise ConfigError(f"--reference: {reference!r} is not one of the variants {list(variants)}")
+    if (iterations > 0) == (budget_cost > 0):
+        raise ConfigError("bench quality: give exactly one budget, --iterations (of the reference) or --budget-cost")
+    if evals < 2 or not seeds or not 0 < target_fraction <= 1:
+        raise ConfigError("bench quality: --evals must be >= 2, --seeds non-empty, --target-fraction in (0, 1]")
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    out = Path(out)
+    t0 = time.perf_counter()
+    cells = build_cells(base, variants, seeds, log=log)
+    for c in cells:
+        atomic_write(out / "configs" / f"{c.variant}_seed{c.seed}.yaml", c.cfg.to_yaml())
+    cost = interleave(cells, reference, iterations=iterations, budget_cost=budget_cost, evals=evals,
+                      max_iterations=max_iterations, log=log)
+    th = guards.Thresholds(base.train.guard_max_fid_ratio, base.train.guard_max_drift,
+                           base.train.guard_min_diversity_ratio, base.train.guard_max_reward_drop)
+    s = summarize(cells, reference, metric=metric, target_fraction=target_fraction, th=th, target=target)
+    meta = {"title": title or f"{base.model.name} model, rewards {sorted(base.reward.weights)}", "command": command,
+            "variants": variants, "seeds": seeds, "iterations": iterations, "budget_cost": cost, "evals": evals,
+            "eval_samples": _eval_samples(cells[0]),
+            "total_seconds": time.perf_counter() - t0, "load": f"{load:.2f}", "torch_threads": torch.get_num_threads()}
+    cells_json = [{"variant": c.variant, "seed": c.seed, "iterations": c.iterations, "seconds": c.seconds,
+                   "cost": c.cost, "evaluations": c.curve} for c in cells]
+    atomic_write(out / "summary.json", json.dumps({"meta": meta, **s, "cells": cells_json}, indent=2, default=str))
+    atomic_write(out / "command.txt", command + "\n")
+    md = to_markdown(meta, s)
+    atomic_write(out / "table.md", md)
+    plot(s, out / "curves.png")
+    log(md)
+    return {"meta": meta, **s, "cells": cells_json}
+
+
+def from_args(base: RunConfig, args) -> dict:
+    """``diffgrpo bench quality`` (``cli.build_parser``'s options) on the resolved base config."""
+    variants: dict[str, list[str]] = {}
+    for spec in args.variant:
+        name, ov = parse_variant(spec)
+        if name in variants:
+            raise ConfigError(f"--variant: {name!r} is given twice")
+        variants[name] = ov
+    words = (["--config", args.config] if args.config else []) + [w for v in args.variant for w in ("--variant", v)]
+    words += ["--seeds", *map(str, args.seeds), "--evals", str(args.evals), "--target-fraction",
+              str(args.target_fraction), "--metric", args.metric, "--out", args.out]
+    words += (["--iterations", str(args.iterations)] if args.iterations else []) + (
+        ["--budget-cost", str(args.budget_cost)] if args.budget_cost else [])
+    words += (["--reference", args.reference] if args.reference else []) + (
+        ["--target", str(args.target)] if args.target is not None else []) + list(args.overrides)
+    command = "diffgrpo bench quality " + " ".join(shlex.quote(w) for w in words)
+    return run(base, variants, args.seeds, out=args.out, reference=args.reference, iterations=args.iterations,
+               budget_cost=args.budget_cost, evals=args.evals, target_fraction=args.target_fraction,
+               target=args.target, metric=args.metric, command=command)
+
+
+__all__ = ["run", "from_args", "parse_variant", "bootstrap_ci", "plateau", "first_reach", "interleave", "summarize", "Cell"]

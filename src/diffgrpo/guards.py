@@ -1,0 +1,425 @@
+"""Guards on every evaluation, for any model: is a reward gain real, or is the reward being gamed?
+
+Each evaluation (fixed prompts and seeds) reports, beside its rewards, under ``eval/guard/``:
+
+- ``rewards/<name>/mean``: held-out *guard rewards* (``eval.guard_rewards``), scored on the evaluation samples and
+  never trained on (image rewards for flow models, e.g. train on pickscore and guard with aesthetic / clip_score /
+  ocr; text verifiers or ``d1_format`` for masked diffusion LMs).
+- ``fd_base``: the Fréchet distance between Gaussians fitted to features of the current evaluation samples and of
+  the **base model's own samples on the same prompts and seeds** (the first evaluation of the run, kept as a mean
+  and a covariance), d² = ‖μ − μ_b‖² + tr(Σ + Σ_b − 2 (Σ_b^{1/2} Σ Σ_b^{1/2})^{1/2}) (``quality.frechet_distance``,
+  float64 eigendecompositions: exact up to round-off); 0 at the start by construction.
+- ``drift``: ``fd_base / tr(Σ_b)``, the same distance in units of the base samples' total variance (scale-free:
+  a policy that collapses every sample onto the base mean scores 1; comparable across feature spaces).
+- ``diversity``: per prompt (``eval.seeds_per_prompt`` / ``dllm.eval_samples`` consecutive samples), the mean
+  pairwise L2 distance of the features, averaged over prompts (0 when every seed of a prompt gives one image).
+
+Feature spaces (``eval.guard_features``), all available offline: ``digits`` (the built-in task's classifier, 64-d
+penultimate features, ``quality.digit_features``), ``clip`` (unit-norm image embeddings of the CLIP model of the
+run's first CLIP-class reward, pickscore / clip_score / aesthetic, loaded once and shared with that reward; video:
+the mean over frames), a plug-in ``module:function`` (images → (B, D)), ``none``; ``auto`` picks digits for the
+built-in model, else clip when a CLIP-class reward is configured, else none. Text: L2-normalised counts of the
+completion's character trigrams hashed into 64 buckets (crc32; a fixed, model-free feature).
+
+Everything accumulates in fixed memory (:class:`Moments`: float64 Σf and Σffᵀ, and a prompt's features only until its
+seeds are complete), whatever the number of evaluation samples. Cost: one feature forward per evaluation sample and
+one call of each guard reward; no training cost. The base statistics live in the run directory
+(``guard_base.safetensors``, written atomically after the start evaluation) and are read back on resume.
+
+The policy (``train.on_hacking=off|warn|stop``) compares each evaluation with the run's start: :func:`tripped`
+(pure) lists the guards out of their start-anchored thresholds, :class:`Watch` logs them, keeps the best weights
+by ``train.keep_best`` among evaluations inside the guards, and tells the loop to stop.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import re
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors.torch import load_file, save, save_file
+
+from . import quality
+from .errors import ConfigError, TrainingError
+from .fileio import atomic_write
+from .rewards import REWARDS, TEXT_REWARDS, clip_models, compute_rewards, make_rewards
+
+PREFIX = "eval/guard/"
+BASE_FILE = "guard_base.safetensors"
+BEST_DIR = "best"
+CLIP_REWARDS = {"pickscore": (clip_models.PICKSCORE_MODEL, clip_models.PICKSCORE_PROCESSOR),
+                "clip_score": (clip_models.CLIP_L14, ""), "aesthetic": (clip_models.CLIP_L14, "")}
+FEATURES = ("auto", "digits", "clip", "none")
+TEXT_BUCKETS = 64
+
+
+# ---------------------------------------------------------------------- pure functions
+def text_features(texts: list[str], buckets: int = TEXT_BUCKETS) -> torch.Tensor:
+    """Completions → (n, buckets) float64: counts of character trigrams hashed (crc32) into ``buckets``, L2-normalised
+    (an empty or short text is the zero vector)."""
+    out = torch.zeros(len(texts), buckets, dtype=torch.float64)
+    for i, t in enumerate(texts):
+        for j in range(len(t) - 2):
+            out[i, zlib.crc32(t[j:j + 3].encode()) % buckets] += 1
+    return out / out.norm(dim=1, keepdim=True).clamp_min(1e-12)
+
+
+def gaussian_from_sums(n: int, s1: torch.Tensor, s2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(count, Σf (D,), Σffᵀ (D, D)) → (mean (D,), unbiased covariance (D, D)), float64; n ≥ 2."""
+    mu = s1 / n
+    return mu, (s2 - n * torch.outer(mu, mu)) / (n - 1)
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """Start-anchored limits (``train.guard_*``); a limit of 0 is off."""
+    max_fid_ratio: float = 1.5  # eval/fid (built-in task: vs the digits test split) ≤ ratio × its start value
+    max_drift: float = 0.5  # eval/guard/drift (distance to the base samples / their variance) ≤ this
+    min_diversity_ratio: float = 0.8  # eval/diversity, eval/guard/diversity ≥ ratio × start
+    max_reward_drop: float = 0.1  # each guard reward ≥ start − drop × |start|
+
+
+def tripped(start: dict, row: dict, th: Thresholds) -> list[str]:
+    """The guards of evaluation ``row`` outside their limits relative to the ``start`` evaluation, each as a short
+    phrase (empty: inside every guard). Metrics missing or non-finite in either row are not judged."""
+    def pair(k):
+        a, b = start.get(k), row.get(k)
+        ok = isinstance(a, (int, float)) and isinstance(b, (int, float)) and math.isfinite(a) and math.isfinite(b)
+        return (float(a), float(b)) if ok else None
+
+    out = []
+    p = pair("eval/fid")
+    if th.max_fid_ratio > 0 and p and p[0] > 0 and p[1] > th.max_fid_ratio * p[0]:
+        out.append(f"eval/fid {p[1]:.4g} > {th.max_fid_ratio:g} × start {p[0]:.4g}")
+    d = row.get(PREFIX + "drift")
+    if th.max_drift > 0 and isinstance(d, (int, float)) and math.isfinite(d) and d > th.max_drift:
+        out.append(f"{PREFIX}drift {d:.4g} > {th.max_drift:g} (distance to the base model's samples)")
+    for k in ("eval/diversity", PREFIX + "diversity"):
+        p = pair(k)
+        if th.min_diversity_ratio > 0 and p and p[1] < th.min_diversity_ratio * p[0]:
+            out.append(f"{k} {p[1]:.4g} < {th.min_diversity_ratio:g} × start {p[0]:.4g}")
+    for k in sorted(k for k in row if k.startswith(PREFIX + "rewards/")):
+        p = pair(k)
+        if th.max_reward_drop > 0 and p and p[1] < p[0] - th.max_reward_drop * abs(p[0]):
+            out.append(f"{k} {p[1]:.4g} < start {p[0]:.4g} − {th.max_reward_drop:g} × |start|")
+    return out
+
+
+def improves(value, best) -> bool:
+    """Whether a finite ``value`` of the keep-best metric beats ``best`` (None: no best yet); higher is better."""
+    return isinstance(value, (int, float)) and math.isfinite(value) and (best is None or value > best)
+
+
+# ---------------------------------------------------------------------- accumulation in fixed memory
+class Moments:
+    """Features of one evaluation added chunk by chunk: float64 Σf, Σffᵀ, and per record (``group`` consecutive
+    samples: one prompt's seeds) its features until the record is complete, then their mean pairwise distance."""
+
+    def __init__(self, group: int):
+        self.group, self.n, self.s1, self.s2 = group, 0, None, None
+        self.open: dict[int, dict[int, torch.Tensor]] = {}
+        self.spreads: list[float] = []
+
+    def add(self, index: list[int], feats: torch.Tensor) -> None:
+        """Samples ``index`` (their evaluation order) with features (n, D)."""
+        f = feats.detach().double().cpu()
+        if self.s1 is None:
+            self.s1, self.s2 = torch.zeros(f.shape[1], dtype=torch.float64), torch.zeros(f.shape[1], f.shape[1],
+                                                                                           dtype=torch.float64)
+        self.n += f.shape[0]
+        self.s1 += f.sum(0)
+        self.s2 += f.T @ f
+        if self.group < 2:
+            return
+        for j, i in enumerate(index):
+            rec = self.open.setdefault(i // self.group, {})
+            rec[i] = f[j]
+            if len(rec) == self.group:
+                self.spreads.append(quality.mean_pairwise_distance(torch.stack([rec[k] for k in sorted(rec)])))
+                del self.open[i // self.group]
+
+    def diversity(self) -> float:
+        return sum(self.spreads) / len(self.spreads) if self.spreads else float("nan")
+
+
+class Base:
+    """The base model's feature statistics: mean (D,), covariance (D, D) float64, sample count."""
+
+    def __init__(self, mean: torch.Tensor, cov: torch.Tensor, n: int):
+        self.mean, self.cov, self.n = mean, cov, n
+
+    def save(self, path: Path) -> None:
+        tensors = {"mean": self.mean.contiguous(), "cov": self.cov.contiguous(), "n": torch.tensor([self.n])}
+        atomic_write(path, save(tensors))  # bytes: a full disk is a one-line TrainingError, no partial file
+
+    @classmethod
+    def load(cls, path: Path) -> "Base":
+        t = load_file(str(path))
+        return cls(t["mean"].double(), t["cov"].double(), int(t["n"][0]))
+
+
+# ---------------------------------------------------------------------- what an evaluation computes
+class EvalGuards:
+    """The guards of one run's evaluations: guard-reward callables, a feature function, the base statistics."""
+
+    def __init__(self, group: int, *, reward_fns: dict, features: Callable | None, log=print):
+        self.group, self.reward_fns, self.features, self.log = group, reward_fns, features, log
+        self.base: Base | None = None
+        self.anchored = False  # whether the base is settled (computed, loaded, or known to be missing)
+
+    # construction per family
+    @classmethod
+    def for_flow(cls, cfg, device, log=print) -> "EvalGuards":
+        names = list(cfg.eval.guard_rewards)
+        fns = make_rewards(dict.fromkeys(names, 1.0), cfg.reward.options, device) if names else {}
+        return cls(cfg.eval.seeds_per_prompt, reward_fns=fns, features=image_feature_fn(cfg, device), log=log)
+
+    @classmethod
+    def for_text(cls, cfg, log=print) -> "EvalGuards":
+        fns = {n: plugin(n, "eval.guard_rewards") for n in cfg.eval.guard_rewards}
+        return cls(cfg.dllm.eval_samples, reward_fns=fns, features=text_features, log=log)
+
+    # one evaluation
+    def begin(self) -> "Evaluation":
+        return Evaluation(self)
+
+    def chunk(self, samples, prompts: list[str], metadata: list[dict]) -> dict:
+        """One chunk's guard values (on the rank that sampled it): {"rewards": {name: (n,)}, "feats": (n, D) or None}."""
+        rewards = {}
+        if not len(prompts):  # a rank's padding-only chunk
+            return {"rewards": {}, "feats": None}
+        if self.reward_fns:
+            _, rewards = compute_rewards(dict.fromkeys(self.reward_fns, 1.0), samples, prompts, metadata,
+                                         log=self.log, rewards=self.reward_fns)
+        feats = self.features(samples) if self.features is not None else None
+        return {"rewards": rewards, "feats": feats}
+
+    def texts(self, texts: list[str], prompts: list[str], metadata: list[dict]) -> dict[str, float]:
+        """The guards of a whole text evaluation at once (completions are small)."""
+        ev = self.begin()
+        ev.add(list(range(len(texts))), self.chunk(texts, prompts, metadata))
+        return ev.result()
+
+    def set_base(self, base: Base | None) -> None:
+        """Anchor the distance to ``base`` (read back on resume); None: the base is unknown, no distance is reported."""
+        self.base, self.anchored = base, True
+
+    # the run directory's copy
+    def save_base(self, run_dir: Path) -> None:
+        """Write the base statistics into the run directory; a run that cannot write them goes on (its resumes then
+        report no distance to the base)."""
+        if self.base is None:
+            return
+        try:
+            self.base.save(Path(run_dir) / BASE_FILE)
+        except (OSError, TrainingError) as e:
+            self.log(f"warning: cannot write {Path(run_dir) / BASE_FILE} ({str(e).splitlines()[0]}); a resume of this "
+                     f"run will not report {PREFIX}fd_base / drift")
+
+    def load_base(self, run_dir: Path) -> None:
+        path = Path(run_dir) / BASE_FILE
+        if path.is_file() and not path.is_symlink():
+            self.set_base(Base.load(path))
+        else:
+            if self.features is not None:
+                self.log(f"warning: {path} is missing: the base model's evaluation statistics are unknown, so "
+                         f"{PREFIX}fd_base / drift are not reported in this resumed run")
+            self.set_base(None)
+
+
+class Evaluation:
+    """Guard values of one evaluation, gathered chunk by chunk (every rank adds every rank's chunks)."""
+
+    def __init__(self, guards: EvalGuards):
+        self.g, self.moments = guards, Moments(guards.group)
+        self.sums: dict[str, list[float]] = {}  # guard reward → [Σ finite values, count]
+
+    def add(self, index: list[int], part: dict) -> None:
+        for name, v in part["rewards"].items():
+            v = torch.as_tensor(v, dtype=torch.float64)
+            s = self.sums.setdefault(name, [0.0, 0])
+            s[0] += float(v[torch.isfinite(v)].sum())
+            s[1] += int(torch.isfinite(v).sum())
+        if part["feats"] is not None:
+            self.moments.add(index, part["feats"])
+
+    def result(self) -> dict[str, float]:
+        """{eval/guard/...}; the first result of a run (the base model) becomes the base statistics."""
+        row = {f"{PREFIX}rewards/{k}/mean": (s[0] / s[1] if s[1] else float("nan")) for k, s in self.sums.items()}
+        m = self.moments
+        if m.n >= 2:
+            mu, cov = gaussian_from_sums(m.n, m.s1, m.s2)
+            if not self.g.anchored:
+                self.g.set_base(Base(mu, cov, m.n))
+            base = self.g.base
+            if base is not None and base.mean.shape == mu.shape:
+                fd = quality.frechet_distance(mu, cov, base.mean, base.cov)
+                row[PREFIX + "fd_base"] = fd
+                row[PREFIX + "drift"] = fd / max(float(torch.trace(base.cov)), 1e-12)
+            if m.spreads:
+                row[PREFIX + "diversity"] = m.diversity()
+        return row
+
+
+# ---------------------------------------------------------------------- feature functions
+def image_feature_fn(cfg, device) -> Callable | None:
+    """``eval.guard_features`` of a flow run → images (B, C, H, W) or video (B, C, F, H, W) in [0, 1] → (B, D), or
+    None (no feature guard)."""
+    kind = feature_kind(cfg)
+    if kind == "none":
+        return None
+    if kind == "digits":
+        return quality.digit_features
+    if kind == "clip":
+        name = clip_reward(cfg)
+        model, processor = CLIP_REWARDS[name]
+        opts = dict(cfg.reward.options.get(name) or {})
+        model, processor = opts.get("model", model), opts.get("processor", processor) or opts.get("model", model)
+        dev, dtype, bs = opts.get("device") or str(device), opts.get("dtype", "float32"), opts.get("batch_size", 16)
+        return lambda images: clip_features(images, model, processor, dev, dtype, bs)
+    return plugin(kind, "eval.guard_features")  # module:function, images → (B, D)
+
+
+@torch.no_grad()
+def clip_features(images: torch.Tensor, model: str, processor: str, device, dtype: str, batch_size: int) -> torch.Tensor:
+    """Unit-norm CLIP image embeddings (B, D) float32 (video: the mean over its F frames), in chunks."""
+    proc, net = clip_models.load_clip(model, processor, device, dtype)
+    B, F = images.shape[0], images.shape[2] if images.dim() == 5 else 1
+    frames = images if images.dim() == 4 else images.permute(0, 2, 1, 3, 4).reshape(B * F, *images.shape[1:2],
+                                                                                      *images.shape[-2:])
+    e = torch.cat([clip_models.image_embeds(proc, net, frames[i:i + batch_size])
+                   for i in range(0, frames.shape[0], batch_size)])  # (B·F, D)
+    return e.view(B, F, -1).mean(1).cpu()
+
+
+def clip_reward(cfg) -> str | None:
+    """The run's first CLIP-class reward (training rewards first, then guard rewards), or None."""
+    return next((n for n in [*cfg.reward.weights, *cfg.eval.guard_rewards] if n in CLIP_REWARDS), None)
+
+
+def feature_kind(cfg) -> str:
+    """``eval.guard_features`` resolved: digits, clip, none or a module:function."""
+    kind = cfg.eval.guard_features
+    if kind != "auto":
+        return kind
+    if cfg.model.name == "tiny":
+        return "digits"
+    return "clip" if clip_reward(cfg) is not None else "none"
+
+
+def plugin(spec: str, key: str) -> Callable:
+    """A registry reward or an importable ``module:function`` named by config key ``key`` (ConfigError otherwise)."""
+    if spec in REWARDS:
+        return REWARDS[spec]
+    if ":" not in spec:
+        raise ConfigError(f"{key}: unknown reward {spec!r}; choose one of {sorted(REWARDS)} or package.module:function")
+    mod, _, attr = spec.partition(":")
+    try:
+        fn = getattr(importlib.import_module(mod), attr)
+    except Exception as e:  # noqa: BLE001 - anything the user's module raises on import
+        raise ConfigError(f"{key}: cannot import {spec!r} ({type(e).__name__}: {' '.join(str(e).split())[:200]}); "
+                          "give a registry reward or package.module:function") from None
+    if not callable(fn):
+        raise ConfigError(f"{key}: {spec!r} is not callable")
+    return fn
+
+
+# ---------------------------------------------------------------------- the policy
+class Watch:
+    """``train.on_hacking`` and ``train.keep_best`` over a run's evaluations (called on every rank, the same rows)."""
+
+    def __init__(self, train_cfg, log=print):
+        t = train_cfg
+        self.mode, self.metric, self.log = t.on_hacking, t.keep_best, log
+        self.th = Thresholds(t.guard_max_fid_ratio, t.guard_max_drift, t.guard_min_diversity_ratio,
+                             t.guard_max_reward_drop)
+        self.start: dict | None = None
+        self.best: dict | None = None  # {"iteration", "metric", "value"}
+        self.stop: str | None = None  # why the run stops (on_hacking=stop and a guard fell)
+
+    def resume(self, start: dict | None, run_dir: Path, evaluation: EvalGuards) -> None:
+        """A resumed run: its start evaluation's row, its best so far, the base statistics of ``evaluation``."""
+        evaluation.load_base(run_dir)
+        self.start = start
+        path = Path(run_dir) / BEST_DIR / "best.json"
+        if self.metric and path.is_file() and not path.is_symlink():
+            self.best = json.loads(path.read_text())
+
+    def judge(self, row: dict, *, run_dir: Path, lead: bool, weights: Callable[[], dict],
+              base: EvalGuards | None = None) -> list[str]:
+        """Add ``eval/guard/ok`` (1 inside every guard, 0 otherwise) to ``row``; warn or set :attr:`stop`; keep the
+        weights as ``best/`` when the keep-best metric improves inside the guards; ``base`` (the start evaluation):
+        write its base statistics into the run directory. → the guards out of limits."""
+        if base is not None and lead:
+            base.save_base(run_dir)
+        if self.start is None:
+            self.start = dict(row)
+        out = tripped(self.start, row, self.th)
+        row[PREFIX + "ok"] = float(not out)
+        it = row.get("iteration")
+        if out and self.mode != "off":
+            msg = f"guard{'s' if len(out) > 1 else ''} out of limits at iteration {it}: " + "; ".join(out)
+            if self.mode == "stop":
+                self.stop = msg
+            self.log(("stopping (train.on_hacking=stop): " if self.mode == "stop" else "warning: ") + msg)
+        if self.metric and not out and improves(row.get(self.metric), (self.best or {}).get("value")):
+            state = weights()  # a collective under FSDP2: every rank calls it
+            self.best = {"iteration": it, "metric": self.metric, "value": float(row[self.metric])}
+            if lead:
+                d = Path(run_dir) / BEST_DIR
+                atomic_write(d / "weights.safetensors", lambda tmp: save_file(
+                    {k: v.detach().contiguous().cpu() for k, v in state.items()}, str(tmp)))
+                atomic_write(d / "best.json", json.dumps(self.best, indent=2))
+        return out
+
+    def summary(self) -> dict:
+        return {**({"stopped": self.stop} if self.stop else {}), **({"best": self.best} if self.best else {})}
+
+
+# ---------------------------------------------------------------------- config rules (called by config.validate)
+def check_config(cfg, family: str) -> dict[str, float]:
+    """Rules of the guard keys before anything loads (one-line ConfigErrors). → the guard rewards as weights, for the
+    reward checks (``rewards.check_rewards``) of flow runs."""
+    e, t = cfg.eval, cfg.train
+    names = list(e.guard_rewards)
+    if len(set(names)) != len(names) or not all(isinstance(n, str) and n for n in names):
+        raise ConfigError(f"eval.guard_rewards: value {names!r} must be a list of distinct reward names")
+    if t.keep_best and not re.fullmatch(r"eval/[\w/.\-]+", t.keep_best):
+        raise ConfigError(f"train.keep_best: value {t.keep_best!r} must be an evaluation metric such as "
+                          "eval/reward (higher is better), or empty to keep no best checkpoint")
+    if family == "dllm":
+        for n in names:
+            if n not in TEXT_REWARDS and ":" not in n:
+                raise ConfigError(f"eval.guard_rewards: {n!r} does not score text; choose from {sorted(TEXT_REWARDS)} "
+                                  "or a module:function (completions, prompts, metadata) -> scores")
+            plugin(n, "eval.guard_rewards")
+        return {}
+    for n in names:
+        plugin(n, "eval.guard_rewards")
+    trained = [n for n in names if n in cfg.reward.weights]
+    if trained:
+        raise ConfigError(f"eval.guard_rewards: {trained[0]!r} is also in reward.weights; a guard reward is held out "
+                          "(never trained on): remove it from one of the two")
+    kind = e.guard_features
+    if kind not in FEATURES and ":" not in kind:
+        raise ConfigError(f"eval.guard_features: value {kind!r} is not allowed; choose one of {list(FEATURES)} or a "
+                          "module:function (images -> (B, D) features)")
+    if kind == "digits" and cfg.model.name != "tiny":
+        raise ConfigError(f"eval.guard_features: 'digits' reads the built-in model's digit images (model.name=tiny), "
+                          f"not model.name={cfg.model.name}'s; choose clip, auto, none or a module:function")
+    if kind == "clip" and clip_reward(cfg) is None:
+        raise ConfigError(f"eval.guard_features: 'clip' uses the CLIP model of a CLIP-class reward, and neither "
+                          f"reward.weights nor eval.guard_rewards holds one of {sorted(CLIP_REWARDS)}")
+    if ":" in kind:
+        plugin(kind, "eval.guard_features")  # importable callable, or ConfigError
+    return dict.fromkeys(names, 1.0)
+
+
+__all__ = ["PREFIX", "BASE_FILE", "BEST_DIR", "Thresholds", "tripped", "improves", "text_features", "Moments", "Base",
+           "EvalGuards", "Evaluation", "Watch", "check_config", "image_feature_fn", "clip_features", "feature_kind",
+           "plugin"]

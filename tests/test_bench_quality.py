@@ -1,0 +1,95 @@
+"""``diffgrpo bench quality``: variants × seeds of one base config, stepped interleaved, budget in counted cost,
+start-anchored guards, bootstrap intervals; end to end on a tiny diffusers pipeline, and its pure parts."""
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import yaml
+
+from diffgrpo import bench_quality, guards
+from diffgrpo.cli import main
+from tests._tiny_rewards import save_tiny_clip
+from tests.test_diffusers_models import sd3_dir  # noqa: F401 - the tiny pipeline fixture
+
+
+def mean_brightness(images, prompts, metadata):
+    """A plug-in training reward: the mean pixel value of each image."""
+    return images.float().flatten(1).mean(1)
+
+
+def test_bootstrap_interval_and_plateau_check():
+    x = np.array([1.0, 2.0, 3.0, 4.0, 5.0])
+    lo, hi = bench_quality.bootstrap_ci(x, np.mean, n=4000, seed=1)
+    assert lo < 3.0 < hi and 1.0 <= lo and hi <= 5.0
+    assert math.isnan(bench_quality.bootstrap_ci(x[:1], np.mean)[0])  # one seed: no interval
+    # speed-up with paired seeds: a seed the variant never reaches makes the ratio 0 in the resamples that draw it
+    paired = np.array([[10.0, 5.0], [12.0, 6.0], [8.0, math.inf]])
+    assert bench_quality._speedup(paired) == 0.0 and bench_quality._speedup(paired[:2]) == pytest.approx(2.0)
+    flat = bench_quality.plateau([1, 2, 3, 4, 5, 6, 7, 8], [0, .5, .8, .9, .91, .90, .91, .905], [.02] * 8, seeds=4)
+    assert flat["plateaued"] and flat["points"] == 2 and flat["level"] == pytest.approx(0.9075)
+    rising = bench_quality.plateau([1, 2, 3, 4, 5, 6, 7, 8], [.1 * i for i in range(8)], [.02] * 8, seeds=4)
+    assert rising["plateaued"] is False and rising["trend"] == pytest.approx(0.1)
+    assert bench_quality.plateau([1, 2], [0, 1], [0, 0], seeds=1)["plateaued"] is None
+
+
+def test_first_reach_needs_the_guards_inside():
+    th = guards.Thresholds(max_reward_drop=0.1, max_drift=0.5)
+    mk = lambda it, r, g, d: {"iteration": it, "seconds": it * 2.0, "cost": it * 10.0,
+                              "metrics": {"eval/reward": r, "eval/guard/rewards/a/mean": g, "eval/guard/drift": d}}
+    curve = [mk(0, 0.1, 1.0, 0.0), mk(1, 0.6, 0.5, 0.1), mk(2, 0.7, 0.95, 0.2), mk(3, 0.9, 0.95, 0.9)]
+    low = bench_quality.first_reach(curve, 0.05, "eval/reward", th)  # the start is above it, but never counts
+    assert low["raw_seconds"] == 2.0 and low["iteration"] == 2
+    r = bench_quality.first_reach(curve, 0.55, "eval/reward", th)
+    assert r["iteration"] == 2 and r["seconds"] == 4.0 and r["raw_seconds"] == 2.0 and r["hacks"]
+    never = bench_quality.first_reach(curve, 0.95, "eval/reward", th)
+    assert never["seconds"] == math.inf and never["iteration"] is None and not never["hacks"]
+
+
+def test_bench_quality_on_a_tiny_diffusers_pipeline(sd3_dir, tmp_path, capsys):  # noqa: F811
+    """Two variants × two seeds end to end: a plug-in training reward and a CLIP guard reward (a tiny CLIP saved
+    locally, whose image features also give the distance to the base samples), the budget in reference
+    iterations as counted cost, every cell evaluated at the same cost marks, one resolved config per cell."""
+    clip = save_tiny_clip(tmp_path / "clip")
+    out = tmp_path / "bq"
+    base = ["model.name=diffusers", f"model.pretrained={sd3_dir}", "model.resolution=16", "model.max_sequence_length=8",
+            "model.lora_rank=4", "model.lora_alpha=8", "sampler.num_steps=3", "train.prompts_per_batch=2",
+            "train.group_size=2", "train.lr=0.05", "log.progress=false", "log.save_images=false",
+            "reward.weights={tests.test_bench_quality:mean_brightness: 1.0}", "eval.guard_rewards=[clip_score]",
+            f"reward.options={{clip_score: {{model: {clip}}}}}", f"train.prompts_file={sd3_dir / 'prompts.txt'}",
+            f"eval.prompts_file={sd3_dir / 'prompts.txt'}", "eval.seeds_per_prompt=2"]
+    code = main(["bench", "quality", *base, "--variant", "recompute=engine.name=recompute",
+                 "--variant", "half=steps.mode=first_fraction,steps.fraction=0.5", "--seeds", "0", "1",
+                 "--iterations", "2", "--evals", "2", "--out", str(out)])
+    assert code == 0
+    s = json.loads((out / "summary.json").read_text())
+    cells = {(c["variant"], c["seed"]): c for c in s["cells"]}
+    assert set(cells) == {("recompute", 0), ("recompute", 1), ("half", 0), ("half", 1)}
+    budget = s["meta"]["budget_cost"]
+    ref = cells[("recompute", 0)]
+    assert ref["iterations"] == 2 and budget == pytest.approx(ref["cost"])  # 2 reference iterations of cost
+    for c in s["cells"]:
+        assert c["cost"] >= budget and len(c["evaluations"]) == 3  # start + 2 marks
+        ev0 = c["evaluations"][0]["metrics"]
+        assert ev0["eval/guard/fd_base"] == pytest.approx(0.0, abs=1e-9)
+        assert "eval/guard/rewards/clip_score/mean" in ev0 and "eval/guard/diversity" in ev0
+        assert c["evaluations"][-1]["cost"] == c["cost"] and c["evaluations"][0]["cost"] == 0
+    assert cells[("half", 0)]["iterations"] > 2  # cheaper iterations: more of them in the same counted cost
+    # every cell starts from the same base model, prompts and seeds: identical start evaluations
+    starts = [c["evaluations"][0]["metrics"]["eval/reward"] for c in s["cells"]]
+    assert max(starts) - min(starts) < 1e-6
+    moved = [c["evaluations"][-1]["metrics"]["eval/guard/fd_base"] for c in s["cells"]]
+    assert min(moved) > 0  # training moved the samples away from the base model's
+    rows = {r["variant"]: r for r in s["rows"]}
+    assert s["target"] == pytest.approx(s["start"] + 0.95 * (s["plateau"]["level"] - s["start"]))
+    assert rows["recompute"]["overrides"] == ["engine.name=recompute"] and len(rows["half"]["speedup_ci"]) == 2
+    for name in ("table.md", "curves.png", "command.txt"):
+        assert (out / name).is_file()
+    table = (out / "table.md").read_text()
+    assert "| recompute |" in table and "| half |" in table and "Reference plateaued" in table
+    cfg = yaml.safe_load((out / "configs" / "half_seed1.yaml").read_text())
+    assert cfg["seed"] == 1 and cfg["steps"]["mode"] == "first_fraction" and cfg["eval"]["guard_rewards"] == ["clip_score"]
+    assert "--variant half=steps.mode=first_fraction,steps.fraction=0.5" in (out / "command.txt").read_text()
+    assert not list(out.rglob("metrics.jsonl"))  # no per-iteration logs
