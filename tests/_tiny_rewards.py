@@ -60,7 +60,12 @@ def save_tiny_owlvit(path: Path, seed: int = 0, v2: bool = False) -> Path:
         from transformers import Owlv2ImageProcessor as OwlViTImageProcessor
         from transformers import Owlv2Processor as OwlViTProcessor
     else:
-        from transformers import OwlViTConfig, OwlViTForObjectDetection, OwlViTImageProcessor, OwlViTProcessor
+        from transformers import (
+            OwlViTConfig,
+            OwlViTForObjectDetection,
+            OwlViTImageProcessor,
+            OwlViTProcessor,
+        )
 
     tok = clip_tokenizer()
     torch.manual_seed(seed)

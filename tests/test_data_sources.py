@@ -255,9 +255,9 @@ def test_dllm_data_file_errors_name_the_key(tmp_path):
 def test_shipped_prompt_sets_load_by_name_with_their_metadata():
     from diffgrpo.data_sources import builtin_sets
 
-    assert builtin_sets() == ["geneval/test", "geneval/train", "ocr/test", "ocr/train", "preference/test",
-                              "preference/train"]
-    sets = {n: load_prompts(f"builtin:{n}") for n in builtin_sets()}
+    assert builtin_sets() == ["code/test", "code/train", "geneval/test", "geneval/train", "ocr/test", "ocr/train",
+                              "preference/test", "preference/train"]  # code/: MBPP records (dllm.task=code)
+    sets = {n: load_prompts(f"builtin:{n}") for n in builtin_sets() if not n.startswith("code/")}
     for name in ("geneval", "ocr", "preference"):  # train and test never share a prompt
         assert not {r["prompt"] for r in sets[f"{name}/train"]} & {r["prompt"] for r in sets[f"{name}/test"]}
     pref = sets["preference/train"] + sets["preference/test"]
@@ -299,4 +299,4 @@ def test_shipped_prompt_files_are_package_data():
     patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["diffgrpo"]
     pkg = root / "src" / "diffgrpo"
     files = [f.relative_to(pkg).as_posix() for f in (pkg / "prompts").rglob("*") if f.suffix in (".txt", ".jsonl", ".md")]
-    assert len(files) == 7 and all(any(fnmatch.fnmatch(f, p) for p in patterns) for f in files)
+    assert len(files) == 9 and all(any(fnmatch.fnmatch(f, p) for p in patterns) for f in files)

@@ -16,8 +16,13 @@ import torch
 
 from diffgrpo import RunConfig, Trainer
 from diffgrpo.config import ConfigError
-from diffgrpo.models.diffusers_adapter import (DiffusersFlowPolicy, cfg_combine, detect_family, pack_2x2,
-                                               unpack_2x2)
+from diffgrpo.models.diffusers_adapter import (
+    DiffusersFlowPolicy,
+    cfg_combine,
+    detect_family,
+    pack_2x2,
+    unpack_2x2,
+)
 from diffgrpo.samplers.rollout import sample_trajectories
 from tests.conftest import flat_grad, rel_err
 
@@ -118,8 +123,17 @@ def adapter_policy(family, **kw):
 @pytest.fixture(scope="module")
 def sd3_dir(tmp_path_factory):
     """A full StableDiffusion3Pipeline of tiny random components, saved with save_pretrained."""
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
-    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+    from diffusers import (
+        AutoencoderKL,
+        FlowMatchEulerDiscreteScheduler,
+        StableDiffusion3Pipeline,
+    )
+    from transformers import (
+        CLIPTextConfig,
+        CLIPTextModelWithProjection,
+        T5Config,
+        T5EncoderModel,
+    )
 
     torch.manual_seed(0)
     clip = dict(hidden_size=8, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,

@@ -13,8 +13,8 @@ import torch.distributed as dist
 
 from diffgrpo import RunConfig, distributed
 from diffgrpo.config import ConfigError
-from diffgrpo.engines.single_step import SingleStepState
 from diffgrpo.distributed import rank_rows
+from diffgrpo.engines.single_step import SingleStepState
 from diffgrpo.types import FlowTrajectory, Rollout, TokenTrajectory
 from tests.conftest import TINY, rel_err
 

@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from diffgrpo.rewards import make_rewards
-from diffgrpo.rewards.geneval import Detection, detect, geneval_score, load_detector, nms, relative_position
+from diffgrpo.rewards.geneval import (
+    Detection,
+    detect,
+    geneval_score,
+    load_detector,
+    nms,
+    relative_position,
+)
 from diffgrpo.rewards.loading import LOADS, clear_cache, to_uint8_hwc
 from tests._tiny_rewards import save_tiny_clip, save_tiny_owlvit
 

@@ -8,8 +8,14 @@ from torch import nn
 
 from diffgrpo.config import EngineConfig
 from diffgrpo.engines.base import EngineContext
-from diffgrpo.engines.jagg import (JaggEngine, anchor_mask, composite_signals, linearity_scores, sigma_weights,
-                                   split_windows)
+from diffgrpo.engines.jagg import (
+    JaggEngine,
+    anchor_mask,
+    composite_signals,
+    linearity_scores,
+    sigma_weights,
+    split_windows,
+)
 from diffgrpo.engines.recompute import RecomputeEngine
 from diffgrpo.losses import aggregation_weights
 from diffgrpo.samplers import flow_sde

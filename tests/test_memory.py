@@ -18,8 +18,15 @@ from diffgrpo.engines.base import MemoryMeter
 from diffgrpo.models.diffusers_adapter import DiffusersFlowPolicy
 from diffgrpo.models.tiny import build_tiny_policy
 from tests.conftest import TINY, flat_grad, rel_err
-from tests.test_diffusers_models import (LATENTS, PROMPTS, _clip_tokenizer, _t5_tokenizer, stub_decoder,
-                                         stub_encoder, tiny_transformer)
+from tests.test_diffusers_models import (
+    LATENTS,
+    PROMPTS,
+    _clip_tokenizer,
+    _t5_tokenizer,
+    stub_decoder,
+    stub_encoder,
+    tiny_transformer,
+)
 
 QUIET = ["log.progress=false", "log.save_images=false", "reward.weights={jpeg_incompressibility: 1.0}",
          "sampler.num_steps=5", "train.prompts_per_batch=2", "train.group_size=2", "model.device=cpu"]
@@ -29,7 +36,12 @@ QUIET = ["log.progress=false", "log.save_images=false", "reward.weights={jpeg_in
 def _sd3_pipeline():
     """A StableDiffusion3Pipeline of tiny random components (two CLIPs, a T5), in memory."""
     from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
-    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+    from transformers import (
+        CLIPTextConfig,
+        CLIPTextModelWithProjection,
+        T5Config,
+        T5EncoderModel,
+    )
 
     torch.manual_seed(0)
     clip = dict(hidden_size=8, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,

@@ -8,8 +8,14 @@ import torch
 
 from diffgrpo import RunConfig
 from diffgrpo.models.diffusers_adapter import DiffusersFlowPolicy
-from diffgrpo.models.tiny import (PromptEncoder, _recipe_key, arch_kwargs, build_tiny_policy, load_or_pretrain,
-                                  tokenize)
+from diffgrpo.models.tiny import (
+    PromptEncoder,
+    _recipe_key,
+    arch_kwargs,
+    build_tiny_policy,
+    load_or_pretrain,
+    tokenize,
+)
 from tests.conftest import TINY
 
 PROMPTS = ["a handwritten digit 3", "digit 7", "the number five"]

@@ -13,10 +13,7 @@ the package but the error types and one file helper.
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import functools
-import math
-import os
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,6 +23,7 @@ from typing import Any, ClassVar
 import yaml
 
 from . import yamlio
+from .configvalues import coerce, parse_value, yaml_problem
 from .errors import ConfigError, suggest
 from .fileio import read_utf8
 
@@ -473,7 +471,7 @@ class RunConfig:
             key, raw = item.split("=", 1)
             key = key.strip()
             _walk(cfg, key)  # an unknown key is reported before its value is parsed
-            set_path(cfg, key, _parse_value(key, raw) if raw.strip() else "")
+            set_path(cfg, key, parse_value(key, raw) if raw.strip() else "")
         _validate(cfg)
         return cfg
 
@@ -488,7 +486,7 @@ class RunConfig:
         except ConfigError:
             raise
         except Exception as e:  # noqa: BLE001 - YAMLError, or a constructor's ValueError (e.g. a bad date)
-            raise ConfigError(f"--config: file {str(p)!r} is not valid YAML ({_yaml_problem(e)}); fix the syntax "
+            raise ConfigError(f"--config: file {str(p)!r} is not valid YAML ({yaml_problem(e)}); fix the syntax "
                               f"there") from None
         if not isinstance(data, dict):
             raise ConfigError(f"--config: {str(p)!r} must hold a mapping of sections, got {type(data).__name__}")
@@ -507,141 +505,12 @@ def to_dict(obj) -> dict[str, Any]:
     return dataclasses.asdict(obj)
 
 
-def one_line(text: str) -> str:
-    return " ".join(str(text).split())
-
-
-def _show_key(key: str) -> str:
-    """A key as written in messages: plain when it is printable without spaces, else its repr (one line)."""
-    return key if key.isprintable() and not any(c.isspace() for c in key) else repr(key)
-
-
-def _yaml_problem(e: Exception) -> str:
-    """``line L, column C: problem`` of a YAML parse error (one line); other errors by their message."""
-    problem = getattr(e, "problem", None) or getattr(e, "context", None)
-    mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
-    if problem is None:
-        return one_line(f"{type(e).__name__}: {e}")
-    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
-    return where + one_line(problem)
-
-
-def _parse_value(key: str, raw: str):
-    """An override's value as YAML (a scalar, list or mapping); a syntax error names the key."""
-    try:
-        return yamlio.load(raw, _show_key(key))
-    except ConfigError:
-        raise
-    except Exception as e:  # noqa: BLE001 - YAMLError, or a constructor's ValueError (e.g. 2024-13-45)
-        raise ConfigError(f"{_show_key(key)}: value {raw!r} is not valid YAML ({_yaml_problem(e)}); give a scalar, a list "
-                          f"[a, b] or a mapping {{k: v}}, quoting text that contains YAML syntax") from None
-
-
-
 def _is_file(p: Path) -> bool:
     try:
         return p.is_file()
     except (OSError, ValueError):  # a name too long, an embedded NUL byte
         return False
 
-
-_SCALARS = (str, int, float, bool, type(None), datetime.date)
-
-
-def _range_text(lo, hi, gt) -> str:
-    if gt is not None:
-        return f"must be > {gt}"
-    if lo is not None and hi is not None:
-        return f"must be in [{lo}, {hi}]"
-    if lo is not None:
-        return f"must be >= {lo}"
-    if hi is not None:
-        return f"must be <= {hi}"
-    return "must be finite"
-
-
-def _coerce(key: str, value, tp, meta):
-    """Check ``value`` against the annotated type ``tp`` and the field's metadata; return the coerced value."""
-    origin = typing.get_origin(tp) or tp
-    try:
-        if origin is bool:
-            if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no", "on", "off"):
-                value = value.lower() in ("true", "1", "yes", "on")
-            if isinstance(value, int) and not isinstance(value, bool) and value in (0, 1):  # 1 / 0 are ints
-                value = bool(value)
-            if not isinstance(value, bool):
-                raise TypeError
-        elif origin is int:
-            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
-                raise TypeError
-            if not isinstance(value, (int, float, str)):
-                raise TypeError
-            value = int(value)
-        elif origin is float:
-            if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-                raise TypeError
-            value = float(value)
-        elif origin is str:
-            value = yamlio.text_of(value)  # a number as it was typed: 001 stays "001"
-            if value is None:
-                value = ""
-            if isinstance(value, bool):  # YAML 1.1 reads no / yes / true / off as booleans: the word was meant
-                words = ("true", "yes", "on") if value else ("false", "no", "off")
-                value = next((w for w in words if w in (meta.get("choices") or ())), words[0])
-            if isinstance(value, (list, tuple)):
-                if not all(isinstance(v, _SCALARS) for v in value):
-                    raise TypeError
-                value = ",".join(str(yamlio.text_of(v)) for v in value)
-            if not isinstance(value, _SCALARS):
-                raise TypeError
-            value = str(value)
-            if meta.get("path") and value.startswith("~"):
-                try:
-                    value = os.path.expanduser(value)
-                except (ValueError, OSError):  # e.g. an embedded NUL byte: refused by the path checks
-                    pass
-        elif origin is dict and typing.get_args(tp)[1:] == (dict,):  # {name: {option: value}}: reward.options
-            if not isinstance(value, dict):
-                raise TypeError
-            value = {str(k): v for k, v in value.items()}
-            for k, v in value.items():
-                if not isinstance(v, dict):
-                    raise ConfigError(f"{_show_key(f'{key}.{k}')}: value {v!r} must be a mapping of options, "
-                                      "e.g. {batch_size: 8}")
-        elif origin is dict:
-            if not isinstance(value, dict):
-                raise TypeError
-            value = {str(k): v for k, v in value.items()}
-            for k, v in value.items():
-                entry = _show_key(f"{key}.{k}")
-                if not isinstance(v, (int, float)) or isinstance(v, bool):
-                    raise ConfigError(f"{entry}: weight {v!r} must be a number")
-                if not math.isfinite(v):
-                    raise ConfigError(f"{entry}: weight {v!r} must be a finite number")
-        elif origin is list:
-            if isinstance(value, (int, float, str)) and not isinstance(value, bool):
-                value = [value]
-            if not isinstance(value, (list, tuple)) or not all(isinstance(v, _SCALARS) for v in value):
-                raise TypeError
-            value = list(value)
-    except (TypeError, ValueError, OverflowError) as e:
-        if isinstance(e, ConfigError):
-            raise
-        raise ConfigError(f"{key}: value {yamlio.short(yamlio.echo(value))} is not a valid {origin.__name__}"
-                          ) from None
-    value = yamlio.plain(value)
-    choices, lo, hi, gt = meta.get("choices"), meta.get("lo"), meta.get("hi"), meta.get("gt")
-    if choices is not None and value not in choices:
-        raise ConfigError(f"{key}: value {yamlio.short(value)} is not allowed; choose one of {list(choices)}")
-    if isinstance(value, float) and not math.isfinite(value):
-        raise ConfigError(f"{key}: value {value!r} is not a finite number; {_range_text(lo, hi, gt)}")
-    if lo is not None and value < lo:
-        raise ConfigError(f"{key}: value {value!r} is out of range; must be >= {lo}")
-    if hi is not None and value > hi:
-        raise ConfigError(f"{key}: value {value!r} is out of range; must be <= {hi}")
-    if gt is not None and not value > gt:
-        raise ConfigError(f"{key}: value {value!r} is out of range; must be > {gt}")
-    return value
 
 
 @functools.lru_cache(maxsize=None)
@@ -679,14 +548,14 @@ def set_path(cfg, dotted: str, value) -> None:
     obj, fld, tp, entry = _walk(cfg, dotted)
     if entry is not None:  # reward.weights.<name>=value
         key = dotted[: -len(entry) - 1]
-        setattr(obj, fld.name, _coerce(key, {**getattr(obj, fld.name), entry: value}, tp, fld.metadata))
+        setattr(obj, fld.name, coerce(key, {**getattr(obj, fld.name), entry: value}, tp, fld.metadata))
     elif dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise ConfigError(f"{dotted}: is a section; set its keys (e.g. {dotted}.<key>=...)")
         for k, v in value.items():
             set_path(cfg, f"{dotted}.{k}", v)
     else:
-        setattr(obj, fld.name, _coerce(dotted, value, tp, fld.metadata))
+        setattr(obj, fld.name, coerce(dotted, value, tp, fld.metadata))
 
 
 def from_dict(cls, data: dict):
@@ -708,7 +577,7 @@ def check_fields(obj, prefix: str = "") -> None:
                 raise ConfigError(f"{key}: value {value!r} is not a section; it must be a {tp.__name__}")
             check_fields(value, key + ".")
         else:
-            setattr(obj, f.name, _coerce(key, value, tp, f.metadata))
+            setattr(obj, f.name, coerce(key, value, tp, f.metadata))
 
 
 

@@ -21,6 +21,7 @@ is written into a temporary directory renamed into place; an existing non-empty 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -58,7 +59,8 @@ def resolve_checkpoint(src: Path) -> tuple[Path, Path]:
 
 def last_held_out(rows: list[dict], iteration: int) -> dict | None:
     """The last evaluation row (``eval/reward``) at or before ``iteration``, or None."""
-    evals = [r for r in rows if "eval/reward" in r and r.get("iteration", 0) <= iteration]
+    evals = [r for r in rows if isinstance(r.get("eval/reward"), (int, float)) and not isinstance(r["eval/reward"], bool)
+             and isinstance(r.get("iteration", 0), int) and r.get("iteration", 0) <= iteration]
     return evals[-1] if evals else None
 
 
@@ -73,7 +75,7 @@ def model_card(config: dict, iteration: int, held_out: dict | None, kind: str) -
     else:
         parts = [f"{held_out['eval/reward']:.4f} at iteration {held_out.get('iteration')}"]
         parts += [f"{k[len('eval/rewards/'):]} {v:.4f}" for k, v in held_out.items()
-                  if k.startswith("eval/rewards/") and isinstance(v, float)]
+                  if k.startswith("eval/rewards/") and isinstance(v, (int, float)) and not isinstance(v, bool)]
         score = "; ".join(parts)
     lora = int(model.get("lora_rank", 0) or 0)
     meta = ["---", "library_name: " + ("transformers" if model.get("name") in ("tiny_mlm", "hf_masked_lm")
@@ -123,9 +125,11 @@ def _config(ckpt: Path, overrides: list[str]):
 
 def export(src: str | Path, out: str | Path, *, merge: bool = False, overrides: list[str] | None = None) -> Path:
     """Write the export of ``src`` (see the module docstring) into ``out``. → ``out``."""
-    src, out = Path(src), Path(out)
+    src, out = Path(src), Path(os.path.abspath(out))  # absolute: "." has no name to write a sibling of
     run, ckpt = resolve_checkpoint(src)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out: {str(out)!r} is a file, not a directory; choose a new directory")
+    if out.exists() and any(out.iterdir()):
         raise ConfigError(f"--out: {str(out)!r} exists and is not empty; choose a new directory")
     raw, cfg = _config(ckpt, list(overrides or []))
     ck = load_checkpoint(ckpt)
@@ -161,7 +165,21 @@ def export(src: str | Path, out: str | Path, *, merge: bool = False, overrides: 
         (tmp / "README.md").write_text(model_card(raw, ck.iteration, last_held_out(rows, ck.iteration), kind),
                                        encoding="utf-8")
 
+    if out.is_dir():  # an empty folder the user made (or "."): kept, the export written into it
+        return _fill_dir(out, write)
     return save_dir_atomic(out, write)
+
+
+def _fill_dir(out: Path, write) -> Path:
+    """Write into a hidden temporary folder inside the empty ``out``, then move each entry up into ``out``."""
+    tmp = Path(tempfile.mkdtemp(prefix=".export.", dir=out))
+    try:
+        write(tmp)
+        for item in tmp.iterdir():
+            os.replace(item, out / item.name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
 
 
 __all__ = ["export", "last_held_out", "model_card", "resolve_checkpoint"]

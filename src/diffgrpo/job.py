@@ -18,39 +18,11 @@ from filelock import FileLock, Timeout
 from safetensors.torch import save_file
 
 from . import checkpoint, distributed, guards, rundir
-from .config import RunConfig
 from .console import Progress
-from .distributed import WorldInfo
-from .errors import ConfigError, TrainingError
+from .errors import TrainingError
 from .fileio import atomic_write, run_root
 from .media import SampleTable, caption_of, side_by_side
 from .runlog import MetricsWriter, plot_curves, read_metrics, save_grid
-
-
-def run_dir(cfg: RunConfig, world: WorldInfo) -> Path:
-    """The run directory; by default a new ``runs/<timestamp>`` (made exclusively, so runs started in the same
-    second get distinct directories: ``-2``, ``-3``, …), rank 0's for every rank."""
-    if not cfg.log.output_dir:
-        name = None
-        if world.rank == 0:
-            stamp = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
-            stamp.parent.mkdir(parents=True, exist_ok=True)
-            for n in range(1, 1000):
-                cand = stamp if n == 1 else stamp.with_name(f"{stamp.name}-{n}")
-                try:
-                    cand.mkdir()
-                    name = str(cand)
-                    break
-                except FileExistsError:
-                    continue
-        cfg.log.output_dir = distributed.all_gather_object(name)[0]
-    p = Path(cfg.log.output_dir)
-    if world.rank == 0:
-        try:
-            p.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise ConfigError(f"log.output_dir: cannot create {str(p)!r} ({e.strerror})") from None
-    return p
 
 
 def resume(trainer, out: Path) -> bool:
@@ -88,7 +60,7 @@ class Job:
     def run(self, resume_run: bool = False) -> dict[str, float]:
         """The whole job in the run directory, which is locked for the run's life (a second run or resume of it is
         refused). SIGINT/SIGTERM finish the current iteration, save a checkpoint and return."""
-        out = run_dir(self.cfg, self.trainer.world)
+        out = rundir.make(self.cfg, self.trainer.world)
         rundir.claim(out, self.cfg, resume_run, lead=self.lead)  # a run directory, its data files unchanged
         lock = FileLock(str(out / ".lock"))
         if self.lead:  # rank 0 holds it for the whole job
@@ -253,4 +225,4 @@ class _NullWriter:
         pass
 
 
-__all__ = ["Job", "resume", "run_dir"]
+__all__ = ["Job", "resume"]

@@ -21,9 +21,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from pathlib import Path
 
 from . import distributed
+from .config import RunConfig
+from .distributed import WorldInfo
 from .errors import ConfigError
 from .fileio import atomic_write
 
@@ -119,4 +122,30 @@ def claim(out: str | Path, cfg, resume: bool, *, lead: bool = True) -> None:
         raise ConfigError(error)
 
 
-__all__ = ["MARKER", "absolute_data_paths", "check", "claim", "data_hashes", "is_run_dir", "read_marker", "sha256_of"]
+def make(cfg: RunConfig, world: WorldInfo) -> Path:
+    """The run directory; by default a new ``runs/<timestamp>`` (made exclusively, so runs started in the same
+    second get distinct directories: ``-2``, ``-3``, …), rank 0's for every rank."""
+    if not cfg.log.output_dir:
+        name = None
+        if world.rank == 0:
+            stamp = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+            stamp.parent.mkdir(parents=True, exist_ok=True)
+            for n in range(1, 1000):
+                cand = stamp if n == 1 else stamp.with_name(f"{stamp.name}-{n}")
+                try:
+                    cand.mkdir()
+                    name = str(cand)
+                    break
+                except FileExistsError:
+                    continue
+        cfg.log.output_dir = distributed.all_gather_object(name)[0]
+    p = Path(cfg.log.output_dir)
+    if world.rank == 0:
+        try:
+            p.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"log.output_dir: cannot create {str(p)!r} ({e.strerror})") from None
+    return p
+
+
+__all__ = ["MARKER", "absolute_data_paths", "check", "claim", "data_hashes", "is_run_dir", "make", "read_marker", "sha256_of"]

@@ -259,7 +259,7 @@ class Trainer:
         return checkpoint.save(self, self.run_dir())
 
     def run_dir(self) -> Path:
-        return job.run_dir(self.cfg, self.world)
+        return rundir.make(self.cfg, self.world)
 
     def train(self, resume: bool = False) -> dict[str, float]:
         """Run ``train.num_iterations`` iterations with evaluation, logging, checkpoints and outputs in the run

@@ -20,9 +20,9 @@ from .config import (
     RunConfig,
     changed_keys,
     check_fields,
-    one_line,
     owner_of,
 )
+from .configvalues import one_line
 from .data_sources import check_prompts
 from .distributed import launched_world_size
 from .errors import ConfigError

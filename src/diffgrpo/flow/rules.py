@@ -8,7 +8,8 @@ import inspect
 from pathlib import Path
 
 from .. import guards
-from ..config import EngineConfig, LossConfig, RunConfig, one_line
+from ..config import EngineConfig, LossConfig, RunConfig
+from ..configvalues import one_line
 from ..engines import ENGINES, FORWARD_ENGINES
 from ..errors import ConfigError, suggest
 from ..models.regional_compile import check_config as check_compile

@@ -178,7 +178,8 @@ def _call_with_retry(name: str, fn: RewardFn, images, prompts, metadata, log):
         try:
             # every call gets its own copy of the inputs: a reward that edits them in place cannot change a later
             # reward's input, a retry's, or the saved samples
-            return fn(images.clone(), list(prompts), copy.deepcopy(metadata))
+            return fn(images.clone() if isinstance(images, torch.Tensor) else list(images), list(prompts),
+                      copy.deepcopy(metadata))
         except (KeyboardInterrupt, RewardError):  # final: a timeout, or e.g. http after its own retries
             raise
         except Exception as e:  # noqa: BLE001 - reported with the reward's name
