@@ -25,7 +25,7 @@ from diffgrpo.models.tiny import TinyFlowNet
 from diffgrpo.validation import validate
 
 ENGINE_ARGS = {"jagg": ["engine.window=3"], "retain": [], "single_step": [], "reweight": [], "recompute": [],
-               "nft": [], "awm": []}
+               "nft": [], "awm": [], "dgpo": []}
 
 
 class GraphCounter:

@@ -218,9 +218,9 @@ def test_occupied_output_dir_needs_resume(make_trainer, tmp_path):
 
 # ------------------------------------------------------------------------------------------ bad input
 BAD_INPUT = [
-    (["train", "engine.nmae=jagg"], "error: unknown config key 'engine.nmae' (did you mean 'name'?)"),
-    (["train", "sampler.sde_typ=cps"], "error: unknown config key 'sampler.sde_typ' (did you mean 'sde_type'?)"),
-    (["train", "trian.lr=1e-4"], "error: unknown config key 'trian' (did you mean 'train'?)"),
+    (["train", "engine.nmae=jagg"], "error: unknown config key 'engine.nmae' (did you mean 'engine.name'?)"),
+    (["train", "sampler.sde_typ=cps"], "error: unknown config key 'sampler.sde_typ' (did you mean 'sampler.sde_type'?)"),
+    (["train", "trian.lr=1e-4"], "error: unknown config key 'trian.lr' (did you mean 'train.lr'?)"),
     (["train", "engine.name=fastest"], "error: engine.name: value 'fastest' is not a registered engine"),
     (["train", "sampler.sde_type=euler"],
      "error: sampler.sde_type: value 'euler' is not allowed; choose one of ['flow_sde', 'dance_sde', 'cps', 'ode']"),
@@ -241,7 +241,7 @@ BAD_INPUT = [
     (["train", "reward.weights={nosuchmodule:fn: 1}"], "error: reward.weights: cannot import reward 'nosuchmodule:fn'"),
     (["train", "train.digits=[1, 10]"], "error: train.digits: value [1, 10] must be a non-empty list of digits 0..9"),
     (["train", "train.prompts_file=/nonexistent/prompts.txt"], "error: train.prompts_file"),
-    (["train", "seed"], "error: override 'seed' must look like key=value"),
+    (["train", "seed"], "error: override 'seed' is not key=value (e.g. train.lr=1e-5)"),
     (["train", "engine=jagg"], "error: engine: is a section; set its keys"),
     (["train", "--config", "/nonexistent.yaml"], "error: --config: file '/nonexistent.yaml' does not exist"),
     (["train", "--resume", "/nonexistent/run"], "error: --resume: '/nonexistent/run' is not a run directory"),

@@ -244,7 +244,7 @@ def cmd_bench_quality(args) -> int:
     from . import bench_quality
 
     cfg = _load_cfg(args)
-    _threads()
+    _threads(cfg)
     bench_quality.from_args(cfg, args)
     return 0
 
