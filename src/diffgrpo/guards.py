@@ -47,6 +47,7 @@ from safetensors.torch import load_file, save, save_file
 from . import quality
 from .errors import ConfigError, TrainingError
 from .fileio import atomic_write
+from .quality import Moments, gaussian_from_sums
 from .rewards import REWARDS, TEXT_REWARDS, clip_models, compute_rewards, make_rewards
 
 PREFIX = "eval/guard/"
@@ -67,12 +68,6 @@ def text_features(texts: list[str], buckets: int = TEXT_BUCKETS) -> torch.Tensor
         for j in range(len(t) - 2):
             out[i, zlib.crc32(t[j:j + 3].encode()) % buckets] += 1
     return out / out.norm(dim=1, keepdim=True).clamp_min(1e-12)
-
-
-def gaussian_from_sums(n: int, s1: torch.Tensor, s2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(count, Σf (D,), Σffᵀ (D, D)) → (mean (D,), unbiased covariance (D, D)), float64; n ≥ 2."""
-    mu = s1 / n
-    return mu, (s2 - n * torch.outer(mu, mu)) / (n - 1)
 
 
 @dataclass(frozen=True)
@@ -116,37 +111,6 @@ def improves(value, best) -> bool:
 
 
 # ---------------------------------------------------------------------- accumulation in fixed memory
-class Moments:
-    """Features of one evaluation added chunk by chunk: float64 Σf, Σffᵀ, and per record (``group`` consecutive
-    samples: one prompt's seeds) its features until the record is complete, then their mean pairwise distance."""
-
-    def __init__(self, group: int):
-        self.group, self.n, self.s1, self.s2 = group, 0, None, None
-        self.open: dict[int, dict[int, torch.Tensor]] = {}
-        self.spreads: list[float] = []
-
-    def add(self, index: list[int], feats: torch.Tensor) -> None:
-        """Samples ``index`` (their evaluation order) with features (n, D)."""
-        f = feats.detach().double().cpu()
-        if self.s1 is None:
-            self.s1, self.s2 = torch.zeros(f.shape[1], dtype=torch.float64), torch.zeros(f.shape[1], f.shape[1],
-                                                                                           dtype=torch.float64)
-        self.n += f.shape[0]
-        self.s1 += f.sum(0)
-        self.s2 += f.T @ f
-        if self.group < 2:
-            return
-        for j, i in enumerate(index):
-            rec = self.open.setdefault(i // self.group, {})
-            rec[i] = f[j]
-            if len(rec) == self.group:
-                self.spreads.append(quality.mean_pairwise_distance(torch.stack([rec[k] for k in sorted(rec)])))
-                del self.open[i // self.group]
-
-    def diversity(self) -> float:
-        return sum(self.spreads) / len(self.spreads) if self.spreads else float("nan")
-
-
 class Base:
     """The base model's feature statistics: mean (D,), covariance (D, D) float64, sample count."""
 

@@ -101,49 +101,71 @@ def guards_apply(cfg, images: torch.Tensor) -> bool:
     return cfg.model.name == "tiny" and images.dim() == 4 and images.shape[1] == 1
 
 
-class GuardStats:
-    """The guards of one evaluation accumulated chunk by chunk in fixed memory: running float64 sums of the
-    features and of their outer products (Gaussian statistics), and per record (``group_size`` consecutive
-    samples: one prompt's seeds) its features until the record is complete, then its mean pairwise distance.
-    With distinct prompts it equals :func:`frechet_distance` of :func:`gaussian_stats` against
-    :func:`reference_stats` and :func:`per_prompt_diversity` on the whole feature set (up to float64 round-off)."""
+def gaussian_from_sums(n: int, s1: torch.Tensor, s2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(count, Σf (D,), Σffᵀ (D, D)) → (mean (D,), unbiased covariance (D, D)), float64; n ≥ 2."""
+    mu = s1 / n
+    return mu, (s2 - n * torch.outer(mu, mu)) / (n - 1)
 
-    def __init__(self, image_size: int, group_size: int):
-        self.image_size, self.group_size = image_size, group_size
-        self.n, self.s1, self.s2 = 0, None, None  # count, Σf (D,), Σ f fᵀ (D, D)
-        self.open: dict[int, dict[int, torch.Tensor]] = {}  # record → {sample index: features (D,)}
+
+
+class Moments:
+    """Features of one evaluation added chunk by chunk: float64 Σf, Σffᵀ, and per record (``group`` consecutive
+    samples: one prompt's seeds) its features until the record is complete, then their mean pairwise distance."""
+
+    def __init__(self, group: int):
+        self.group, self.n, self.s1, self.s2 = group, 0, None, None
+        self.open: dict[int, dict[int, torch.Tensor]] = {}
         self.spreads: list[float] = []
 
     def add(self, index: list[int], feats: torch.Tensor) -> None:
         """Samples ``index`` (their evaluation order) with features (n, D)."""
-        f = feats.double()
+        f = feats.detach().double().cpu()
         if self.s1 is None:
             self.s1, self.s2 = torch.zeros(f.shape[1], dtype=torch.float64), torch.zeros(f.shape[1], f.shape[1],
                                                                                            dtype=torch.float64)
         self.n += f.shape[0]
         self.s1 += f.sum(0)
         self.s2 += f.T @ f
-        if self.group_size < 2:
+        if self.group < 2:
             return
         for j, i in enumerate(index):
-            rec = self.open.setdefault(i // self.group_size, {})
+            rec = self.open.setdefault(i // self.group, {})
             rec[i] = f[j]
-            if len(rec) == self.group_size:
+            if len(rec) == self.group:
                 self.spreads.append(mean_pairwise_distance(torch.stack([rec[k] for k in sorted(rec)])))
-                del self.open[i // self.group_size]
+                del self.open[i // self.group]
+
+    def diversity(self) -> float:
+        return sum(self.spreads) / len(self.spreads) if self.spreads else float("nan")
+
+
+class GuardStats:
+    """The digit guards of one evaluation accumulated chunk by chunk in fixed memory (:class:`Moments`: float64
+    sums of the features and of their outer products, and one record's features — ``group_size`` consecutive
+    samples, one prompt's seeds — until it is complete). With distinct prompts it equals :func:`frechet_distance`
+    of :func:`gaussian_stats` against :func:`reference_stats` and :func:`per_prompt_diversity` on the whole feature
+    set (up to float64 round-off)."""
+
+    def __init__(self, image_size: int, group_size: int):
+        self.image_size, self.moments = image_size, Moments(group_size)
+
+    def add(self, index: list[int], feats: torch.Tensor) -> None:
+        """Samples ``index`` (their evaluation order) with features (n, D)."""
+        self.moments.add(index, feats)
 
     def result(self) -> dict[str, float]:
         """{"eval/fid", "eval/diversity"} (diversity when some record has two samples); {} below two samples."""
-        if self.n < 2:
+        m = self.moments
+        if m.n < 2:
             return {}
-        mu = self.s1 / self.n
-        cov = (self.s2 - self.n * torch.outer(mu, mu)) / (self.n - 1)
+        mu, cov = gaussian_from_sums(m.n, m.s1, m.s2)
         mu_r, cov_r = reference_stats(self.image_size)
         out = {"eval/fid": frechet_distance(mu, cov, mu_r, cov_r)}
-        if self.spreads:
-            out["eval/diversity"] = sum(self.spreads) / len(self.spreads)
+        if m.spreads:
+            out["eval/diversity"] = m.diversity()
         return out
 
 
 __all__ = ["gaussian_stats", "frechet_distance", "per_prompt_diversity", "mean_pairwise_distance",
-           "penultimate_features", "reference_stats", "digit_features", "guards_apply", "GuardStats"]
+           "penultimate_features", "reference_stats", "digit_features", "guards_apply", "GuardStats",
+           "Moments", "gaussian_from_sums"]
