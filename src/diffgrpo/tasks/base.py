@@ -34,6 +34,12 @@ def extract_answer(text: str) -> str | None:
     return m.group(1).strip()
 
 
+def draw(pool: list, n: int, generator: torch.Generator) -> list:
+    """``n`` instances of ``pool`` drawn uniformly with replacement from ``generator``."""
+    idx = torch.randint(len(pool), (n,), generator=generator)
+    return [pool[int(i)] for i in idx]
+
+
 class Task:
     """Base: ``instances(split)`` lists every instance of a split; ``sample`` draws seeded examples."""
 
@@ -47,9 +53,7 @@ class Task:
         raise NotImplementedError
 
     def sample(self, split: str, n: int, generator: torch.Generator) -> list[Example]:
-        pool = self.instances(split)
-        idx = torch.randint(len(pool), (n,), generator=generator)
-        return [pool[int(i)] for i in idx]
+        return draw(self.instances(split), n, generator)
 
     def example(self, prompt: str, answer: str) -> Example:
         """An instance from a prompt and its reference answer (a data file's record): the verifier's fields are

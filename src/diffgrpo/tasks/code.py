@@ -34,6 +34,7 @@ import torch
 from ..data_sources import HF_PREFIX, load_prompts, resolve_builtin
 from ..errors import ConfigError
 from ..sandbox import BACKENDS, Limits, Program, Result, SandboxPool, make_sandbox
+from .base import draw
 
 _FENCE_RE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 _WHOLE_ANSWER_RE = re.compile(r"^\s*<answer>(.*?)</answer>\s*$", re.DOTALL)
@@ -132,11 +133,6 @@ def _is_test(key: str, test_fraction: float, seed: int) -> bool:
     return (h / 0xFFFFFFFF) < test_fraction
 
 
-def _draw(pool: list, n: int, generator: torch.Generator) -> list:
-    idx = torch.randint(len(pool), (n,), generator=generator)
-    return [pool[int(i)] for i in idx]
-
-
 # ---------------------------------------------------------------------------------------------- code (files)
 class CodeTask:
     """MBPP / HumanEval-style records from a file; the reward runs each completion against the record's tests."""
@@ -155,7 +151,7 @@ class CodeTask:
         return []
 
     def sample(self, split, n, generator):
-        return _draw(self.instances(split), n, generator)
+        return draw(self.instances(split), n, generator)
 
     def slip(self, ex):
         return None
@@ -257,7 +253,7 @@ class CodeToy:
         return self._cache[split]
 
     def sample(self, split, n, generator):
-        return _draw(self.instances(split), n, generator)
+        return draw(self.instances(split), n, generator)
 
     def example(self, prompt, answer):
         """An instance from its prompt: the function is the toy function that fits the three pairs."""

@@ -26,6 +26,8 @@ from typing import ClassVar
 
 import torch
 
+from .base import draw
+
 MAX_COMPLETION_CHARS = 65536
 MAX_ANSWER_CHARS = 512
 _NUM_RE = re.compile(r"-?[0-9]+(?:\.[0-9]+)?(?:/[0-9]+)?")
@@ -131,8 +133,7 @@ class MathTask:
         return []
 
     def sample(self, split, n, generator):
-        idx = torch.randint(len(self.instances(split)), (n,), generator=generator)
-        return [self.instances(split)[int(i)] for i in idx]
+        return draw(self.instances(split), n, generator)
 
     def slip(self, ex):
         return None
