@@ -59,7 +59,8 @@ def test_dict_entry_override():
                                                   "(the dllm family); it is read only for flow-matching models"),
     (["model.name=tiny_mlm", "loss.clip_range=0.3"], "loss.clip_range: does not apply to model.name=tiny_mlm"),
     (["model.name=tiny_mlm", "reward.weights={jpeg_compressibility: 1.0}"],
-     "reward.weights: does not apply to model.name=tiny_mlm"),
+     "reward.weights: 'jpeg_compressibility' scores images and cannot score a masked diffusion LM's completions"),
+    (["model.name=tiny_mlm", "reward.background=true"], "reward.background: does not apply to model.name=tiny_mlm"),
     (["dllm.task=sudoku"], "dllm.task: does not apply to model.name=tiny (the flow family); it is read only for "
                            "masked diffusion LMs"),
     (["daca.dps_score=entropy"], "daca.dps_score: does not apply to model.name=tiny (the flow family)"),

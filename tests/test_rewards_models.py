@@ -226,9 +226,9 @@ def test_rewards_that_cannot_apply_fail_before_loading(monkeypatch):
     assert msg.startswith("reward.weights: 'digit_alignment' scores the built-in one-channel digit images "
                           "(model.name=tiny) and cannot apply to model.name=diffusers")
     assert _err("model.name=tiny_mlm", "reward.weights={pickscore: 1.0}").startswith(
-        "reward.weights: does not apply to model.name=tiny_mlm")
+        "reward.weights: 'pickscore' scores images and cannot score a masked diffusion LM's completions")
     assert _err("model.name=tiny_mlm", "reward.options={pickscore: {batch_size: 2}}").startswith(
-        "reward.options: does not apply to model.name=tiny_mlm")
+        "reward.options.pickscore: reward 'pickscore' is not in reward.weights []")
     spec = MODEL_REWARDS["ocr"]
     monkeypatch.setitem(MODEL_REWARDS, "ocr", ModelReward(spec.build, spec.options,
                                                           {"no_such_module_xyz": "rapidocr-onnxruntime"}))

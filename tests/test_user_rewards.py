@@ -148,6 +148,84 @@ def test_trainer_takes_rewards_as_callables(monkeypatch):
         Trainer(cfg, policy=policy, rewards={"digit_alignment": darkness}, log=lambda *a: None)
 
 
+# ------------------------------------------------------------------------------ masked LMs: reward.weights
+MLM = ["model.name=tiny_mlm", "dllm.task=arithmetic", "train.prompts_per_batch=2", "train.group_size=4",
+       "log.progress=false", "log.save_images=false", "dllm.eval_size=4", "pretrain.steps=5", "pretrain.batch_size=8"]
+
+
+def _mlm_trainer(*overrides, rewards=None):
+    from diffgrpo.models.hf_masked_lm import build_tiny_mlm_policy
+
+    cfg = RunConfig.from_overrides([*MLM, *overrides])
+    torch.manual_seed(0)
+    return Trainer(cfg, policy=build_tiny_mlm_policy(cfg, progress=False, pretrained=False), rewards=rewards,
+                   log=lambda *a: None)
+
+
+def test_masked_lm_rewards_are_added_to_the_task_verifier(monkeypatch):
+    """reward.weights on a masked LM: reward = weights.task × the task's verifier + Σ weight × reward, each reward
+    a component under its name; a TRL-style function gets the completions, the prompts and the reference
+    (``answer``) by name; a registry text verifier scores as called directly."""
+    monkeypatch.setattr("diffgrpo.rewards.SUPPLIED", dict(SUPPLIED))
+    seen = []
+
+    def shortness(completions, prompts, answer, **kw):
+        seen.append((list(completions), list(prompts), list(answer)))
+        return [1.0 / (1 + len(c)) for c in completions]
+
+    tr = _mlm_trainer("reward.weights={task: 0.5, verify_gsm8k: 0.25}", rewards={"shortness": shortness})
+    assert tr.cfg.reward.weights == {"task": 0.5, "shortness": 1.0}  # Trainer(rewards=) keeps the task weight
+    ro = tr.rollout()
+    texts, ex = ro.traj.completions, ro.traj.examples
+    task = tr.family.task.rewards(texts, ex)["reward"]
+    short = torch.tensor([1.0 / (1 + len(c)) for c in texts])
+    assert torch.allclose(ro.rewards, 0.5 * task + short)
+    assert torch.allclose(ro.reward_components["shortness"], short)
+    assert seen[0] == (texts, [e.prompt for e in ex], [e.answer for e in ex])
+
+    from diffgrpo.rewards.verifiers import verify_gsm8k
+
+    tr = _mlm_trainer("reward.weights={task: 0.0, verify_gsm8k: 0.25}")
+    ro = tr.rollout()
+    texts, ex = ro.traj.completions, ro.traj.examples
+    ref = torch.as_tensor(verify_gsm8k(texts, [e.prompt for e in ex], [{"answer": e.answer} for e in ex]),
+                          dtype=torch.float32)
+    assert torch.allclose(ro.rewards, 0.25 * ref) and torch.allclose(ro.reward_components["verify_gsm8k"], ref)
+
+
+def test_masked_lm_reward_weights_are_checked_before_the_model_loads(monkeypatch, tmp_path, capsys):
+    loaded = []
+    monkeypatch.setattr("diffgrpo.trainer.POLICIES", {"tiny_mlm": lambda *a, **k: loaded.append(1)})
+    cases = {"reward.weights={task: 1, pickscore: 1}": "reward.weights: 'pickscore' scores images and cannot score "
+                                                       "a masked diffusion LM's completions",
+             "reward.weights={task: 1, http: 1}": "reward.options.http.url: required for reward 'http'",
+             "reward.options={verify_code: {workers: 2}}": "reward.options.verify_code: reward 'verify_code' is not "
+                                                           "in reward.weights []"}
+    for override, msg in cases.items():
+        assert main(["train", *MLM, f"log.output_dir={tmp_path / 'r'}", override]) == 2
+        assert msg in capsys.readouterr().err
+    assert not loaded
+
+
+def test_masked_lm_trl_reward_trains_two_iterations_from_the_cli(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.delitem(sys.modules, "mlm_rewards_cwd", raising=False)
+    (tmp_path / "mlm_rewards_cwd.py").write_text(
+        "CALLS = []\n"
+        "def has_digit(completions, prompts=None, **kwargs):\n"
+        "    CALLS.append(len(completions))\n"
+        "    return [float(any(ch.isdigit() for ch in c)) for c in completions]\n")
+    name = "mlm_rewards_cwd:has_digit"
+    out = tmp_path / "run"
+    rc = main(["train", *MLM, "train.num_iterations=2", "eval.every=0", "train.save_every=0",
+               f"log.output_dir={out}", f'reward.weights={{task: 1.0, "{name}": 0.5}}'])
+    assert rc == 0, capsys.readouterr().err
+    assert sys.modules["mlm_rewards_cwd"].CALLS.count(8) >= 2  # 2 prompts × group 4, every iteration
+    rows = [r for r in _rows(out) if f"rewards/{name}/mean" in r]
+    assert len(rows) == 2 and all(0.0 <= r[f"rewards/{name}/mean"] <= 1.0 for r in rows)
+
+
 # ----------------------------------------------------------------------------------------------- the http reward
 class _Scorer(BaseHTTPRequestHandler):
     """POST {"images": [base64 PNG], "prompts", "metadata"} → {"scores": [mean brightness]}; the test's server."""

@@ -132,16 +132,19 @@ class SamplerConfig:
 @dataclass
 class RewardConfig:
     FAMILY: ClassVar[str] = "flow"
-    weights: dict = _f({"digit_alignment": 1.0}, doc="reward name (or module:function) -> weight")
+    weights: dict = _f({"digit_alignment": 1.0}, doc="reward name (or module:function) -> weight; masked LMs: "
+                       "rewards added to the task's verifier, whose own weight is the name 'task' (default 1)",
+                       family="any")
     options: dict[str, dict] = _f({}, doc="per-reward options, e.g. {pickscore: {model: <hub id or path>, dtype: "
-                                          "bfloat16, batch_size: 16, device: cuda:1}} (see README, Rewards)")
+                                          "bfloat16, batch_size: 16, device: cuda:1}} (see README, Rewards)",
+                                  family="any")
     background: bool = _f(False, doc="score each sampling micro-batch (sampler.batch_size) in a worker thread while "
                                      "the next one samples (FlowGRPO's overlap); the samples and rewards equal "
                                      "background=false's. Needs sampler.batch_size > 0; engines that keep rollout "
                                      "graphs (retain, reweight, evaluation=retain) score after sampling")
     timeout: float = _f(3600.0, lo=0.0, doc="seconds one call of one reward may take; a longer one stops the run "
                                              "with a one-line error (a hung call is left in a daemon thread, so "
-                                             "it never blocks the exit); 0: no limit")
+                                             "it never blocks the exit); 0: no limit", family="any")
 
 
 @dataclass

@@ -32,6 +32,7 @@ from ..family import Sync
 from ..loss_weights import apply, grpo_loss_weights
 from ..models.hf_masked_lm import shard_blocks
 from ..models.kv_cache import KVCache
+from ..rewards import TASK_REWARD, compute_rewards, make_rewards
 from ..rewards.verifiers import d1_format_components
 from ..samplers import masked
 from ..tasks import Example, examples_from_file, get_task
@@ -86,6 +87,12 @@ class DLLMFamily:
                                  micro_batch_size=cfg.engine.micro_batch_size)
         self.method = TokenGRPO(self.d, self.daca, self.ctx, generator=gen_masks)
         self.guards = guards.EvalGuards.for_text(cfg, log=lambda *a: self.log(*a))  # eval/guard/*
+        # reward.weights: rewards added to the task's verifier, whose own weight is reward.weights.task (default 1)
+        extra = dict(cfg.reward.weights) if rules.extra_rewards(cfg) else {}
+        self.task_weight = float(extra.pop(TASK_REWARD, 1.0))
+        self.extra_weights = {n: float(w) for n, w in extra.items()}
+        self.reward_fns = make_rewards(self.extra_weights, cfg.reward.options, self.device,
+                                       timeout=cfg.reward.timeout)
 
     # ------------------------------------------------------------------ the family protocol
     check_config = staticmethod(rules.check)  # the family's rules (rules.py), run by validation.validate
@@ -150,13 +157,22 @@ class DLLMFamily:
         return ex, torch.arange(len(ex)) // t.group_size
 
     def rewards(self, texts: list[str], examples: list[Example]) -> dict[str, torch.Tensor]:
-        """The task's reward components, plus d1's format rewards × ``dllm.format_reward`` when it is > 0 (added
-        to "reward"; "correct" stays the verifier's)."""
+        """The task's reward components, plus d1's format rewards × ``dllm.format_reward`` when it is > 0, plus
+        the ``reward.weights`` rewards (each a component under its name; the task's reward × ``reward.weights.task``
+        + Σ weight × reward is "reward"; NaN where one is not finite). "correct" stays the verifier's."""
         scored = self.task.rewards(texts, examples)
         if self.d.format_reward > 0:
             fmt = {k: torch.tensor([d1_format_components(t)[k] for t in texts]) for k in D1_FORMAT_KEYS}
             scored["reward"] = scored["reward"] + self.d.format_reward * sum(fmt.values())
             scored.update(fmt)
+        if self.task_weight != 1.0:
+            scored["reward"] = self.task_weight * scored["reward"]
+        if self.extra_weights:
+            meta = [{"answer": e.answer, **e.meta} for e in examples]  # the reference, as the text verifiers read it
+            total, comps = compute_rewards(self.extra_weights, list(texts), [e.prompt for e in examples], meta,
+                                           self.log, rewards=self.reward_fns)
+            scored["reward"] = scored["reward"] + total
+            scored.update({(n if n not in scored else f"reward.{n}"): v for n, v in comps.items()})
         return scored
 
     # ------------------------------------------------------------------ rollout

@@ -6,8 +6,9 @@ from __future__ import annotations
 import functools
 
 from .. import guards
-from ..config import RunConfig
+from ..config import RewardConfig, RunConfig
 from ..errors import ConfigError
+from ..rewards import check_text_rewards
 from ..samplers.masked import schedule
 from ..tasks import FILE_TASKS, TASKS, VOCAB, examples_from_file, get_task
 from ..tasks.code import check_config as check_code_config
@@ -19,7 +20,15 @@ def check(cfg: RunConfig) -> None:
     check_decoding(cfg.dllm)
     _validate_dllm(cfg)
     _validate_dllm_methods(cfg)
+    if extra_rewards(cfg) or cfg.reward.options:  # reward.weights beside the task's verifier
+        check_text_rewards(cfg.reward.weights if extra_rewards(cfg) else {}, cfg.reward.options)
     guards.check_config(cfg, "dllm")  # eval.guard_rewards (text verifiers), train.keep_best
+
+
+def extra_rewards(cfg: RunConfig) -> bool:
+    """Whether a masked-LM run sets ``reward.weights`` (the flow default, the digits reward, means: the task's
+    verifier alone)."""
+    return cfg.reward.weights != RewardConfig().weights
 
 
 @functools.lru_cache(maxsize=None)

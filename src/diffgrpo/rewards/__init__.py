@@ -107,6 +107,9 @@ OPTION_REWARDS: dict[str, ModelReward] = {
 }
 
 
+# the name of a masked LM's own task verifier in reward.weights (its weight; default 1)
+TASK_REWARD = "task"
+
 # rewards handed to Trainer(cfg, rewards={name: fn}) in this process (names beside the registry's)
 SUPPLIED: dict[str, RewardFn] = {}
 
@@ -115,9 +118,9 @@ def supply(rewards: Mapping[str, RewardFn]) -> None:
     """Make ``rewards`` (name → callable) resolvable by name in this process, as ``Trainer(cfg, rewards=...)`` does.
     A name may not shadow a registry reward or look like ``module:function``."""
     for name, fn in rewards.items():
-        if not isinstance(name, str) or not name or ":" in name or name in REWARDS:
-            raise ConfigError(f"rewards: name {name!r} must be a new name (not a registry reward {sorted(REWARDS)} "
-                              "and without ':')")
+        if not isinstance(name, str) or not name or ":" in name or name in REWARDS or name == TASK_REWARD:
+            raise ConfigError(f"rewards: name {name!r} must be a new name (not a registry reward {sorted(REWARDS)}, "
+                              f"not {TASK_REWARD!r}, and without ':')")
         if not callable(fn):
             raise ConfigError(f"rewards: {name!r} is a {type(fn).__name__}, not a callable")
         SUPPLIED[name] = fn
@@ -130,7 +133,8 @@ def with_supplied(cfg, rewards: Mapping[str, RewardFn]):
 
     supply(rewards)
     cfg = copy.deepcopy(cfg)
-    cfg.reward.weights = {name: cfg.reward.weights.get(name, 1.0) for name in rewards}
+    kept = {n: w for n, w in cfg.reward.weights.items() if n == TASK_REWARD}  # a masked LM's verifier weight
+    cfg.reward.weights = {**kept, **{name: cfg.reward.weights.get(name, 1.0) for name in rewards}}
     return cfg
 
 
@@ -364,6 +368,26 @@ def missing_packages(name: str) -> list[str]:
 # registry rewards that read text completions (masked diffusion LMs), never images
 TEXT_REWARDS = frozenset({"verify_gsm8k", "verify_countdown", "verify_sudoku", "verify_json_schema", "d1_format",
                           "verify_math", "verify_code", "verify_code_pass_at_1"})
+
+
+def check_text_rewards(weights: Mapping[str, float], options: Mapping[str, Mapping]) -> None:
+    """``reward.weights`` of a masked diffusion LM run, before anything loads: rewards added to the task's verifier
+    (``task`` weighs the verifier itself). Image rewards are refused; plug-ins' signatures, ``reward.options`` and
+    the required options are checked as for images. One-line ConfigErrors naming the key."""
+    extra = {n: w for n, w in weights.items() if n != TASK_REWARD}
+    images = sorted(n for n in extra if n in REWARDS and n not in TEXT_REWARDS and n != "http")
+    if images:
+        raise ConfigError(f"reward.weights: {images[0]!r} scores images and cannot score a masked diffusion LM's "
+                          f"completions; choose text rewards ({', '.join(sorted(TEXT_REWARDS))}, http, a "
+                          f"module:function) beside the task's verifier ('{TASK_REWARD}')")
+    for name, opts in REQUIRED_OPTIONS.items():
+        if name in extra and name not in options:
+            raise ConfigError(f"reward.options.{name}.{opts[0]}: required for reward {name!r}, e.g. "
+                              f"reward.options={{{name}: {{{opts[0]}: 'http://127.0.0.1:8000/score'}}}}")
+    check_options(extra, options)
+    for name in extra:
+        if name not in REWARDS:
+            calling.check_signature(name, resolve_reward(name), options.get(name))
 
 
 def check_rewards(weights: Mapping[str, float], options: Mapping[str, Mapping], *, model_name: str) -> None:
