@@ -173,3 +173,73 @@ def test_hub_failures_are_one_line_and_fast_without_network(tmp_path, monkeypatc
     assert "would fetch org-that-does-not-exist/pipeline  (model.pretrained)" in capsys.readouterr().out
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert main(["download", *SD]) == 2 and "HF_HUB_OFFLINE=1 is set" in capsys.readouterr().err
+
+
+class _GatedHub:
+    """A local stand-in for the hub's API: every request about ``org/gated`` answers 403 with the hub's
+    ``X-Error-Code: GatedRepo`` (a gated model this account has not been granted), about ``org/missing`` 404
+    ``RepoNotFound``; anything else 200 ``{}``."""
+
+    def __enter__(self):
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        paths = self.paths = []
+
+        class Handler(BaseHTTPRequestHandler):
+            def _answer(self):
+                paths.append(self.path)
+                code, err = (403, "GatedRepo") if "org/gated" in self.path else (
+                    (404, "RepoNotFound") if "org/missing" in self.path else (200, None))
+                body = b'{"error": "Access to model org/gated is restricted."}' if err else b"{}"
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                if err:
+                    self.send_header("X-Error-Code", err)
+                    self.send_header("X-Error-Message", "Access to this model is restricted")
+                self.end_headers()
+                self.wfile.write(body)
+
+            do_GET = do_HEAD = _answer
+
+            def log_message(self, *a):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        return self
+
+    def __exit__(self, *exc):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_a_gated_model_fails_in_one_line_before_anything_loads(tmp_path, monkeypatch, capsys):
+    """A gated hub model (FLUX.1-dev, SD3.5 without an accepted licence): train and download say so in one line
+    naming the key, the licence page and the login, before the policy loads and without a run directory; a
+    missing repository is told apart from a gated one."""
+    import huggingface_hub.constants as hc
+
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # an empty cache
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr("diffgrpo.trainer.POLICIES", {})  # building a policy would raise KeyError
+    gated = ["model.name=diffusers", "model.pretrained=org/gated", "reward.weights={jpeg_compressibility: 1.0}"]
+    out = tmp_path / "run"
+    with _GatedHub() as hub:
+        monkeypatch.setattr(hc, "ENDPOINT", hub.url)
+        t0 = time.perf_counter()
+        assert main(["train", *gated, f"log.output_dir={out}"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1, err
+        assert err.startswith("error: model.pretrained: 'org/gated' is a gated model: accept its licence on "
+                              "https://huggingface.co/org/gated"), err
+        assert "hf auth login" in err and not out.exists() and time.perf_counter() - t0 < 30
+        assert any("org/gated" in p for p in hub.paths)  # it asked the hub, once, quickly
+        assert main(["download", *gated]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "'org/gated' is a gated model" in err, err
+        with pytest.raises(ConfigError, match="no model 'org/missing' on the hub"):
+            check_hub(RunConfig.from_overrides(["model.name=diffusers", "model.pretrained=org/missing",
+                                                "reward.weights={jpeg_compressibility: 1.0}"]))
