@@ -244,3 +244,95 @@ def test_verify_math_registry_reward_and_gsm8k_keeps_its_numeric_rule():
 def test_shipped_code_set_is_package_data():
     root = Path(diffgrpo.__file__).parent / "prompts" / "code"
     assert (root / "train.jsonl").is_file() and (root / "test.jsonl").is_file()
+
+
+# ------------------------------------------------------------------------- SIGTERM while the sandboxes run
+def _children(pid: int) -> list[int]:
+    """Every descendant of ``pid`` (from /proc)."""
+    parent = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                parent[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        kids = [c for c, pp in parent.items() if pp == p]
+        out += kids
+        todo += kids
+    return out
+
+
+def _sandboxes(pid: int) -> list[int]:
+    """The descendants of ``pid`` that are sandboxed interpreters (``python -I -S``)."""
+    out = []
+    for k in _children(pid):
+        try:
+            argv = Path(f"/proc/{k}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"-I" in argv and b"-S" in argv:
+            out.append(k)
+    return out
+
+
+@pytest.mark.slow
+def test_a_code_run_stops_in_seconds_on_sigterm_and_resumes_from_the_cli(tmp_path):
+    """``diffgrpo train dllm.task=code`` on a tiny remote-code masked LM whose every program sleeps in its setup
+    code: SIGTERM while sandboxes run → the sandboxes end at their deadline (dllm.sandbox_timeout), the iteration
+    ends, a checkpoint is written and the process exits 143 within seconds, leaving no process behind; the
+    resume finishes with exit 0."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.dllm_remote_models import build_remote_model
+
+    model = build_remote_model(tmp_path / "llada", "llada")
+    data = tmp_path / "slow.jsonl"
+    data.write_text("".join(json.dumps({"text": f"f(1)={a}", "code": f"def f(x):\n    return x+{a - 1}",
+                                        "test_list": [f"assert f(2)=={a + 1}"],
+                                        "test_setup_code": "import time\ntime.sleep(60)"}) + "\n"
+                            for a in range(1, 7)))
+    run = tmp_path / "run"
+    args = ["model.name=hf_masked_lm", f"dllm.model_path={model}", "dllm.trust_remote_code=true",
+            "dllm.mask_token_id=2", "dllm.task=code", f"dllm.data_file={data}", "dllm.prompt_field=text", "dllm.prompt_length=16",
+            "dllm.gen_length=8", "dllm.diffusion_steps=4", "dllm.eval_size=2", "dllm.sandbox=local",
+            "dllm.sandbox_timeout=2", "dllm.sandbox_workers=2", "train.prompts_per_batch=2", "train.group_size=2",
+            "train.num_iterations=3", "train.save_every=1", "eval.every=0", "log.progress=false",
+            "log.save_images=false", f"log.output_dir={run}"]
+    root = str(Path(__file__).resolve().parents[1])
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([root + "/src", root]))
+    p = subprocess.Popen([sys.executable, "-m", "diffgrpo.cli", "train", *args], env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline, kids = time.time() + 240, []
+        while time.time() < deadline and p.poll() is None:  # until a training iteration's sandbox runs
+            kids = _sandboxes(p.pid) if (run / "metrics.jsonl").is_file() else []  # after the start evaluation
+            if kids:
+                break
+            time.sleep(0.05)
+        assert kids and p.poll() is None, p.communicate()[0][-2000:]
+        t0 = time.monotonic()
+        p.send_signal(signal.SIGTERM)
+        text = p.communicate(timeout=60)[0]
+        took = time.monotonic() - t0
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    assert p.returncode == 143, text[-2000:]
+    assert took < 20.0, (took, text[-2000:])  # the evaluation's sandboxes (2 s deadlines), then the checkpoint
+    assert not [k for k in kids if Path(f"/proc/{k}").exists() and "zombie" not in Path(f"/proc/{k}/status")
+                .read_text()]
+    assert (run / "checkpoints" / "latest.json").is_file(), text[-2000:]
+    done = subprocess.run([sys.executable, "-m", "diffgrpo.cli", "train", "--resume", str(run),
+                           "dllm.trust_remote_code=true"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stdout[-2000:]
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows if "reward" in r] == [1, 2, 3]  # each once: the interrupted one redone
