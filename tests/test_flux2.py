@@ -180,7 +180,8 @@ def test_rollout_reproduces_the_pipeline_sampling(pipe_dirs, variant, g):
 
 
 @pytest.mark.slow
-def test_lora_gradient_reaches_the_adapter_and_distilled_klein_needs_no_guidance(pipe_dirs, tmp_path):
+def test_lora_gradient_reaches_the_adapter_and_distilled_klein_needs_no_guidance(pipe_dirs, tmp_path,
+                                                                                  monkeypatch):
     pipe = _load(pipe_dirs["klein"])
     pol = DiffusersFlowPolicy(pipe.transformer, latent_shape=LATENT, pipeline=pipe, max_sequence_length=SEQ,
                               lora_rank=2, guidance_scale=3.0)
@@ -196,8 +197,17 @@ def test_lora_gradient_reaches_the_adapter_and_distilled_klein_needs_no_guidance
     d = tmp_path / "distilled"
     _klein_pipeline(is_distilled=True).save_pretrained(str(d))
     cfg = RunConfig.from_overrides([*COMMON, f"model.pretrained={d}", "model.guidance_scale=4.0"])
-    with pytest.raises(ConfigError, match="model.guidance_scale"):
+    from diffusers import DiffusionPipeline
+
+    def no_load(*a, **k):
+        raise AssertionError("the pipeline was loaded before the check")
+
+    with monkeypatch.context() as mp, pytest.raises(ConfigError, match="model.guidance_scale"):
+        mp.setattr(DiffusionPipeline, "from_pretrained", no_load)  # read from model_index.json before loading
         build_diffusers_policy(cfg, progress=False, log=lambda *a: None)
+    with pytest.raises(ConfigError, match="model.guidance_scale"):  # a loaded pipeline (a hub id)
+        flux2.check_guidance(_load(d).config, 4.0)
+    flux2.check_guidance(_load(d).config, 1.0)
 
 
 @pytest.mark.slow

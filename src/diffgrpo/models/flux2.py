@@ -25,7 +25,9 @@ Cost: a transformer forward per sample per step ([klein] with CFG: two, batched 
 """
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -127,8 +129,19 @@ def decode(vae, z: torch.Tensor) -> torch.Tensor:
     return (out.float() / 2 + 0.5).clamp(0, 1)
 
 
-def check_guidance(pipe, guidance_scale: float) -> None:
-    """A step-distilled [klein] pipeline (``is_distilled``) ignores guidance: model.guidance_scale must be 1."""
-    if getattr(pipe, "config", {}).get("is_distilled", False) and guidance_scale != 1.0:
+def check_local(index: Path, guidance_scale: float) -> None:
+    """:func:`check_guidance` from a local pipeline's ``model_index.json``, before anything loads."""
+    try:
+        config = json.loads(index.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return
+    if isinstance(config, dict) and config.get("_class_name") == "Flux2KleinPipeline":
+        check_guidance(config, guidance_scale)
+
+
+def check_guidance(config, guidance_scale: float) -> None:
+    """A step-distilled [klein] pipeline (config ``is_distilled``) ignores guidance: model.guidance_scale must be 1.
+    ``config``: the pipeline's config (``pipe.config``) or its ``model_index.json`` as a dict."""
+    if config.get("is_distilled", False) and guidance_scale != 1.0:
         raise ConfigError(f"model.guidance_scale: value {guidance_scale} on a step-distilled FLUX.2 [klein] "
                           "(is_distilled): it samples without guidance; set 1.0")
