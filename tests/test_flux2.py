@@ -245,3 +245,14 @@ def test_cli_run_exports_what_diffusers_reloads_and_samples(pipe_dirs, tmp_path,
     print(f"flux2 {variant} {'lora' if lora else 'full'}: max |pipeline − trained| latents {err:.2e}, "
           f"images {img_err:.2e}")
     assert err < 1e-4 and img_err < 1e-4, (err, img_err)
+
+
+@pytest.mark.parametrize("family,ok", [("flux2", False), ("flux2_klein", True)])
+def test_negative_prompt_is_refused_for_the_guidance_distilled_dev_only(family, ok):
+    """[dev] has no negative branch (a one-line ConfigError before anything loads); [klein] guides with one."""
+    args = [*COMMON, "model.pretrained=org/flux2", f"model.family={family}", "model.negative_prompt=blurry"]
+    if ok:
+        assert RunConfig.from_overrides(args).model.family == family
+    else:
+        with pytest.raises(ConfigError, match="model.negative_prompt: FLUX is guidance-distilled"):
+            RunConfig.from_overrides(args)
