@@ -9,9 +9,10 @@ on tiny random-weight pipelines). What the two pipelines do, and what is done he
   rollout here (``latent_shape`` = (transformer in_channels, H/16, W/16)). The transformer takes the (h·w) grid
   cells as tokens, (B, h·w, 4C), with 4-axis rotary position ids (t, row, col, layer) = (0, r, c, 0); the text
   tokens' ids are (0, 0, 0, l). Decoding undoes the batch norm and the patchify before ``vae.decode``.
-- text: [dev] a Mistral-3 (Small 3.1, 24B) and [klein] a Qwen3 causal LM (4B / 8B); both pipelines stack the hidden
-  states of three layers ([dev] 10, 20, 30; [klein] 9, 18, 27) into (B, L, 3·D) features, padded to
-  ``max_sequence_length`` (the padding is not masked in the transformer: it is part of the conditioning).
+- text: [dev] a Mistral-Small 24B (``Mistral3ForConditionalGeneration``) and [klein] a Qwen3 causal LM (4B / 8B);
+  both pipelines stack the hidden states of three layers ([dev] 10, 20, 30; [klein] 9, 18, 27) into (B, L, 3·D)
+  features, padded to ``max_sequence_length`` (the padding is not masked in the transformer: it is part of the
+  conditioning).
 - timestep: the transformer takes σ (it multiplies by 1000 inside); the pipelines' grid is linspace(1, 1/T, T)
   shifted by an exponential time shift with ``mu = compute_empirical_mu(h·w, T)``, which equals the library's
   shift s = e^mu on the same linspace (``empirical_shift``): the shipped configs set ``sampler.shift`` to it.
