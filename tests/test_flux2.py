@@ -208,6 +208,9 @@ def test_lora_gradient_reaches_the_adapter_and_distilled_klein_needs_no_guidance
     with pytest.raises(ConfigError, match="model.guidance_scale"):  # a loaded pipeline (a hub id)
         flux2.check_guidance(_load(d).config, 4.0)
     flux2.check_guidance(_load(d).config, 1.0)
+    wrong = RunConfig.from_overrides([*COMMON, f"model.pretrained={pipe_dirs['klein']}", "model.family=flux2"])
+    with pytest.raises(ConfigError, match="model.family: value 'flux2' does not match"):  # would drop [klein]'s CFG
+        build_diffusers_policy(wrong, progress=False, log=lambda *a: None)
 
 
 @pytest.mark.slow

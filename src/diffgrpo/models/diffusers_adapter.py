@@ -801,7 +801,7 @@ def build_diffusers_policy(cfg: RunConfig, *, progress: bool = True, log=print) 
     pipe_cfg = getattr(pipe, "config", {})
     check_experts(m, has_two=transformer_2 is not None)
     if family in flux2.FAMILIES:
-        flux2.check_guidance(pipe_cfg, m.guidance_scale)
+        flux2.check_loaded(pipe, family, m.guidance_scale)
     pipe.set_progress_bar_config(disable=True)
     device = resolve_device(m.device, launched_local_rank())  # the Trainer passes it resolved already
     for name in TEXT_ENCODER_NAMES + ("vae",):  # text encoders offloaded: placed by the policy (CPU)

@@ -130,6 +130,16 @@ def decode(vae, z: torch.Tensor) -> torch.Tensor:
     return (out.float() / 2 + 0.5).clamp(0, 1)
 
 
+def check_loaded(pipe, family: str, guidance_scale: float) -> None:
+    """After loading: ``model.family`` names the variant the transformer is (an explicit ``flux2`` on a [klein]
+    transformer would drop its CFG), and :func:`check_guidance` on the pipeline's config."""
+    found = variant(pipe.transformer)
+    if family != found:
+        raise ConfigError(f"model.family: value {family!r} does not match the loaded FLUX.2 transformer, which is "
+                          f"{found!r} ({'a' if found == 'flux2' else 'no'} guidance embedder); set {found!r} or auto")
+    check_guidance(getattr(pipe, "config", {}), guidance_scale)
+
+
 def check_local(index: Path, guidance_scale: float) -> None:
     """:func:`check_guidance` from a local pipeline's ``model_index.json``, before anything loads."""
     try:
