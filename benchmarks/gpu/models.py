@@ -14,6 +14,11 @@ Config numbers (the ``transformer/config.json`` of each hub repository):
         joint_attention_dim 4096, pooled 768, guidance embedding, rope axes (16, 56, 56); 12B parameters.
   wan   Wan-AI/Wan2.1-T2V-1.3B-Diffusers: WanTransformer3DModel, 30 layers, 12 heads × 128, ffn 8960,
         text_dim 4096, freq_dim 256, patch (1, 2, 2); 1.3B parameters.
+  flux2_klein  black-forest-labs/FLUX.2-klein-4B: Flux2Transformer2DModel, 5 double + 20 single blocks, 24 heads ×
+        128, mlp ratio 3, joint_attention_dim 7680 (3 × Qwen3-4B's 2560), 128 latent channels, rope axes
+        (32, 32, 32, 32), theta 2000, no guidance embedder; ~4B parameters. These numbers come from independent
+        implementations of the model, not from the hub's config.json (not read here). At its published 1024×1024:
+        (128, 64, 64) latents, 4096 image tokens + 512 text tokens. Sampled without CFG (guidance 1), as every cell.
 
 Text encoders and VAEs are not what is benchmarked: the policy gets a stub text encoding (seeded random
 embeddings of the shapes the pipeline's ``encode_prompt`` returns: T5/CLIP lengths and widths) and a stub decoder
@@ -70,6 +75,18 @@ MODELS = {
         "latents": {"real": (16, 3, 60, 104), "toy": (16, 2, 8, 8)},  # 9 frames at 480×832
         "pixels": {"real": "9 frames × 480×832", "toy": "5 frames × 64×64"},
         "text": {"real": (512, 4096, 0), "toy": (8, 16, 0)},
+    },
+    "flux2_klein": {
+        "class": "Flux2Transformer2DModel",
+        "real": dict(patch_size=1, in_channels=128, num_layers=5, num_single_layers=20, attention_head_dim=128,
+                     num_attention_heads=24, joint_attention_dim=7680, timestep_guidance_channels=256, mlp_ratio=3.0,
+                     axes_dims_rope=(32, 32, 32, 32), rope_theta=2000, guidance_embeds=False),
+        "toy": dict(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=8,
+                    num_attention_heads=2, joint_attention_dim=16, timestep_guidance_channels=16,
+                    axes_dims_rope=(2, 2, 2, 2), guidance_embeds=False),
+        "latents": {"real": (128, 64, 64), "toy": (16, 4, 4)},  # patchified VAE latents: 1024 px / 16
+        "pixels": {"real": "1024×1024", "toy": "64×64"},
+        "text": {"real": (512, 7680, 0), "toy": (8, 16, 0)},
     },
 }
 

@@ -105,9 +105,10 @@ def _validate_flow(cfg: RunConfig) -> None:
     pre = cfg.model.pretrained
     if pre and pre.startswith(("/", "./", "../", "~")) and not _exists(Path(pre).expanduser()):
         raise ConfigError(f"model.pretrained: path {pre!r} does not exist (give a pipeline directory or a hub id)")
-    if cfg.model.family == "flux" and (cfg.model.negative_prompt or cfg.model.guidance_scale < 1.0):
-        raise ConfigError("model.negative_prompt: FLUX is guidance-distilled (model.guidance_scale feeds its guidance "
-                          "embedding, one forward); negative prompts and true CFG do not apply")
+    if cfg.model.family in ("flux", "flux2") and (cfg.model.negative_prompt or cfg.model.guidance_scale < 1.0):
+        raise ConfigError("model.negative_prompt: FLUX is guidance-distilled (FLUX.1, FLUX.2 [dev]: "
+                          "model.guidance_scale feeds its guidance embedding, one forward); negative prompts and true "
+                          "CFG do not apply")
     if cfg.model.image_size % cfg.model.patch_size:
         raise ConfigError(f"model.patch_size: {cfg.model.patch_size} must divide model.image_size={cfg.model.image_size}")
     _validate_rollout_savings(cfg)

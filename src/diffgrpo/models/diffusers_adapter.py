@@ -1,4 +1,5 @@
-"""Policy adapter for diffusers flow-matching transformers (SD3/SD3.5, FLUX.1, Wan 2.1/2.2, Qwen-Image, Z-Image).
+"""Policy adapter for diffusers flow-matching transformers (SD3/SD3.5, FLUX.1, FLUX.2, Wan 2.1/2.2, Qwen-Image,
+Z-Image).
 
 One class, :class:`DiffusersFlowPolicy`, wraps a diffusers transformer (and, when built from a pipeline, its
 text encoders and VAE) behind the interface the rollout and the engines use (see ``models/__init__.py``).
@@ -11,6 +12,10 @@ What differs between families is data, kept in :data:`PIPELINES`:
 | wan       | WanTransformer3DModel          | σ·1000   | prompt_embeds                   | (C, F, H, W) as is             | true CFG |
 | qwenimage | QwenImageTransformer2DModel    | σ        | prompt_embeds + mask            | (C, H, W) → 2×2-packed tokens, img_shapes | true CFG with norm rescale |
 | zimage    | ZImageTransformer2DModel       | 1 − σ    | unpadded prompt features (mask) | (C, H, W) → a list of (C, 1, H, W), output −v | true CFG (pipeline g = ours − 1) |
+| flux2     | Flux2Transformer2DModel        | σ        | 3 stacked LM layers (Mistral-3) | (4C, H/16, W/16) patchified → h·w tokens, 4-axis ids | distilled guidance embedding |
+| flux2_klein | Flux2Transformer2DModel (no guidance embedder) | σ | 3 stacked LM layers (Qwen3) | as flux2 | true CFG |
+
+FLUX.2's layout, text features and decoding live in ``models/flux2.py``.
 
 Wan 2.2 A14B (a pipeline with ``transformer_2`` and ``boundary_ratio``): two experts held as one module
 (:class:`WanExperts`), ``transformer`` for timesteps ≥ boundary_ratio·1000 (high noise), ``transformer_2`` below,
@@ -59,6 +64,7 @@ from ..distributed import info as distributed_info
 from ..distributed import launched_local_rank, resolve_device
 from ..errors import ConfigError
 from ..types import DTYPES
+from . import flux2
 from .lora import (
     ATTN_TARGETS,
     JOINT_TARGETS,
@@ -100,6 +106,12 @@ PIPELINES: dict[str, PipelineSpec] = {
     # its pipeline's guidance g (pos + g·(pos − neg), 0 = off) is model.guidance_scale = g + 1 here
     "zimage": PipelineSpec("zimage", "ZImageTransformer2DModel", "ZImagePipeline", 1.0, False, False, True, False,
                      ("prompt_embeds", "prompt_mask"), ATTN_TARGETS, 512),
+    # FLUX.2 (models/flux2.py): rollout latents are the patchified (4C, H/16, W/16) grid; [dev] embedded guidance,
+    # [klein] true CFG; both transformers are Flux2Transformer2DModel ([dev] has the guidance embedder)
+    "flux2": PipelineSpec("flux2", "Flux2Transformer2DModel", "Flux2Pipeline", 1.0, False, False, False, False,
+                    ("prompt_embeds",), flux2.LORA_TARGETS, 512),
+    "flux2_klein": PipelineSpec("flux2_klein", "Flux2Transformer2DModel", "Flux2KleinPipeline", 1.0, False, False,
+                          True, False, ("prompt_embeds",), flux2.LORA_TARGETS, 512),
 }
 
 
@@ -108,7 +120,7 @@ def detect_family(transformer: nn.Module) -> str:
     for cls in type(transformer).__mro__:
         for key, fam in PIPELINES.items():
             if cls.__name__ == fam.transformer_class:
-                return key
+                return flux2.variant(transformer) if key in flux2.FAMILIES else key
     raise ValueError(f"unsupported transformer class {type(transformer).__name__}; supported: "
                      f"{[f.transformer_class for f in PIPELINES.values()]}")
 
@@ -239,6 +251,8 @@ def _forward(fam: PipelineSpec, tr: nn.Module, h: torch.Tensor, sigma: torch.Ten
     if getattr(getattr(tr, "module", tr).config, "guidance_embeds", False):  # tr may be a DDP wrapper
         g = torch.full((h.shape[0],), float(guidance if guidance is not None else 1.0), device=h.device,
                        dtype=torch.float32)
+    if fam.name in flux2.FAMILIES:
+        return flux2.forward(tr, h, sigma, cond["prompt_embeds"], g)
     if fam.name == "flux":
         L = cond["prompt_embeds"].shape[1]
         return tr(hidden_states=h, encoder_hidden_states=cond["prompt_embeds"], pooled_projections=cond["pooled"],
@@ -315,6 +329,8 @@ def pipeline_encoder(pipe, family: str, max_sequence_length: int) -> Callable[[l
             if mask is None:
                 mask = torch.ones(pe.shape[:2], dtype=torch.long, device=pe.device)
             return {"prompt_embeds": pe, "prompt_mask": mask}
+        if family in flux2.FAMILIES:
+            return flux2.encode(pipe, prompts, max_sequence_length)
         raise ValueError(family)
 
     return encode
@@ -326,6 +342,8 @@ def pipeline_encoder(pipe, family: str, max_sequence_length: int) -> Callable[[l
 @torch.no_grad()
 def vae_decode(vae, family: str, z: torch.Tensor) -> torch.Tensor:
     """Latents (B, *latent_shape) → pixels in [0, 1]: (B, 3, H, W), or (B, 3, F, H, W) for wan."""
+    if family in flux2.FAMILIES:
+        return flux2.decode(vae, z)
     z = z.to(dtype=vae.dtype)
     c = vae.config
     if family in ("wan", "qwenimage"):  # per-channel normalisation
@@ -716,6 +734,8 @@ def _is_local(path: str) -> bool:
 
 def latent_shape_for(pipe, family: str, resolution: int, num_frames: int) -> tuple[int, ...]:
     """(C, H/f, W/f) for images or (C, F', H/f, W/f) for video, from the pipeline's VAE factors."""
+    if family in flux2.FAMILIES:
+        return flux2.latent_shape(pipe, resolution)
     tr = pipe.transformer
     fam = PIPELINES[family]
     f = getattr(pipe, "vae_scale_factor_spatial", None) or getattr(pipe, "vae_scale_factor", 8)
@@ -766,6 +786,7 @@ def build_diffusers_policy(cfg: RunConfig, *, progress: bool = True, log=print) 
             raise ConfigError(f"model.pretrained: {str(p)!r} is not a diffusers pipeline directory "
                               "(no model_index.json)")
         check_experts(m, has_two=_index_has(p / "model_index.json", "transformer_2"))  # before loading anything
+        flux2.check_local(p / "model_index.json", m.guidance_scale)
     dtype = DTYPES[m.dtype]
     try:
         pipe = DiffusionPipeline.from_pretrained(m.pretrained, dtype=dtype)
@@ -779,6 +800,8 @@ def build_diffusers_policy(cfg: RunConfig, *, progress: bool = True, log=print) 
     transformer_2 = getattr(pipe, "transformer_2", None)
     pipe_cfg = getattr(pipe, "config", {})
     check_experts(m, has_two=transformer_2 is not None)
+    if family in flux2.FAMILIES:
+        flux2.check_loaded(pipe, family, m.guidance_scale)
     pipe.set_progress_bar_config(disable=True)
     device = resolve_device(m.device, launched_local_rank())  # the Trainer passes it resolved already
     for name in TEXT_ENCODER_NAMES + ("vae",):  # text encoders offloaded: placed by the policy (CPU)
