@@ -69,6 +69,8 @@ def test_bad_files_are_one_line_errors_naming_the_key(tmp_path):
     bad.write_text('{"text": "a cat"}\n', encoding="utf-8")
     assert "line 1 has no field 'prompt' (fields: text); name the prompt field with train.prompt_column" in \
         _error(load_prompts, str(bad))
+    assert "line 1 has no field 'prompt' (fields: text); name the prompt field with dllm.prompt_field" in \
+        _error(load_prompts, str(bad), key="dllm.data_file")  # a masked LM's file names its own key
     bad.write_text('{"prompt": 3}\n', encoding="utf-8")
     assert "the prompt 3 is not a non-empty string" in _error(load_prompts, str(bad))
     csvf = tmp_path / "bad.csv"

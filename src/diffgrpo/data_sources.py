@@ -42,10 +42,15 @@ _HF_BUILDERS = ("json", "csv", "parquet", "text")
 _SPLIT_RE = re.compile(r"^[A-Za-z_][\w-]*$")
 
 
+def _column_key(key: str) -> str:
+    """The key that names the prompt field of the file read for ``key``."""
+    return "dllm.prompt_field" if key.startswith("dllm.") else "train.prompt_column"
+
+
 def _record(row: dict, column: str, where: str, spec: str, key: str) -> dict:
     if column not in row:
         raise ConfigError(f"{key}: file {spec!r} {where} has no field {column!r} (fields: "
-                          f"{', '.join(map(str, row)) or 'none'}); name the prompt field with train.prompt_column")
+                          f"{', '.join(map(str, row)) or 'none'}); name the prompt field with {_column_key(key)}")
     prompt = row[column]
     if not isinstance(prompt, str) or not prompt.strip():
         raise ConfigError(f"{key}: file {spec!r} {where}: the prompt {prompt!r} is not a non-empty string")
@@ -78,7 +83,7 @@ def _parse_csv(text: str, column: str, spec: str, key: str) -> list[dict]:
         fields = reader.fieldnames or []
         if column not in fields:
             raise ConfigError(f"{key}: file {spec!r} has no column {column!r} (columns: "
-                              f"{', '.join(fields) or 'none'}); name the prompt column with train.prompt_column")
+                              f"{', '.join(fields) or 'none'}); name the prompt column with {_column_key(key)}")
         out = []
         for row in reader:
             if None in row:
