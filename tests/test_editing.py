@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -118,7 +119,7 @@ def test_rewards_receive_the_source_in_both_conventions(tmp_path):
         got["trl"] = torch.stack([s[0] for s in source_images])
         return [float(x) for x in (completions - got["trl"]).abs().mean((1, 2, 3))]
 
-    total, comps = compute_rewards({"a": 1.0, "b": 1.0}, images, [r["prompt"] for r in recs], meta,
+    _, comps = compute_rewards({"a": 1.0, "b": 1.0}, images, [r["prompt"] for r in recs], meta,
                                    rewards={"a": positional, "b": __import__("diffgrpo").rewards.calling.bind(trl)})
     torch.testing.assert_close(got["pos"], src)
     torch.testing.assert_close(got["trl"], src)
@@ -216,7 +217,7 @@ def _pipeline_latents(kind, pipe, recs, x, guidance):
             kw.update(image=ims[0], guidance_scale=guidance, _auto_resize=False, max_sequence_length=16,
                       max_area=RES * RES)  # its default 1024² rescales the output
         else:
-            kw.update(image=ims if kind == "plus" else ims[0], negative_prompt=" ", true_cfg_scale=guidance)
+            kw.update(image=ims if kind == "plus" else ims[0], negative_prompt="", true_cfg_scale=guidance)
         with torch.no_grad():
             outs.append(unpack_2x2(pipe(**kw).images, *LATENT))
     return torch.cat(outs)
@@ -224,9 +225,8 @@ def _pipeline_latents(kind, pipe, recs, x, guidance):
 
 def _policy(kind, pipe, guidance, **kw):
     fam = {"edit": "qwenimage_edit", "plus": "qwenimage_edit_plus", "kontext": "flux_kontext"}[kind]
-    extra = dict(max_sequence_length=16) if kind == "kontext" else dict(negative_prompt=" ")
     return DiffusersFlowPolicy(pipe.transformer, latent_shape=LATENT, family=fam, pipeline=pipe,
-                               guidance_scale=guidance, **extra, **kw)
+                               guidance_scale=guidance, max_sequence_length=16 if kind == "kontext" else 0, **kw)
 
 
 def _our_latents(pol, pipe, kind, recs, x, guidance):
@@ -263,3 +263,88 @@ def test_rollout_reproduces_the_pipeline_sampling(pipe_dirs, source_area, _proce
         v1 = pol.velocity(x, torch.full((len(recs),), 0.7), pol.encode([r["prompt"] for r in recs], sources.of_batch(recs)))
         v2 = pol.velocity(x, torch.full((len(recs),), 0.7), pol.encode([r["prompt"] for r in recs], other))
     assert float((v1 - v2).abs().max()) > 1e-4
+
+
+# ------------------------------------------------------------------------------------------- tables and grids
+
+
+def test_tables_and_grids_show_source_and_result(tmp_path):
+    from diffgrpo.media import SampleTable, table_columns, to_uint8, with_source
+
+    src, out = torch.zeros(3, 4, 6), torch.ones(3, 4, 6)
+    tile = with_source(out, src)
+    assert tile.shape == (3, 4, 14) and float(tile[:, :, :6].max()) == 0 and float(tile[:, :, 8:].min()) == 1
+    assert with_source(out, None) is out
+    table = SampleTable(tmp_path, 3)
+    table.add_sample(0, "make it red", {"image": "x.png"}, {"r": 1.0}, 1.0, to_uint8(out), source=to_uint8(src))
+    rows = table.close()
+    assert rows[0]["source_image"] == "samples/eval_000003/00000_source.png"
+    assert (tmp_path / rows[0]["source_image"]).is_file() and (tmp_path / rows[0]["image"]).is_file()
+    cols, data = table_columns(rows)
+    assert cols[-2:] == ["image", "source_image"] and data[0][-1] == rows[0]["source_image"]
+
+
+# ------------------------------------------------------------------------------------------- command-line runs
+
+
+def _cli_args(kind, d, clip, run, lora):
+    g = GUIDANCE[kind]
+    return ["train", "log.progress=false", "log.save_images=true", "model.name=diffusers", f"model.pretrained={d}",
+            f"model.resolution={RES}", f"sampler.num_steps={T}", "train.prompts_per_batch=2", "train.group_size=2",
+            "train.num_iterations=2", f"train.prompts_file={d / 'edits.jsonl'}", f"eval.prompts_file={d / 'edits.jsonl'}",
+            "eval.seeds_per_prompt=1", f"model.guidance_scale={g}", f"model.lora_rank={lora}",
+            "train.lr=0.05" if lora else "train.lr=0.002", f"log.output_dir={run}",
+            "reward.weights={clip_direction: 1.0}", f"reward.options={{clip_direction: {{model: {clip}}}}}",
+            *(["model.max_sequence_length=16"] if kind == "kontext" else [])]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind,lora", [("edit", 4), ("edit", 0), ("plus", 4), ("kontext", 4), ("kontext", 0)],
+                         ids=["edit-lora", "edit-full", "plus-lora", "kontext-lora", "kontext-full"])
+def test_cli_edit_run_exports_what_diffusers_reloads_and_samples(pipe_dirs, source_area, _processor, tmp_path,
+                                                                  kind, lora):
+    """``diffgrpo train`` on a JSONL of (source, instruction) pairs with the clip_direction reward (the source
+    beside each sample) → ``diffgrpo export`` → the untouched pipeline with the exported LoRA / transformer samples
+    the trained policy's latents; the sample table and the grids hold source and result side by side."""
+    import diffusers
+    from PIL import Image
+    from safetensors.torch import load_file
+
+    from diffgrpo.cli import main
+    from diffgrpo.models.diffusers_adapter import build_diffusers_policy
+    from tests._tiny_rewards import save_tiny_clip
+
+    d, run = pipe_dirs[kind], tmp_path / "run"
+    clip = save_tiny_clip(tmp_path / "clip")
+    assert main(_cli_args(kind, d, clip, run, lora)) == 0
+    rows = [json.loads(x) for x in (run / "samples").glob("eval_*.jsonl").__next__().read_text().splitlines()]
+    recs = _records(d)
+    assert [r["prompt"] for r in rows] == [r["prompt"] for r in recs]
+    for r, rec in zip(rows, recs):  # the table: the source as the model saw it, beside the result
+        src = np.asarray(Image.open(run / r["source_image"]).convert("RGB"))
+        assert np.array_equal(src, np.asarray(Image.open(sources.of_record(rec)[0]).convert("RGB")))
+        assert Image.open(run / r["image"]).size == (RES, RES) and r["rewards"]["clip_direction"] is not None
+    grid = Image.open(run / "samples_end.png")
+    th = round(128 * RES / (2 * RES + 2))  # a tile: source | result, 128 px wide
+    assert grid.size == (2 * (128 + 4) + 4, 2 * (th + 28 + 4) + 4), grid.size  # 2 × 2 pair tiles (square: 128 high)
+    out = tmp_path / "export"
+    assert main(["export", str(run), "--out", str(out)]) == 0
+    cfg = RunConfig.from_yaml(str(run / "config.yaml"), [])
+    trained = build_diffusers_policy(cfg, progress=False, log=lambda *a: None)
+    assert trained.family.name == {"edit": "qwenimage_edit", "plus": "qwenimage_edit_plus",
+                                   "kontext": "flux_kontext"}[kind]
+    trained.load_state_dict(load_file(str(run / "weights.safetensors")))
+    x = _noise(len(recs))
+    g = GUIDANCE[kind]
+    reference = _our_latents(trained, trained.pipeline, kind, recs, x, g)
+    cls = getattr(diffusers, KINDS[kind][0])
+    pipe = cls.from_pretrained(str(d))
+    moved = float((_pipeline_latents(kind, pipe, recs, x, g) - reference).abs().max())
+    if lora:
+        pipe.load_lora_weights(str(out))
+    else:
+        pipe.transformer = type(pipe.transformer).from_pretrained(str(out))
+    err = float((_pipeline_latents(kind, pipe, recs, x, g) - reference).abs().max())
+    print(f"{kind} {'lora' if lora else 'full'}: training moved the latents by {moved:.2e}; "
+          f"max |reloaded pipeline − trained| = {err:.2e}")
+    assert moved > 1e-4 and err < 1e-4, (moved, err)
