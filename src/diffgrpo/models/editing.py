@@ -25,13 +25,14 @@ the sequence grows by h/2·w/2 tokens per source, which every engine pays in eve
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn as nn
 
 from .. import sources as source_images
+from ..config import RunConfig
 from ..data_sources import BUILTIN_PREFIX, checking_data, load_prompts
 from ..errors import ConfigError
 from .latents import flux_image_ids, pack_2x2
@@ -189,7 +190,7 @@ def check_records(records: list[dict], family: str, key: str) -> None:
         raise ConfigError(f"{key}: records have {sorted(counts)} source images; give every record the same number")
 
 
-def check_config(cfg) -> None:
+def check_config(cfg: RunConfig) -> None:
     """``model.name=diffusers`` with an editing pipeline (``model.family``, or read from ``model.pretrained`` without
     loading it): the train and eval prompts must be files whose every record names its source image(s)."""
     m = cfg.model
@@ -201,13 +202,24 @@ def check_config(cfg) -> None:
         return
     what = f"model.pretrained {m.pretrained!r} is an image-editing pipeline ({cls or family})"
     for key, spec in (("train.prompts_file", cfg.train.prompts_file), ("eval.prompts_file", cfg.eval.prompts_file)):
-        if not spec or spec.startswith(BUILTIN_PREFIX):
+        if not spec:
             raise ConfigError(f"{key}: {what} and needs a source image per prompt: give a JSONL whose records carry "
-                              f"'image' (or 'images') beside the instruction (now {spec or 'the digit prompts'!r}, "
-                              "which has none)")
-        if checking_data():
+                              "'image' (or 'images') beside the instruction (e.g. builtin:edit/train), not the "
+                              "digit prompts")
+        if checking_data() or spec.startswith(BUILTIN_PREFIX):  # a shipped set is checked always (it is small)
             check_records(load_prompts(spec, key=key, column=cfg.train.prompt_column), family, key)
 
 
-__all__ = ["BASE_FAMILY", "check_config", "EDIT_PIPELINES", "base_family", "check_records", "edit_encoder", "edit_forward",
-           "family_of_pipeline", "is_edit", "keys", "pipeline_class"]
+__all__ = [
+    "BASE_FAMILY",
+    "EDIT_PIPELINES",
+    "base_family",
+    "check_config",
+    "check_records",
+    "edit_encoder",
+    "edit_forward",
+    "family_of_pipeline",
+    "is_edit",
+    "keys",
+    "pipeline_class",
+]
