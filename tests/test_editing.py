@@ -31,6 +31,7 @@ from tests.editing_models import (
     kontext_pipeline,
     qwen_edit_pipeline,
     write_edit_jsonl,
+    write_sources,
 )
 
 LATENT = (4, RES // 8, RES // 8)
@@ -79,6 +80,28 @@ def test_sources_resolve_relative_to_the_prompt_file_and_refuse_bad_files(tmp_pa
         refused({"image": "images/src0.png"}, "the limit is")
     finally:
         sources.MAX_PIXELS = old
+
+
+def test_hf_image_columns_become_sources(tmp_path):
+    """An hf: dataset's image column (datasets.Image) gives each record its source, held in memory under a key, so
+    the metadata stays JSON; a non-image value in the column is a one-line error naming the row."""
+    datasets = pytest.importorskip("datasets")
+    from PIL import Image
+
+    paths = write_sources(tmp_path, 2)
+    ims = [Image.open(tmp_path / p).convert("RGB") for p in paths]
+    ds = datasets.Dataset.from_dict({"prompt": INSTRUCTIONS[:2], "image": ims},
+                                    features=datasets.Features({"prompt": datasets.Value("string"),
+                                                                "image": datasets.Image()}))
+    ds.to_parquet(str(tmp_path / "edits.parquet"))
+    recs = load_prompts(f"hf:parquet:{tmp_path / 'edits.parquet'}")
+    assert [r["prompt"] for r in recs] == INSTRUCTIONS[:2] and all(isinstance(r["image"], str) for r in recs)
+    json.dumps(recs)  # JSON-friendly metadata
+    for r, im in zip(recs, ims):
+        assert np.array_equal(np.asarray(sources.load_rgb(r["image"])), np.asarray(im))
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"prompt": "x", "image": 3}) + "\n")
+    with pytest.raises(ConfigError, match="record 1 field 'image'"):
+        load_prompts(str(tmp_path / "bad.jsonl"))
 
 
 def test_an_editing_model_without_sources_is_refused_before_it_loads(tmp_path):

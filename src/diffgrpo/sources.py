@@ -87,7 +87,8 @@ def _hf_image(value, key: str, what: str) -> str:
     if isinstance(value, dict) and value.get("bytes"):
         value = _open_checked(io.BytesIO(value["bytes"]), what)
     if not isinstance(value, Image.Image):
-        raise ConfigError(f"{what}: an hf: image column must hold images, got {type(value).__name__}")
+        raise ConfigError(f"{what}: {value!r} is neither a path (a string) nor an image (an hf: image column's "
+                          "value)")
     w, h = value.size
     if w * h > MAX_PIXELS:
         raise ConfigError(f"{what} has {w}×{h} pixels; the limit is {MAX_PIXELS}")
@@ -115,7 +116,7 @@ def resolve(records: list[dict], *, base: Path | None, spec: str, key: str, wher
             what = f"{key}: file {spec!r} {where} {n + 1} field {f!r}"
             done = []
             for i, v in enumerate(values):
-                if isinstance(v, str) and not v.startswith(HF_KEY):
+                if isinstance(v, str):
                     done.append(_check_path(v, base, what))
                 else:
                     done.append(_hf_image(v, f"{HF_KEY}{spec}#{n}/{f}" + (f"/{i}" if f == "images" else ""), what))
