@@ -44,6 +44,14 @@ def image_only_processor():
             Qwen2VLProcessor.get_attributes = saved
 
 
+def _eval(pipe):
+    """Every module in eval mode, as ``from_pretrained`` leaves them (T5's dropout is on in a fresh model)."""
+    for m in pipe.components.values():
+        if isinstance(m, torch.nn.Module):
+            m.eval()
+    return pipe
+
+
 def _qwen_tokenizer():
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -98,7 +106,7 @@ def qwen_edit_pipeline(plus: bool = False):
     sched = FlowMatchEulerDiscreteScheduler(shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9,
                                             base_image_seq_len=16, max_image_seq_len=256)
     cls = QwenImageEditPlusPipeline if plus else QwenImageEditPipeline
-    return cls(scheduler=sched, vae=vae, text_encoder=text, tokenizer=tok, processor=proc, transformer=tr)
+    return _eval(cls(scheduler=sched, vae=vae, text_encoder=text, tokenizer=tok, processor=proc, transformer=tr))
 
 
 def kontext_pipeline():
@@ -126,11 +134,11 @@ def kontext_pipeline():
                                 guidance_embeds=True, axes_dims_rope=(2, 2, 4))
     sched = FlowMatchEulerDiscreteScheduler(shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9,
                                             base_image_seq_len=16, max_image_seq_len=256)
-    return FluxKontextPipeline(
+    return _eval(FluxKontextPipeline(
         scheduler=sched, vae=vae, text_encoder=CLIPTextModel(CLIPTextConfig(**clip)), tokenizer=_clip_tokenizer(),
         text_encoder_2=T5EncoderModel(T5Config(vocab_size=100, d_model=16, d_kv=8, d_ff=32, num_layers=1,
                                                num_heads=2)),
-        tokenizer_2=_t5_tokenizer(), transformer=tr)
+        tokenizer_2=_t5_tokenizer(), transformer=tr))
 
 
 def write_sources(d: Path, n: int = 3, seed: int = 0, side: int = RES) -> list[str]:

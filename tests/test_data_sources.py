@@ -303,5 +303,6 @@ def test_shipped_prompt_files_are_package_data():
     root = Path(__file__).resolve().parents[1]
     patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["diffgrpo"]
     pkg = root / "src" / "diffgrpo"
-    files = [f.relative_to(pkg).as_posix() for f in (pkg / "prompts").rglob("*") if f.suffix in (".txt", ".jsonl", ".md")]
-    assert len(files) == 9 and all(any(fnmatch.fnmatch(f, p) for p in patterns) for f in files)
+    files = [f.relative_to(pkg).as_posix() for f in (pkg / "prompts").rglob("*")
+             if f.suffix in (".txt", ".jsonl", ".md", ".png")]  # .png: the editing set's sources
+    assert len(files) == 19 and all(any(fnmatch.fnmatch(f, p) for p in patterns) for f in files)

@@ -263,6 +263,20 @@ def _our_latents(pol, pipe, kind, recs, x, guidance):
 GUIDANCE = {"edit": 4.0, "plus": 4.0, "kontext": 2.5}
 
 
+def test_kontext_rollout_reproduces_the_pipeline_sampling(tmp_path):
+    """The fast cell of the editing path: a tiny FluxKontextPipeline in memory, a JSONL of (source, instruction)
+    pairs; the adapter's ODE rollout with each record's source equals the pipeline's own sampling."""
+    write_edit_jsonl(tmp_path)
+    recs = _records(tmp_path)
+    pipe = kontext_pipeline()
+    pipe.set_progress_bar_config(disable=True)
+    x = _noise(len(recs))
+    pol = _policy("kontext", pipe, 2.5)
+    err = float((_our_latents(pol, pipe, "kontext", recs, x, 2.5) - _pipeline_latents("kontext", pipe, recs, x, 2.5))
+                .abs().max())
+    assert err < 1e-5, err
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_rollout_reproduces_the_pipeline_sampling(pipe_dirs, source_area, _processor, kind):
