@@ -71,12 +71,12 @@ def _qwen_text_encoder(vocab):
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     cfg = Qwen2_5_VLConfig(
-        text_config=dict(vocab_size=len(vocab), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, bos_token_id=None, eos_token_id=None,
-                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]}),
-        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=16,
-                           fullatt_block_indexes=[0], window_size=56, patch_size=14, spatial_merge_size=2,
-                           temporal_patch_size=2),
+        text_config={"vocab_size": len(vocab), "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+                         "num_attention_heads": 2, "num_key_value_heads": 1, "bos_token_id": None, "eos_token_id": None,
+                         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]}},
+        vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2, "out_hidden_size": 16,
+                           "fullatt_block_indexes": [0], "window_size": 56, "patch_size": 14, "spatial_merge_size": 2,
+                           "temporal_patch_size": 2},
         image_token_id=vocab["<|image_pad|>"], video_token_id=vocab["<|video_pad|>"],
         vision_start_token_id=vocab["<|vision_start|>"], vision_end_token_id=vocab["<|vision_end|>"])
     return Qwen2_5_VLForConditionalGeneration(cfg)
@@ -122,9 +122,9 @@ def kontext_pipeline():
     from tests.test_diffusers_models import _clip_tokenizer, _t5_tokenizer
 
     torch.manual_seed(0)
-    clip = dict(hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
-                max_position_embeddings=16, projection_dim=8, vocab_size=100, bos_token_id=0, eos_token_id=1,
-                pad_token_id=1)
+    clip = {"hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
+                "max_position_embeddings": 16, "projection_dim": 8, "vocab_size": 100, "bos_token_id": 0, "eos_token_id": 1,
+                "pad_token_id": 1}
     vae = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
                         up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(8, 8, 8, 8), layers_per_block=1,
                         latent_channels=4, norm_num_groups=8, sample_size=64, scaling_factor=0.36, shift_factor=0.1,

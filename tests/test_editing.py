@@ -234,8 +234,8 @@ def _pipeline_latents(kind, pipe, recs, x, guidance):
     outs = []
     for r, xi in zip(recs, x):
         ims = [Image.open(p).convert("RGB") for p in sources.of_record(r)]
-        kw = dict(prompt=r["prompt"], num_inference_steps=T, height=RES, width=RES, latents=pack_2x2(xi[None]),
-                  output_type="latent")
+        kw = {"prompt": r["prompt"], "num_inference_steps": T, "height": RES, "width": RES, "latents": pack_2x2(xi[None]),
+                  "output_type": "latent"}
         if kind == "kontext":
             kw.update(image=ims[0], guidance_scale=guidance, _auto_resize=False, max_sequence_length=16,
                       max_area=RES * RES)  # its default 1024² rescales the output
@@ -385,3 +385,20 @@ def test_cli_edit_run_exports_what_diffusers_reloads_and_samples(pipe_dirs, sour
     print(f"{kind} {'lora' if lora else 'full'}: training moved the latents by {moved:.2e}; "
           f"max |reloaded pipeline − trained| = {err:.2e}")
     assert moved > 1e-4 and err < 1e-4, (moved, err)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", [["engine.name=retain"], ["engine.name=nft", "sampler.sde_type=ode"],
+                                    ["engine.name=dgpo", "sampler.sde_type=ode"]], ids=["retain", "nft", "dgpo"])
+def test_every_engine_trains_an_editing_model(pipe_dirs, tmp_path, engine):
+    """The sources held in the conditioning reach every engine's forwards (retained graph, forward-process
+    objectives with their reference / old-policy forwards): a LoRA run trains (its adapter leaves zero)."""
+    from safetensors.torch import load_file
+
+    from diffgrpo.cli import main
+
+    d, run = pipe_dirs["kontext"], tmp_path / "run"
+    args = [a for a in _cli_args("kontext", d, None, run, 4) if not a.startswith("reward.")]
+    assert main([*args, "log.save_images=false", "reward.weights={jpeg_incompressibility: 1.0}", *engine]) == 0
+    sd = load_file(str(run / "weights.safetensors"))
+    assert any("lora_B" in k for k in sd) and max(float(v.abs().max()) for k, v in sd.items() if "lora_B" in k) > 0

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.nn as nn
+from torch import nn
 
 from .. import sources as source_images
 from ..config import RunConfig

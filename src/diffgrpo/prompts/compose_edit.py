@@ -18,9 +18,9 @@ BACKGROUNDS = {"white": (245, 245, 245), "grey": (150, 150, 150), "light blue": 
 SOURCES = [("circle", "red", "white"), ("square", "blue", "grey"), ("triangle", "green", "white"),
            ("diamond", "yellow", "light blue"), ("circle", "purple", "grey"), ("square", "orange", "light blue"),
            ("triangle", "blue", "light blue"), ("diamond", "red", "grey")]
-INSTRUCTIONS = ["make the {shape} {other}", "turn the background black", "add a small yellow sun in the top left "
-                "corner", "make the {shape} twice as large", "draw a thick black border around the image",
-                "replace the {shape} with a cat"]
+INSTRUCTIONS = ["make the {shape} {other}", "turn the background black",
+                "add a small yellow sun in the top left corner", "make the {shape} twice as large",
+                "draw a thick black border around the image", "replace the {shape} with a cat"]
 
 
 def draw(shape: str, colour: str, background: str):
