@@ -122,6 +122,11 @@ def test_an_editing_model_without_sources_is_refused_before_it_loads(tmp_path):
     with pytest.raises(ConfigError, match="takes one"):
         RunConfig.from_overrides([*base, f"train.prompts_file={plus}"])
     RunConfig.from_overrides([*base, f"train.prompts_file={edits}"])  # valid
+    from diffgrpo.models import editing
+
+    with pytest.raises(ConfigError, match="the prompt 'b' has none"):  # a batch without sources reaching the policy
+        editing.keys(["a", "b"], [("x.png",), ()], "qwenimage_edit")
+    assert editing.keys(["a"], [("x.png",)], "flux_kontext") == [("a", ("x.png",))]
 
 
 # ------------------------------------------------------------------------------------------- rewards

@@ -78,8 +78,9 @@ def keys(prompts: list[str], sources: list[tuple[str, ...]] | None, family: str)
     """Cache keys (instruction, sources) of a batch; an editing family without a source is a ConfigError."""
     if sources is None or len(sources) != len(prompts) or not all(sources):
         missing = next((p for i, p in enumerate(prompts) if sources is None or not sources[i]), prompts[0])
-        raise ConfigError(f"train.prompts_file: model family {family} edits images and needs a source image per "
-                          f"prompt (an 'image' or 'images' field); the prompt {missing!r} has none")
+        raise ConfigError(f"model.pretrained: model family {family} edits images and needs a source image per "
+                          f"prompt (its record's 'image' or 'images' field); the prompt {missing!r} has none "
+                          "(prompts from train.prompts_file / eval.prompts_file carry them; diffgrpo sample takes none)")
     return [(p, tuple(s)) for p, s in zip(prompts, sources)]
 
 
