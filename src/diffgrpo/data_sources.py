@@ -121,6 +121,9 @@ def _load_hf(spec: str, column: str, key: str) -> list[dict]:
     except Exception as e:  # noqa: BLE001 - any loading problem is a config problem of this key
         first = (str(e).splitlines() or [""])[0]
         raise ConfigError(f"{key}: {spec!r} cannot be loaded ({type(e).__name__}: {first})") from None
+    for name in sources.FIELDS:  # image columns stay encoded (bytes) until a source is used
+        if isinstance(getattr(ds, "features", {}).get(name), datasets.Image):
+            ds = ds.cast_column(name, datasets.Image(decode=False))
     records = [_record(dict(row), column, f"row {i}", spec, key) for i, row in enumerate(ds)]
     base = Path(data_files).expanduser().parent if data_files else None  # paths in a local file's rows
     return sources.resolve(records, base=base, spec=spec, key=key, where="row")

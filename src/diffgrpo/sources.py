@@ -34,7 +34,7 @@ REWARD_FIELD = "source_images"  # what rewards receive beside the sample (a list
 MAX_PIXELS = 64 * 1024 * 1024  # per source image (Pillow's own decompression-bomb limit is 89 MP)
 CACHE_SIZE = 256
 HF_KEY = "hf:"
-_HF_IMAGES: dict[str, object] = {}  # hf key → Pillow image (datasets image columns)
+_HF_IMAGES: dict[str, object] = {}  # hf key → the encoded file's bytes or a Pillow image (datasets image columns)
 _DECODED: OrderedDict[str, torch.Tensor] = OrderedDict()
 
 
@@ -84,8 +84,10 @@ def _hf_image(value, key: str, what: str) -> str:
     """A datasets image value (Pillow image or {"bytes", "path"}) held in memory under ``key``."""
     from PIL import Image
 
-    if isinstance(value, dict) and value.get("bytes"):
-        value = _open_checked(io.BytesIO(value["bytes"]), what)
+    if isinstance(value, dict) and value.get("bytes"):  # an undecoded image column: kept compressed
+        _open_checked(io.BytesIO(value["bytes"]), what).close()
+        _HF_IMAGES[key] = bytes(value["bytes"])
+        return key
     if not isinstance(value, Image.Image):
         raise ConfigError(f"{what}: {value!r} is neither a path (a string) nor an image (an hf: image column's "
                           "value)")
@@ -145,7 +147,11 @@ def load_rgb(ref: str):
     if ref.startswith(HF_KEY):
         if ref not in _HF_IMAGES:
             raise ConfigError(f"source image {ref!r} is not loaded (load its dataset with load_prompts)")
-        return _HF_IMAGES[ref].convert("RGB")
+        held = _HF_IMAGES[ref]
+        if isinstance(held, bytes):
+            with _open_checked(io.BytesIO(held), f"source image {ref!r}") as im:
+                return im.convert("RGB")
+        return held.convert("RGB")
     p = Path(ref)
     if p.is_symlink():
         raise ConfigError(f"source image {ref!r} is a symbolic link")
