@@ -207,7 +207,7 @@ def test_the_import_graph_has_no_cycles_cli_included():
 FLOORS = [
     {"errors", "types", "fileio", "config", "cache", "data", "data_sources", "media", "losses", "advantages",
      "prompts", "tasks", "_version", "recipes", "flags", "configdoc", "console", "yamlio", "configvalues",
-     "threads",
+     "threads", "sources",
      "sandbox"},
     {"distributed", "ema", "samplers", "loss_weights", "runlog", "report", "models", "rewards", "quality", "runtime",
      "hub", "rundir", "guards"},

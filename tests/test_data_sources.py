@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -257,11 +258,15 @@ def test_dllm_data_file_errors_name_the_key(tmp_path):
 def test_shipped_prompt_sets_load_by_name_with_their_metadata():
     from diffgrpo.data_sources import builtin_sets
 
-    assert builtin_sets() == ["code/test", "code/train", "geneval/test", "geneval/train", "ocr/test", "ocr/train",
-                              "preference/test", "preference/train"]  # code/: MBPP records (dllm.task=code)
+    assert builtin_sets() == ["code/test", "code/train", "edit/test", "edit/train", "geneval/test", "geneval/train",
+                              "ocr/test", "ocr/train", "preference/test",
+                              "preference/train"]  # code/: MBPP records (dllm.task=code)
     sets = {n: load_prompts(f"builtin:{n}") for n in builtin_sets() if not n.startswith("code/")}
     for name in ("geneval", "ocr", "preference"):  # train and test never share a prompt
         assert not {r["prompt"] for r in sets[f"{name}/train"]} & {r["prompt"] for r in sets[f"{name}/test"]}
+    edits = {split: sets[f"edit/{split}"] for split in ("train", "test")}  # (instruction, source image) records
+    assert all(set(r) == {"prompt", "image"} and Path(r["image"]).is_file() for v in edits.values() for r in v)
+    assert not {r["image"] for r in edits["train"]} & {r["image"] for r in edits["test"]}  # unseen test sources
     pref = sets["preference/train"] + sets["preference/test"]
     assert len(pref) >= 200 and len({r["prompt"] for r in pref}) == len(pref)
     assert all(set(r) == {"prompt"} for r in pref)
@@ -300,5 +305,6 @@ def test_shipped_prompt_files_are_package_data():
     root = Path(__file__).resolve().parents[1]
     patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["diffgrpo"]
     pkg = root / "src" / "diffgrpo"
-    files = [f.relative_to(pkg).as_posix() for f in (pkg / "prompts").rglob("*") if f.suffix in (".txt", ".jsonl", ".md")]
-    assert len(files) == 9 and all(any(fnmatch.fnmatch(f, p) for p in patterns) for f in files)
+    files = [f.relative_to(pkg).as_posix() for f in (pkg / "prompts").rglob("*")
+             if f.suffix in (".txt", ".jsonl", ".md", ".png")]  # .png: the editing set's sources
+    assert len(files) == 19 and all(any(fnmatch.fnmatch(f, p) for p in patterns) for f in files)

@@ -69,7 +69,8 @@ class ModelConfig:
     text_dim: int = _f(32, lo=4, hi=1024, doc="tiny model: prompt-encoder width")
     # diffusers pipelines (model.name=diffusers); guidance_scale is true CFG, or FLUX's distilled guidance value
     pretrained: str = _f("", path=True, doc="diffusers: local pipeline directory or hub id")
-    family: str = _f("auto", choices=("auto", "sd3", "flux", "wan", "qwenimage", "zimage", "flux2", "flux2_klein"),
+    family: str = _f("auto", choices=("auto", "sd3", "flux", "wan", "qwenimage", "zimage", "flux2", "flux2_klein",
+                                      "qwenimage_edit", "qwenimage_edit_plus", "flux_kontext"),
                      doc="diffusers: model family; auto = from the transformer class")
     dtype: str = _f("float32", choices=("float32", "bfloat16", "float16"), doc="diffusers: weight dtype of the pipeline")
     mixed_precision: str = _f("no", choices=("no", "bf16", "fp16"),

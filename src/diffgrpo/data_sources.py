@@ -15,6 +15,9 @@ A prompt source (``train.prompts_file``, ``eval.prompts_file``) is one of:
 Each becomes a list of records ``{"prompt": str, **metadata}``. Files must be UTF-8 (a byte-order mark is dropped).
 Every problem is a one-line :class:`~diffgrpo.errors.ConfigError` naming the config key.
 
+A record's ``image`` / ``images`` fields name the source images of an editing prompt (``sources``: resolved
+against the file's folder and checked here, before any model loads).
+
 Metadata reaches the rewards per sample (``Rollout.metadata``). Under data parallelism each rank scores its own
 samples, so a sample's metadata travels with it and nothing is gathered for the rewards.
 """
@@ -31,6 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import sources
 from .errors import ConfigError
 from .fileio import read_utf8
 
@@ -122,7 +126,12 @@ def _load_hf(spec: str, column: str, key: str) -> list[dict]:
     except Exception as e:  # noqa: BLE001 - any loading problem is a config problem of this key
         first = (str(e).splitlines() or [""])[0]
         raise ConfigError(f"{key}: {spec!r} cannot be loaded ({type(e).__name__}: {first})") from None
-    return [_record(dict(row), column, f"row {i}", spec, key) for i, row in enumerate(ds)]
+    for name in sources.FIELDS:  # image columns stay encoded (bytes) until a source is used
+        if isinstance(getattr(ds, "features", {}).get(name), datasets.Image):
+            ds = ds.cast_column(name, datasets.Image(decode=False))
+    records = [_record(dict(row), column, f"row {i}", spec, key) for i, row in enumerate(ds)]
+    base = Path(data_files).expanduser().parent if data_files else None  # paths in a local file's rows
+    return sources.resolve(records, base=base, spec=spec, key=key, where="row")
 
 
 def builtin_sets() -> list[str]:
@@ -140,6 +149,11 @@ def resolve_builtin(spec: str, key: str = "train.prompts_file") -> Path:
             return f
     raise ConfigError(f"{key}: {spec!r} is not a shipped prompt set; choose one of "
                       f"{[BUILTIN_PREFIX + n for n in builtin_sets()]}")
+
+
+def checking_data() -> bool:
+    """False inside :func:`skip_data_checks` (validation then checks only the form of the data keys)."""
+    return _CHECK_DATA.get()
 
 
 @contextlib.contextmanager
@@ -182,6 +196,8 @@ def load_prompts(spec: str, *, key: str = "train.prompts_file", column: str = "p
             records = _parse_jsonl(text, column, spec, key)
         elif suffix == ".csv":
             records = _parse_csv(text, column, spec, key)
+        if suffix in (".jsonl", ".csv"):  # source images of editing prompts (image / images), checked here
+            records = sources.resolve(records, base=p.parent, spec=spec, key=key)
         else:
             records = [{"prompt": line.strip()} for line in text.split("\n") if line.strip()]  # not at U+2028
     if not records:
@@ -228,5 +244,5 @@ class EpochSampler:
         self._order = self._permutation(self.epoch)
 
 
-__all__ = ["EpochSampler", "builtin_sets", "check_prompts", "load_prompts", "prompt_metadata", "read_utf8",
+__all__ = ["EpochSampler", "builtin_sets", "check_prompts", "checking_data", "load_prompts", "prompt_metadata", "read_utf8",
            "resolve_builtin", "skip_data_checks", "split_hf_spec"]

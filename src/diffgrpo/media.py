@@ -98,11 +98,15 @@ class SampleTable:
                 "rewards": {k: _number(v) for k, v in rewards.items()}, "reward": _number(total)}
 
     def add_sample(self, index: int, prompt: str, metadata: dict, rewards: dict[str, float], total: float,
-                   media: np.ndarray | None) -> None:
-        """``media``: uint8 (H, W, 3) image or (F, H, W, 3) video (see :func:`to_uint8`), or None (no file)."""
+                   media: np.ndarray | None, source: np.ndarray | None = None) -> None:
+        """``media``: uint8 (H, W, 3) image or (F, H, W, 3) video (see :func:`to_uint8`), or None (no file);
+        ``source``: an image edit's source (uint8 (H, W, 3)), saved beside the result (``source_image``)."""
         row = self._row(index, prompt, metadata, rewards, total)
         if media is not None and self.save_media:
             stem = self.run_dir / "samples" / self.name / f"{int(index):05d}"
+            if source is not None:
+                src = save_image(source, stem.with_name(stem.name + "_source.png"))
+                row["source_image"] = src.relative_to(self.run_dir).as_posix()
             path = save_image(media, stem.with_suffix(".png")) if media.ndim == 3 else save_video(media, stem)
             row["video" if media.ndim == 4 else "image"] = path.relative_to(self.run_dir).as_posix()
         self.rows.append(row)
@@ -141,10 +145,20 @@ def table_columns(rows: list[dict]) -> tuple[list[str], list[list]]:
     each reward component, reward, and the media path or completion."""
     names = sorted({k for r in rows for k in r["rewards"]})
     media = next((k for k in ("image", "video", "completion") if any(k in r for r in rows)), None)
-    cols = ["index", "prompt", "metadata", *[f"rewards/{n}" for n in names], "reward", *([media] if media else [])]
+    media = ([media] if media else []) + (["source_image"] if any("source_image" in r for r in rows) else [])
+    cols = ["index", "prompt", "metadata", *[f"rewards/{n}" for n in names], "reward", *media]
     data = [[r["index"], r["prompt"], json.dumps(r["metadata"], default=str), *[r["rewards"].get(n) for n in names],
-             r["reward"], *([r.get(media)] if media else [])] for r in rows]
+             r["reward"], *[r.get(m) for m in media]] for r in rows]
     return cols, data
+
+
+def with_source(frame: torch.Tensor, source: torch.Tensor | None, gap: int = 2) -> torch.Tensor:
+    """A grid tile of an image edit: its source (3, H, W) left of the result ``frame`` (3, H, W), on white, →
+    (3, H, 2W + gap); ``frame`` itself without a source."""
+    if source is None:
+        return frame
+    src = source.to(frame.device, frame.dtype)
+    return torch.cat([src, torch.ones_like(frame[:, :, :gap]), frame], dim=-1)
 
 
 def captioned_grid(images: torch.Tensor, captions: list[str], nrow: int, tile: int = 128) -> np.ndarray:
@@ -192,5 +206,5 @@ def side_by_side(left: Path, right: Path, out: Path, gap: int = 8) -> bool:
     return True
 
 
-__all__ = ["SampleTable", "can_write_mp4", "caption_of", "captioned_grid", "grid_frames", "save_image", "save_video", "side_by_side",
+__all__ = ["SampleTable", "can_write_mp4", "with_source", "caption_of", "captioned_grid", "grid_frames", "save_image", "save_video", "side_by_side",
            "table_columns", "to_uint8"]

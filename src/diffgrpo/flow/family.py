@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from .. import distributed, guards, quality
+from .. import distributed, guards, quality, sources
 from ..config import RunConfig
 from ..data import digit_prompt, prompt_digit
 from ..data_sources import EpochSampler, load_prompts, prompt_metadata
@@ -34,7 +34,7 @@ from ..engines.base import EngineContext
 from ..errors import ConfigError
 from ..family import Sync
 from ..loss_weights import apply, grpo_loss_weights
-from ..media import SampleTable, grid_frames, to_uint8
+from ..media import SampleTable, grid_frames, to_uint8, with_source
 from ..models.regional_compile import compile_policy
 from ..rewards import compute_rewards, make_rewards
 from ..samplers import flow_sde
@@ -220,7 +220,7 @@ class FlowFamily:
         # FSDP2 leaves the root's parameters unsharded from a forward (e.g. evaluation) until the next backward;
         # rollout hooks map the modules' registered parameters to the optimizer's (sharded) ones, so reshard first
         distributed.reshard(self.policy.forward_module)
-        cond = self.policy.encode(plan.prompts)
+        cond = self.policy.encode(plan.prompts, sources.of_batch(plan.metadata))  # editing: with its sources
         hooks = self.engine.rollout_hooks(self.ctx, plan, cond)  # a reference forward reuses the encoding
         n = self.cfg.sampler.batch_size
         extra = rollout_options.sampler_kwargs(self.cfg.sampler, plan, self.sigmas)
@@ -338,9 +338,12 @@ class FlowFamily:
             im, r, c = self._eval_chunk([prompts[i] for i in idx], [seeds[i] for i in idx],
                                         [metadata[i] for i in idx], g)
             real = [j for j, i in enumerate(idx) if lo + j < len(mine)]
+            src = {j: sources.first_source(metadata[idx[j]], tuple(im.shape[-2:])) for j in real}  # image edits
             part = {"index": [idx[j] for j in real], "reward": r[real], "comps": {k: v[real] for k, v in c.items()},
-                    "grid": {idx[j]: grid_frames(im[j:j + 1])[0].cpu() for j in real if idx[j] < EVAL_GRID_IMAGES},
+                    "grid": {idx[j]: with_source(grid_frames(im[j:j + 1])[0].cpu(), src[j]) for j in real
+                             if idx[j] < EVAL_GRID_IMAGES},
                     "media": [to_uint8(im[j]) for j in real] if save_media else None,
+                    "sources": [None if src[j] is None else to_uint8(src[j]) for j in real] if save_media else None,
                     "feats": quality.digit_features(im[real]) if quality.guards_apply(self.cfg, im) else None,
                     "guard": self.guards.chunk(im[real], [prompts[idx[j]] for j in real],
                                                [metadata[idx[j]] for j in real])}
@@ -357,7 +360,8 @@ class FlowFamily:
                 if table is not None:
                     for j, i in enumerate(got["index"]):
                         table.add_sample(i, prompts[i], metadata[i], {k: v[j] for k, v in got["comps"].items()},
-                                         got["reward"][j], got["media"][j] if got["media"] is not None else None)
+                                         got["reward"][j], got["media"][j] if got["media"] is not None else None,
+                                         source=got["sources"][j] if got["sources"] is not None else None)
         row = {"eval/reward": float(rewards[torch.isfinite(rewards)].mean())}
         for name, v in comps.items():
             row[f"eval/rewards/{name}/mean"] = float(v[torch.isfinite(v)].mean())
@@ -374,7 +378,8 @@ class FlowFamily:
                           for s in seeds]).to(self.device)
         kernel = dict(self.kernel, sde_type=self.cfg.eval.sde_type)
         saved = dict(self.policy.counters)
-        out = sample_trajectories(self.policy, self.policy.encode(prompts), x0, self.sigmas, kernel=kernel, generator=g)
+        cond = self.policy.encode(prompts, sources.of_batch(metadata))
+        out = sample_trajectories(self.policy, cond, x0, self.sigmas, kernel=kernel, generator=g)
         self.policy.counters.update(saved)
         images = self.policy.decode(out["xs"][:, -1])
         del out

@@ -12,6 +12,7 @@ from ..config import EngineConfig, LossConfig, RunConfig
 from ..configvalues import one_line
 from ..engines import ENGINES, FORWARD_ENGINES
 from ..errors import ConfigError, suggest
+from ..models.editing import check_config as check_editing
 from ..models.regional_compile import check_config as check_compile
 from ..rewards import REWARDS, check_rewards, resolve_reward
 
@@ -20,6 +21,7 @@ def check(cfg: RunConfig) -> None:
     """Every cross-field rule of a flow-matching run (``FlowFamily.check_config``)."""
     check_compile(cfg.model, cfg.dist.mode)
     _validate_flow(cfg)
+    check_editing(cfg)  # an editing pipeline needs a source image per prompt
     held_out = guards.check_config(cfg, "flow")  # eval.guard_*, train.keep_best; guard rewards take reward.options
     check_rewards({**cfg.reward.weights, **held_out}, cfg.reward.options, model_name=cfg.model.name)
 

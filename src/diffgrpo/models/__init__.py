@@ -8,7 +8,8 @@ through: the trained module or its data-parallel wrapper), ``uses_cfg``, ``devic
 ({"forwards_grad", "forwards_nograd"} sample-forward counts).
 
 Flow policies (one class for every flow model, :class:`DiffusersFlowPolicy`, the built-in tiny SD3 included):
-``encode(prompts) -> cond`` (dict of tensors batched on dim 0), ``velocity(x, sigma, cond)`` (CFG inside),
+``encode(prompts, sources=None) -> cond`` (dict of tensors batched on dim 0; ``sources``: each prompt's source
+images, read by the editing families of ``editing.py``), ``velocity(x, sigma, cond)`` (CFG inside),
 ``decode(x) -> images in [0, 1]``, ``latent_shape``, ``transformer``. Masked-LM policies
 (:class:`~diffgrpo.models.hf_masked_lm.MaskedLMPolicy`): ``logits(input_ids)``, ``vocab``, ``model``.
 """

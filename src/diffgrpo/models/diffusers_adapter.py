@@ -1,5 +1,5 @@
 """Policy adapter for diffusers flow-matching transformers (SD3/SD3.5, FLUX.1, FLUX.2, Wan 2.1/2.2, Qwen-Image,
-Z-Image).
+Z-Image; the editing pipelines Qwen-Image-Edit (Plus) and FLUX.1 Kontext through ``models/editing.py``).
 
 One class, :class:`DiffusersFlowPolicy`, wraps a diffusers transformer (and, when built from a pipeline, its
 text encoders and VAE) behind the interface the rollout and the engines use (see ``models/__init__.py``).
@@ -64,7 +64,8 @@ from ..distributed import info as distributed_info
 from ..distributed import launched_local_rank, resolve_device
 from ..errors import ConfigError
 from ..types import DTYPES
-from . import flux2
+from . import editing, flux2
+from .latents import flux_image_ids, pack_2x2, unpack_2x2
 from .lora import (
     ATTN_TARGETS,
     JOINT_TARGETS,
@@ -112,6 +113,15 @@ PIPELINES: dict[str, PipelineSpec] = {
                     ("prompt_embeds",), flux2.LORA_TARGETS, 512),
     "flux2_klein": PipelineSpec("flux2_klein", "Flux2Transformer2DModel", "Flux2KleinPipeline", 1.0, False, False,
                           True, False, ("prompt_embeds",), flux2.LORA_TARGETS, 512),
+    # image editing (models/editing.py): the source's VAE latents are appended to the latent tokens
+    "qwenimage_edit": PipelineSpec("qwenimage_edit", "QwenImageTransformer2DModel", "QwenImageEditPipeline", 1.0,
+                                   True, False, True, True, ("prompt_embeds", "prompt_mask", "image_latents"),
+                                   JOINT_TARGETS, 1024),
+    "qwenimage_edit_plus": PipelineSpec("qwenimage_edit_plus", "QwenImageTransformer2DModel",
+                                        "QwenImageEditPlusPipeline", 1.0, True, False, True, True,
+                                        ("prompt_embeds", "prompt_mask", "image_latents"), JOINT_TARGETS, 1024),
+    "flux_kontext": PipelineSpec("flux_kontext", "FluxTransformer2DModel", "FluxKontextPipeline", 1.0, True, False,
+                                 False, False, ("prompt_embeds", "pooled", "image_latents"), JOINT_TARGETS, 512),
 }
 
 
@@ -123,29 +133,6 @@ def detect_family(transformer: nn.Module) -> str:
                 return flux2.variant(transformer) if key in flux2.FAMILIES else key
     raise ValueError(f"unsupported transformer class {type(transformer).__name__}; supported: "
                      f"{[f.transformer_class for f in PIPELINES.values()]}")
-
-
-# ------------------------------------------------------------------------------------------- packing
-
-
-def pack_2x2(x: torch.Tensor) -> torch.Tensor:
-    """(B, C, H, W) → (B, H/2·W/2, 4C), the FLUX / Qwen-Image token layout."""
-    B, C, H, W = x.shape
-    return x.view(B, C, H // 2, 2, W // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(B, (H // 2) * (W // 2), C * 4)
-
-
-def unpack_2x2(t: torch.Tensor, C: int, H: int, W: int) -> torch.Tensor:
-    """(B, H/2·W/2, 4C) → (B, C, H, W); the inverse of :func:`pack_2x2`."""
-    B = t.shape[0]
-    return t.view(B, H // 2, W // 2, C, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(B, C, H, W)
-
-
-def flux_image_ids(h: int, w: int, device, dtype) -> torch.Tensor:
-    """FLUX rotary position ids of the packed image tokens: (h·w, 3) with (0, row, col)."""
-    ids = torch.zeros(h, w, 3)
-    ids[..., 1] = torch.arange(h)[:, None]
-    ids[..., 2] = torch.arange(w)[None, :]
-    return ids.reshape(h * w, 3).to(device=device, dtype=dtype)
 
 
 # ------------------------------------------------------------------------------------------- Wan 2.2 experts
@@ -253,6 +240,8 @@ def _forward(fam: PipelineSpec, tr: nn.Module, h: torch.Tensor, sigma: torch.Ten
                        dtype=torch.float32)
     if fam.name in flux2.FAMILIES:
         return flux2.forward(tr, h, sigma, cond["prompt_embeds"], g)
+    if editing.is_edit(fam.name):
+        return editing.edit_forward(fam.name, tr, h, t, cond, latent_hw=latent_hw, guidance=g)
     if fam.name == "flux":
         L = cond["prompt_embeds"].shape[1]
         return tr(hidden_states=h, encoder_hidden_states=cond["prompt_embeds"], pooled_projections=cond["pooled"],
@@ -346,6 +335,7 @@ def vae_decode(vae, family: str, z: torch.Tensor) -> torch.Tensor:
         return flux2.decode(vae, z)
     z = z.to(dtype=vae.dtype)
     c = vae.config
+    family = editing.base_family(family)  # an editing family decodes as its text-to-image family
     if family in ("wan", "qwenimage"):  # per-channel normalisation
         shape = (1, c.z_dim, 1, 1, 1)
         mean = torch.tensor(c.latents_mean, device=z.device, dtype=z.dtype).view(shape)
@@ -477,7 +467,9 @@ class DiffusersFlowPolicy:
         if encoder is None:
             if pipeline is None:
                 raise ValueError("DiffusersFlowPolicy needs a pipeline or an encoder")
-            encoder = pipeline_encoder(pipeline, fam_key, self.max_sequence_length)
+            encoder = (editing.edit_encoder(pipeline, fam_key, self.max_sequence_length,
+                                            self.latent_shape[-1] * pipeline.vae_scale_factor)
+                       if editing.is_edit(fam_key) else pipeline_encoder(pipeline, fam_key, self.max_sequence_length))
         if decoder is None and pipeline is not None and getattr(pipeline, "vae", None) is not None:
             vae = pipeline.vae
 
@@ -571,9 +563,19 @@ class DiffusersFlowPolicy:
         return _stack_padded(items)
 
     @torch.no_grad()
-    def encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
+    def encode(self, prompts: list[str], sources: list[tuple[str, ...]] | None = None) -> dict[str, torch.Tensor]:
         """→ {"prompt_embeds": (B, L, D), ("pooled": (B, D)), ("prompt_mask": (B, L))} plus ``neg_*`` entries
-        (the negative prompt's, repeated over the batch) when true CFG is on. Cached per prompt."""
+        (the negative prompt's, repeated over the batch) when true CFG is on. Cached per prompt. ``sources``: each
+        prompt's source images (``sources.of_batch``) for an editing family (models/editing.py), which adds
+        "image_latents" (B, n, C, h, w) and encodes each (prompt, sources) pair, the negative prompt with each
+        row's sources; other families ignore it."""
+        if editing.is_edit(self.family.name):
+            keys = editing.keys(list(prompts), sources, self.family.name)
+            cond = self._encode_cached(keys)
+            if self.uses_cfg:
+                neg = self._encode_cached([(self.negative_prompt, s) for _, s in keys])
+                cond.update({"neg_" + k: v for k, v in neg.items()})
+            return cond
         cond = self._encode_cached(list(prompts))
         if self.uses_cfg:
             neg = self._encode_cached([self.negative_prompt])
@@ -796,7 +798,7 @@ def build_diffusers_policy(cfg: RunConfig, *, progress: bool = True, log=print) 
     if getattr(pipe, "transformer", None) is None:
         raise ConfigError(f"model.pretrained: {m.pretrained!r} has no transformer component "
                           f"({type(pipe).__name__} is not a flow-matching transformer pipeline)")
-    family = detect_family(pipe.transformer) if m.family == "auto" else m.family
+    family = editing.family_of_pipeline(pipe, detect_family(pipe.transformer)) if m.family == "auto" else m.family
     transformer_2 = getattr(pipe, "transformer_2", None)
     pipe_cfg = getattr(pipe, "config", {})
     check_experts(m, has_two=transformer_2 is not None)

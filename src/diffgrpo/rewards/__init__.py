@@ -5,7 +5,8 @@ TRL's keyword convention ``fn(prompts=, completions=, <metadata field>=, **kwarg
 signature is checked at validation). Config names are registry keys, ``module:function`` plug-ins (the current
 directory is importable; ``__main__:fn`` names a function of a notebook or script) or names given to
 ``Trainer(cfg, rewards={name: fn})`` (:func:`supply`); ``reward.options.<name>`` reach a plug-in as keywords.
-``http`` scores with a server (``rewards.http``). A reward that raises is retried once, then stops
+``http`` scores with a server (``rewards.http``). An image edit's metadata also holds ``source_images`` (its
+sources as (3, H, W) tensors in [0, 1], ``sources.attach``): the keyword ``source_images=`` in TRL's convention. A reward that raises is retried once, then stops
 the run with a :class:`RewardError` naming it; one that returns anything but B real numbers (a string, None, a
 dict, the wrong shape) or calls ``sys.exit`` stops it at once with a one-line RewardError naming it (only
 KeyboardInterrupt passes through). NaN/inf values mark that sample invalid, so it is excluded from the group
@@ -31,11 +32,12 @@ from typing import Callable, Mapping
 
 import torch
 
+from .. import sources
 from ..errors import ConfigError, RewardError, suggest
 from ..sandbox import BACKENDS as SANDBOX_BACKENDS
 from ..threads import CallTimeout, call_with_timeout
 from ..types import DTYPES
-from . import calling, clip_models, geneval, ocr, verifiers
+from . import calling, clip_models, edit, geneval, ocr, verifiers
 from .http import http as http_reward
 from .image import digit_alignment, jpeg_compressibility, jpeg_incompressibility
 
@@ -71,6 +73,7 @@ _CLIP_OPTS = {"model": str, "processor": str, "dtype": str, "batch_size": int, "
 MODEL_REWARDS: dict[str, ModelReward] = {
     "pickscore": ModelReward(clip_models.pickscore, {**_CLIP_OPTS, "divide_by": float}),
     "clip_score": ModelReward(clip_models.clip_score, dict(_CLIP_OPTS)),
+    "clip_direction": ModelReward(edit.clip_direction, dict(_CLIP_OPTS)),  # image edits: result vs its source
     "aesthetic": ModelReward(clip_models.aesthetic, {**_CLIP_OPTS, "head": str}),
     "ocr": ModelReward(ocr.ocr, {"min_confidence": float, "det_limit_side_len": int},
                        requires={"rapidocr_onnxruntime": "rapidocr-onnxruntime"}),
@@ -241,6 +244,7 @@ def compute_rewards(weights: dict[str, float], images: torch.Tensor, prompts: li
     B = len(prompts)
     total = torch.zeros(B)
     comps: dict[str, torch.Tensor] = {}
+    metadata = sources.attach(metadata)  # an edit's source images beside it: metadata["source_images"]
     for name, w in weights.items():
         fn = rewards[name] if rewards is not None and name in rewards else resolve_reward(name)
         val = _as_scores(name, _call_with_retry(name, fn, images, prompts, metadata, log), B)

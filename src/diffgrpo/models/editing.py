@@ -1,0 +1,226 @@
+"""Image-editing families: Qwen-Image-Edit, Qwen-Image-Edit-Plus (several sources) and FLUX.1 Kontext.
+
+Each is a row of the diffusers family table (``diffusers_adapter.PIPELINES``) whose conditioning adds the prompt's
+source image(s) (``sources``: the ``image`` / ``images`` fields of its record). What this module holds:
+
+| family               | pipeline                   | text conditioning (per prompt)                    | image conditioning          |
+|----------------------|----------------------------|---------------------------------------------------|-----------------------------|
+| qwenimage_edit       | QwenImageEditPipeline      | Qwen2.5-VL over the instruction and the source    | VAE latents of the source   |
+| qwenimage_edit_plus  | QwenImageEditPlusPipeline  | Qwen2.5-VL over "Picture i:" + every source, each | VAE latents of every source |
+|                      |                            | seen at :data:`PLUS_CONDITION_AREA` pixels        |                             |
+| flux_kontext         | FluxKontextPipeline        | CLIP pooled + T5 (FLUX.1's, no image)             | VAE latents of the source   |
+
+Exactness: the source is resized to the output's square side (``model.resolution``), as the pipelines resize it
+to their target area (1024² for Qwen-Image-Edit and for Edit-Plus's VAE view; Kontext's preferred 1024×1024 for a
+square source), so at the published resolution a square source is encoded as the pipelines encode it; a source of
+another aspect ratio is stretched to the square (the pipelines keep its aspect). The VAE encodes the mode of its
+posterior (the pipelines' ``sample_mode="argmax"``), so the encoding is deterministic.
+
+Cost: each (instruction, sources) pair is encoded once (the policy's LRU cache), the VAE and the vision-language
+encoder once per pair, each pair on its own (a batched encoding would round differently with the batch's padding).
+In every forward the source tokens are appended to the noisy latent tokens (Qwen: ``img_shapes`` lists both;
+Kontext: rotary ids with first coordinate 1) and the prediction of the latent tokens is kept, as the pipelines do:
+the sequence grows by h/2·w/2 tokens per source, which every engine pays in every forward.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .. import sources as source_images
+from ..config import RunConfig
+from ..data_sources import BUILTIN_PREFIX, checking_data, load_prompts
+from ..errors import ConfigError
+from .latents import flux_image_ids, pack_2x2
+
+EDIT_PIPELINES = {"QwenImageEditPipeline": "qwenimage_edit", "QwenImageEditPlusPipeline": "qwenimage_edit_plus",
+                  "FluxKontextPipeline": "flux_kontext"}
+BASE_FAMILY = {"qwenimage_edit": "qwenimage", "qwenimage_edit_plus": "qwenimage", "flux_kontext": "flux"}
+MULTI_SOURCE = ("qwenimage_edit_plus",)  # families that take several sources per prompt
+PLUS_CONDITION_AREA = 384 * 384  # QwenImageEditPlusPipeline's CONDITION_IMAGE_SIZE: its VL encoder's view
+# published hub ids (prefixes) of editing pipelines: recognised before anything is downloaded
+PUBLISHED = {"Qwen/Qwen-Image-Edit-2509": "QwenImageEditPlusPipeline", "Qwen/Qwen-Image-Edit-2511":
+             "QwenImageEditPlusPipeline", "Qwen/Qwen-Image-Edit": "QwenImageEditPipeline",
+             "black-forest-labs/FLUX.1-Kontext": "FluxKontextPipeline"}
+
+
+def is_edit(family: str) -> bool:
+    return family in BASE_FAMILY
+
+
+def base_family(family: str) -> str:
+    """The text-to-image family whose VAE and text conventions an editing family shares (itself otherwise)."""
+    return BASE_FAMILY.get(family, family)
+
+
+def family_of_pipeline(pipe, detected: str) -> str:
+    """The family of a loaded pipeline: its editing family when it is one, else ``detected`` (from its transformer)."""
+    return EDIT_PIPELINES.get(type(pipe).__name__, detected)
+
+
+def pipeline_class(pretrained: str) -> str | None:
+    """The pipeline class ``model.pretrained`` names, read without loading: a local directory's model_index.json
+    ``_class_name``, or a published editing id; None when unknown."""
+    p = Path(pretrained).expanduser()
+    if (p / "model_index.json").is_file():
+        try:
+            return json.loads((p / "model_index.json").read_text(encoding="utf-8")).get("_class_name")
+        except (OSError, ValueError):
+            return None
+    return next((cls for pre, cls in PUBLISHED.items() if pretrained.startswith(pre)), None)
+
+
+def keys(prompts: list[str], sources: list[tuple[str, ...]] | None, family: str) -> list[tuple[str, tuple]]:
+    """Cache keys (instruction, sources) of a batch; an editing family without a source is a ConfigError."""
+    if sources is None or len(sources) != len(prompts) or not all(sources):
+        missing = next((p for i, p in enumerate(prompts) if sources is None or not sources[i]), prompts[0])
+        raise ConfigError(f"model.pretrained: model family {family} edits images and needs a source image per "
+                          f"prompt (its record's 'image' or 'images' field); the prompt {missing!r} has none "
+                          "(prompts from train.prompts_file / eval.prompts_file carry them; diffgrpo sample takes none)")
+    return [(p, tuple(s)) for p, s in zip(prompts, sources)]
+
+
+# ------------------------------------------------------------------------------------------- encoding
+
+
+def _plus_condition_size(im) -> tuple[int, int]:
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import (
+        calculate_dimensions,
+    )
+
+    w, h = calculate_dimensions(PLUS_CONDITION_AREA, im.size[0] / im.size[1])[:2]
+    return h, w
+
+
+def edit_encoder(pipe, family: str, max_sequence_length: int, side: int) -> Callable[[list], dict]:
+    """``[(instruction, sources)] -> {"prompt_embeds", "prompt_mask" | "pooled", "image_latents": (B, n, C, h, w)}``
+    through the pipeline's own ``encode_prompt``, ``image_processor`` and ``_encode_vae_image``; ``side``: the
+    square pixel size the sources are resized to (the output's)."""
+    dev = pipe.transformer.device
+    proc = pipe.image_processor
+
+    def vae_latents(im) -> torch.Tensor:  # (C, h, w), normalised as the pipeline normalises
+        x = proc.preprocess(im, side, side).to(device=dev, dtype=pipe.vae.dtype)  # (1, 3, side, side) in [-1, 1]
+        if family == "flux_kontext":
+            return pipe._encode_vae_image(x, generator=None)[0]
+        return pipe._encode_vae_image(x.unsqueeze(2), generator=None)[0, :, 0]  # the Qwen VAE is (B, C, F, H, W)
+
+    def one(prompt: str, refs: tuple) -> dict[str, torch.Tensor]:
+        ims = [source_images.load_rgb(r) for r in refs]
+        if family == "flux_kontext":
+            im = proc.resize(ims[0], side, side)
+            pe, pooled, _ = pipe.encode_prompt(prompt=[prompt], prompt_2=[prompt], device=dev,
+                                               max_sequence_length=max_sequence_length)
+            return {"prompt_embeds": pe, "pooled": pooled, "image_latents": vae_latents(im)[None, None]}
+        if family == "qwenimage_edit":
+            ims = [proc.resize(ims[0], side, side)]
+            vl = ims[0]
+        else:  # Plus: the VL encoder sees each source at its condition size, the VAE at the output's
+            vl = [proc.resize(im, *_plus_condition_size(im)) for im in ims]
+        pe, mask = pipe.encode_prompt(prompt=[prompt], image=vl, device=dev, max_sequence_length=max_sequence_length)
+        if mask is None:
+            mask = torch.ones(pe.shape[:2], dtype=torch.long, device=pe.device)
+        return {"prompt_embeds": pe, "prompt_mask": mask,
+                "image_latents": torch.stack([vae_latents(im) for im in ims])[None]}
+
+    @torch.no_grad()
+    def encode(batch: list[tuple[str, tuple]]) -> dict[str, torch.Tensor]:
+        parts = [one(p, refs) for p, refs in batch]
+        out = {}
+        for k in parts[0]:
+            ts = [d[k] for d in parts]
+            if k in ("prompt_embeds", "prompt_mask"):
+                L = max(t.shape[1] for t in ts)
+                ts = [torch.nn.functional.pad(t, [0, 0] * (t.dim() - 2) + [0, L - t.shape[1]]) for t in ts]
+            out[k] = torch.cat(ts)
+        return out
+
+    return encode
+
+
+# ------------------------------------------------------------------------------------------- the forward
+
+
+def edit_forward(family: str, tr: nn.Module, h: torch.Tensor, t: torch.Tensor, cond: dict, *,
+                 latent_hw: tuple[int, int], guidance: torch.Tensor | None) -> torch.Tensor:
+    """One transformer call with the sources' tokens appended. h (N, L, 4C) packed noisy latents, t (N,) the
+    transformer's timestep, cond["image_latents"] (N, n, C, h, w) → the prediction of the L latent tokens."""
+    H, W = latent_hw
+    img = cond["image_latents"]
+    N, n, _, hs, ws = img.shape
+    L = h.shape[1]
+    x = torch.cat([h, *[pack_2x2(img[:, i]).to(h.dtype) for i in range(n)]], 1)  # (N, L + n·hs/2·ws/2, 4C)
+    if family == "flux_kontext":
+        src = flux_image_ids(hs // 2, ws // 2, h.device, h.dtype)
+        src[:, 0] = 1  # the pipeline's marker of the source image's tokens
+        ids = torch.cat([flux_image_ids(H // 2, W // 2, h.device, h.dtype), src])
+        Lt = cond["prompt_embeds"].shape[1]
+        out = tr(hidden_states=x, encoder_hidden_states=cond["prompt_embeds"], pooled_projections=cond["pooled"],
+                 timestep=t, guidance=guidance, img_ids=ids,
+                 txt_ids=torch.zeros(Lt, 3, device=h.device, dtype=h.dtype), return_dict=False)[0]
+    else:
+        shapes = [[(1, H // 2, W // 2), *[(1, hs // 2, ws // 2)] * n]] * N
+        out = tr(hidden_states=x, encoder_hidden_states=cond["prompt_embeds"],
+                 encoder_hidden_states_mask=cond["prompt_mask"], timestep=t, guidance=guidance, img_shapes=shapes,
+                 return_dict=False)[0]
+    return out[:, :L]
+
+
+# ------------------------------------------------------------------------------------------- data rules
+
+
+def check_records(records: list[dict], family: str, key: str) -> None:
+    """Every record of an editing run names its source(s): one for a one-source family, the same number for all
+    (Edit-Plus batches stack them)."""
+    counts = set()
+    for n, rec in enumerate(records):
+        refs = source_images.of_record(rec)
+        if not refs:
+            raise ConfigError(f"{key}: record {n + 1} ({rec.get('prompt', '')[:40]!r}) has no source image; "
+                              f"model family {family} edits images: give every record an 'image' field"
+                              f"{' (or images: [...])' if family in MULTI_SOURCE else ''}")
+        if len(refs) > 1 and family not in MULTI_SOURCE:
+            raise ConfigError(f"{key}: record {n + 1} has {len(refs)} source images; model family {family} takes one "
+                              "(Qwen-Image-Edit-Plus, e.g. Qwen/Qwen-Image-Edit-2509, takes several)")
+        counts.add(len(refs))
+    if len(counts) > 1:
+        raise ConfigError(f"{key}: records have {sorted(counts)} source images; give every record the same number")
+
+
+def check_config(cfg: RunConfig) -> None:
+    """``model.name=diffusers`` with an editing pipeline (``model.family``, or read from ``model.pretrained`` without
+    loading it): the train and eval prompts must be files whose every record names its source image(s)."""
+    m = cfg.model
+    if m.name != "diffusers":
+        return
+    cls = pipeline_class(m.pretrained) if m.pretrained else None
+    family = m.family if m.family != "auto" else EDIT_PIPELINES.get(cls or "", "")
+    if not is_edit(family):
+        return
+    what = f"model.pretrained {m.pretrained!r} is an image-editing pipeline ({cls or family})"
+    for key, spec in (("train.prompts_file", cfg.train.prompts_file), ("eval.prompts_file", cfg.eval.prompts_file)):
+        if not spec:
+            raise ConfigError(f"{key}: {what} and needs a source image per prompt: give a JSONL whose records carry "
+                              "'image' (or 'images') beside the instruction (e.g. builtin:edit/train), not the "
+                              "digit prompts")
+        if checking_data() or spec.startswith(BUILTIN_PREFIX):  # a shipped set is checked always (it is small)
+            check_records(load_prompts(spec, key=key, column=cfg.train.prompt_column), family, key)
+
+
+__all__ = [
+    "BASE_FAMILY",
+    "EDIT_PIPELINES",
+    "base_family",
+    "check_config",
+    "check_records",
+    "edit_encoder",
+    "edit_forward",
+    "family_of_pipeline",
+    "is_edit",
+    "keys",
+    "pipeline_class",
+]

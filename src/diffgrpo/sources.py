@@ -1,0 +1,195 @@
+"""Source images of image-editing prompts: found in a prompt record's metadata, checked, loaded, handed on.
+
+A prompt record (``data_sources``) may carry ``image`` (one path) or ``images`` (a list of paths). A relative path
+resolves against the folder of the prompt file; an absolute one must lie inside that folder too. ``hf:`` datasets
+give image columns (``datasets.Image`` values: Pillow images, or ``{"bytes", "path"}`` dicts): those are held in
+memory under a key ``hf:<spec>#<row>/<column>[/<i>]`` that stands for the image in the metadata, so that the
+metadata stays JSON (sample tables, logs).
+
+Checks at data load (``load_prompts``, so at validation with ``--check-data`` and before any model loads): every
+path is a regular file reached without symbolic links (none in the path below the prompt file's folder, the file
+itself none), resolving inside that folder, that Pillow recognises as an image of at most :data:`MAX_PIXELS`
+pixels (read from the header; nothing is decoded). Each problem is a one-line ConfigError naming the config key,
+the row and the path.
+
+After resolution a record's ``image`` / ``images`` hold absolute paths (or hf keys); :func:`of_record` gives a
+record's sources as a tuple, :func:`load_rgb` one source as an RGB Pillow image (decoded under the same pixel
+cap), :func:`attach` the metadata rewards receive: each sample's ``source_images``, a list of (3, H, W) float
+tensors in [0, 1] at the source's own size (decoded once per process: an LRU of :data:`CACHE_SIZE` images).
+"""
+from __future__ import annotations
+
+import io
+import os
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .errors import ConfigError
+
+FIELDS = ("image", "images")  # the metadata fields naming a record's source images
+REWARD_FIELD = "source_images"  # what rewards receive beside the sample (a list of (3, H, W) tensors per sample)
+MAX_PIXELS = 64 * 1024 * 1024  # per source image (Pillow's own decompression-bomb limit is 89 MP)
+CACHE_SIZE = 256
+HF_KEY = "hf:"
+_HF_IMAGES: dict[str, object] = {}  # hf key → the encoded file's bytes or a Pillow image (datasets image columns)
+_DECODED: OrderedDict[str, torch.Tensor] = OrderedDict()
+
+
+def _open_checked(path: Path | io.BytesIO, what: str):
+    """A Pillow image opened lazily (header only), its pixel count checked."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        im = Image.open(path)
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
+        raise ConfigError(f"{what} is not an image Pillow can read ({type(e).__name__})") from None
+    w, h = im.size
+    if w * h > MAX_PIXELS or w < 1 or h < 1:
+        raise ConfigError(f"{what} has {w}×{h} pixels; the limit is {MAX_PIXELS} (resize it)")
+    return im
+
+
+def _check_path(value: str, base: Path | None, what: str) -> str:
+    """An existing image file below ``base`` reached without links → its absolute path (as a string)."""
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(f"{what}: {value!r} is not a path (a non-empty string)")
+    if base is None:
+        raise ConfigError(f"{what}: {value!r} is a path, but paths need a prompt file to resolve against")
+    root = Path(os.path.abspath(base))
+    p = Path(os.path.abspath(root / Path(value).expanduser()))
+    try:
+        rel = p.relative_to(root)
+    except ValueError:
+        raise ConfigError(f"{what}: {value!r} lies outside the prompt file's folder {str(root)!r}") from None
+    cur = root
+    for part in rel.parts:
+        cur = cur / part
+        if cur.is_symlink():
+            raise ConfigError(f"{what}: {value!r} goes through the symbolic link {str(cur)!r}; give the file itself")
+    if not p.is_file():
+        raise ConfigError(f"{what}: image {value!r} does not exist (resolved to {str(p)!r})")
+    try:
+        real = Path(os.path.realpath(p))
+        real.relative_to(Path(os.path.realpath(root)))
+    except (OSError, ValueError):
+        raise ConfigError(f"{what}: {value!r} resolves outside the prompt file's folder") from None
+    _open_checked(p, f"{what}: {value!r}").close()
+    return str(p)
+
+
+def _hf_image(value, key: str, what: str) -> str:
+    """A datasets image value (Pillow image or {"bytes", "path"}) held in memory under ``key``."""
+    from PIL import Image
+
+    if isinstance(value, dict) and value.get("bytes"):  # an undecoded image column: kept compressed
+        _open_checked(io.BytesIO(value["bytes"]), what).close()
+        _HF_IMAGES[key] = bytes(value["bytes"])
+        return key
+    if not isinstance(value, Image.Image):
+        raise ConfigError(f"{what}: {value!r} is neither a path (a string) nor an image (an hf: image column's "
+                          "value)")
+    w, h = value.size
+    if w * h > MAX_PIXELS:
+        raise ConfigError(f"{what} has {w}×{h} pixels; the limit is {MAX_PIXELS}")
+    _HF_IMAGES[key] = value
+    return key
+
+
+def resolve(records: list[dict], *, base: Path | None, spec: str, key: str, where: str = "record") -> list[dict]:
+    """``records`` with their ``image`` / ``images`` fields resolved and checked (see the module doc). ``base``: the
+    prompt file's folder (None for an hf: dataset, whose images are values, not paths)."""
+    out = []
+    for n, rec in enumerate(records):
+        if not any(f in rec for f in FIELDS):
+            out.append(rec)
+            continue
+        if all(f in rec for f in FIELDS):
+            raise ConfigError(f"{key}: file {spec!r} {where} {n + 1}: give either 'image' or 'images', not both")
+        rec = dict(rec)
+        for f in FIELDS:
+            if f not in rec:
+                continue
+            values = rec[f] if f == "images" else [rec[f]]
+            if f == "images" and (not isinstance(values, list) or not values):
+                raise ConfigError(f"{key}: file {spec!r} {where} {n + 1}: 'images' must be a non-empty list of paths")
+            what = f"{key}: file {spec!r} {where} {n + 1} field {f!r}"
+            done = []
+            for i, v in enumerate(values):
+                if isinstance(v, str):
+                    done.append(_check_path(v, base, what))
+                else:
+                    done.append(_hf_image(v, f"{HF_KEY}{spec}#{n}/{f}" + (f"/{i}" if f == "images" else ""), what))
+            rec[f] = done if f == "images" else done[0]
+        out.append(rec)
+    return out
+
+
+def of_record(meta: dict) -> tuple[str, ...]:
+    """The source images (absolute paths or hf keys) a record or a sample's metadata names; () for none."""
+    if "images" in meta:
+        return tuple(meta["images"])
+    if "image" in meta:
+        return (meta["image"],)
+    return ()
+
+
+def of_batch(metadata: list[dict]) -> list[tuple[str, ...]] | None:
+    """Each sample's sources, or None when no sample has any (a text-to-image batch)."""
+    out = [of_record(m) for m in metadata]
+    return out if any(out) else None
+
+
+def load_rgb(ref: str):
+    """One source (a resolved path or an hf key) as an RGB Pillow image."""
+    if ref.startswith(HF_KEY):
+        if ref not in _HF_IMAGES:
+            raise ConfigError(f"source image {ref!r} is not loaded (load its dataset with load_prompts)")
+        held = _HF_IMAGES[ref]
+        if isinstance(held, bytes):
+            with _open_checked(io.BytesIO(held), f"source image {ref!r}") as im:
+                return im.convert("RGB")
+        return held.convert("RGB")
+    p = Path(ref)
+    if p.is_symlink():
+        raise ConfigError(f"source image {ref!r} is a symbolic link")
+    with _open_checked(p, f"source image {ref!r}") as im:
+        return im.convert("RGB")
+
+
+def as_tensor(ref: str) -> torch.Tensor:
+    """A source as a (3, H, W) float32 tensor in [0, 1] (cached)."""
+    if ref in _DECODED:
+        _DECODED.move_to_end(ref)
+        return _DECODED[ref]
+    arr = np.asarray(load_rgb(ref), dtype=np.float32) / 255.0  # (H, W, 3)
+    t = torch.from_numpy(arr).permute(2, 0, 1).contiguous()
+    _DECODED[ref] = t
+    while len(_DECODED) > CACHE_SIZE:
+        _DECODED.popitem(last=False)
+    return t
+
+
+def attach(metadata: list[dict]) -> list[dict]:
+    """The metadata rewards receive: a sample with sources also gets ``source_images`` (its sources as (3, H, W)
+    tensors in [0, 1]); ``metadata`` itself is not changed. Without any source, ``metadata`` as is."""
+    if not any(of_record(m) for m in metadata):
+        return metadata
+    return [{**m, REWARD_FIELD: [as_tensor(r) for r in of_record(m)]} if of_record(m) else m for m in metadata]
+
+
+def first_source(meta: dict, size: tuple[int, int]) -> torch.Tensor | None:
+    """A sample's first source resized (bilinear) to ``size`` (H, W): (3, H, W) in [0, 1], or None."""
+    refs = of_record(meta)
+    if not refs:
+        return None
+    t = as_tensor(refs[0])
+    if tuple(t.shape[-2:]) != tuple(size):
+        t = torch.nn.functional.interpolate(t[None], size=size, mode="bilinear", align_corners=False)[0]
+    return t.clamp(0, 1)
+
+
+__all__ = ["FIELDS", "MAX_PIXELS", "REWARD_FIELD", "as_tensor", "attach", "first_source", "load_rgb", "of_batch",
+           "of_record", "resolve"]
