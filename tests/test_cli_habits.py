@@ -224,6 +224,7 @@ def test_a_gated_model_fails_in_one_line_before_anything_loads(tmp_path, monkeyp
 
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # an empty cache
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(hc, "HF_HUB_OFFLINE", False)  # a library imported under HF_HUB_OFFLINE=1 may have set it
     monkeypatch.setattr("diffgrpo.trainer.POLICIES", {})  # building a policy would raise KeyError
     gated = ["model.name=diffusers", "model.pretrained=org/gated", "reward.weights={jpeg_compressibility: 1.0}"]
     out = tmp_path / "run"
