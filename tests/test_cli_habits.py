@@ -221,6 +221,7 @@ def test_a_gated_model_fails_in_one_line_before_anything_loads(tmp_path, monkeyp
     naming the key, the licence page and the login, before the policy loads and without a run directory; a
     missing repository is told apart from a gated one."""
     import huggingface_hub.constants as hc
+    from huggingface_hub import hf_api
 
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # an empty cache
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
@@ -230,6 +231,7 @@ def test_a_gated_model_fails_in_one_line_before_anything_loads(tmp_path, monkeyp
     out = tmp_path / "run"
     with _GatedHub() as hub:
         monkeypatch.setattr(hc, "ENDPOINT", hub.url)
+        monkeypatch.setattr(hf_api.api, "endpoint", hub.url)  # the module's client took ENDPOINT at its import
         t0 = time.perf_counter()
         assert main(["train", *gated, f"log.output_dir={out}"]) == 2
         err = capsys.readouterr().err
