@@ -20,6 +20,12 @@ Config numbers (the ``transformer/config.json`` of each hub repository):
         implementations of the model, not from the hub's config.json (not read here). At its published 1024×1024:
         (128, 64, 64) latents, 4096 image tokens + 512 text tokens. Sampled without CFG (guidance 1), as every cell.
 
+  wan22_a14b  Wan-AI/Wan2.2-T2V-A14B-Diffusers: two WanTransformer3DModel experts (``transformer`` for high noise,
+        ``transformer_2`` for low noise, switched at boundary_ratio 0.875 of the timesteps), each 40 layers,
+        40 heads × 128 (dim 5120), ffn 13824, text_dim 4096, freq_dim 256, patch (1, 2, 2); 2 × 14B parameters (the
+        Wan team's released config: dim 5120, ffn 13824, 40 heads, 40 layers, boundary 0.875). Both experts train
+        (LoRA on each); a rollout crosses the boundary, so every cell runs both.
+
 Text encoders and VAEs are not what is benchmarked: the policy gets a stub text encoding (seeded random
 embeddings of the shapes the pipeline's ``encode_prompt`` returns: T5/CLIP lengths and widths) and a stub decoder
 (the first three latent channels through a sigmoid, the first frame for video) that the JPEG reward can score.
@@ -88,6 +94,19 @@ MODELS = {
         "pixels": {"real": "1024×1024", "toy": "64×64"},
         "text": {"real": (512, 7680, 0), "toy": (8, 16, 0)},
     },
+    "wan22_a14b": {
+        "class": "WanTransformer3DModel",
+        "experts": 2, "boundary_ratio": 0.875, "policy_family": "wan",
+        "real": dict(patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128, in_channels=16,
+                     out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=13824, num_layers=40, cross_attn_norm=True,
+                     qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024),
+        "toy": dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=16,
+                    out_channels=16, text_dim=16, freq_dim=16, ffn_dim=32, num_layers=2, cross_attn_norm=True,
+                    qk_norm="rms_norm_across_heads", rope_max_seq_len=32),
+        "latents": {"real": (16, 3, 60, 104), "toy": (16, 2, 8, 8)},  # 9 frames at 480×832
+        "pixels": {"real": "9 frames × 480×832", "toy": "5 frames × 64×64"},
+        "text": {"real": (512, 4096, 0), "toy": (8, 16, 0)},
+    },
 }
 
 
@@ -98,9 +117,16 @@ def build_transformer(family: str, size: str, device: str, dtype: torch.dtype, s
 
     spec = MODELS[family]
     cls = getattr(diffusers, spec["class"])
+    if spec.get("experts", 1) > 1:  # Wan 2.2 A14B: [high-noise expert, low-noise expert], seeded apart
+        return torch.nn.ModuleList([_build_one(cls, spec[size], device, dtype, seed + i)
+                                    for i in range(spec["experts"])])
+    return _build_one(cls, spec[size], device, dtype, seed)
+
+
+def _build_one(cls, kwargs: dict, device: str, dtype: torch.dtype, seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)
     with torch.device(device):
-        tr = cls(**spec[size])
+        tr = cls(**kwargs)
     keep = tuple(getattr(cls, "_keep_in_fp32_modules", None) or ())  # as from_pretrained(torch_dtype=...) keeps them
     for name, t in [*tr.named_parameters(), *tr.named_buffers()]:
         if t.is_floating_point() and not any(k in name.split(".") for k in keep):
@@ -141,17 +167,21 @@ def build_policy(transformer: torch.nn.Module, family: str, size: str, device: s
                  gradient_checkpointing: bool = False) -> DiffusersFlowPolicy:
     """A policy over ``transformer`` (shared between cells: build the full fine-tune cells before the LoRA ones,
     since LoRA adds adapter layers to it)."""
-    if "default" in (getattr(transformer, "peft_config", None) or {}):  # a previous cell's adapter: a fresh one
-        transformer.delete_adapters("default")
-    if gradient_checkpointing:
-        transformer.enable_gradient_checkpointing()
-    else:
-        transformer.disable_gradient_checkpointing()
-    dtype = next(transformer.parameters()).dtype
-    return DiffusersFlowPolicy(transformer, latent_shape=MODELS[family]["latents"][size], family=family,
+    spec = MODELS[family]
+    experts = list(transformer) if isinstance(transformer, torch.nn.ModuleList) else [transformer]
+    for tr in experts:
+        if "default" in (getattr(tr, "peft_config", None) or {}):  # a previous cell's adapter: a fresh one
+            tr.delete_adapters("default")
+        if gradient_checkpointing:
+            tr.enable_gradient_checkpointing()
+        else:
+            tr.disable_gradient_checkpointing()
+    dtype = next(experts[0].parameters()).dtype
+    two = dict(transformer_2=experts[1], boundary_ratio=spec["boundary_ratio"]) if len(experts) > 1 else {}
+    return DiffusersFlowPolicy(experts[0], latent_shape=spec["latents"][size], family=spec.get("policy_family", family),
                                encoder=stub_encoder(family, size, device, dtype), decoder=stub_decoder,
                                device=device, lora_rank=lora_rank, lora_alpha=float(lora_rank),
-                               gradient_checkpointing=gradient_checkpointing, guidance_scale=1.0)
+                               gradient_checkpointing=gradient_checkpointing, guidance_scale=1.0, **two)
 
 
 def parameter_count(module: torch.nn.Module) -> int:

@@ -40,9 +40,10 @@ CELLS = {"full": (False, False, 0), "full+ckpt": (False, True, 0), "lora": (True
 # per size: (model, cells, prompts per batch, group size); full fine-tune cells first (LoRA adds layers in place)
 PLANS = {
     "real": [("sd3", ["full", "full+ckpt", "lora", "lora+ckpt"], 2, 2), ("wan", ["lora", "lora+ckpt"], 2, 2),
-             ("flux", ["lora+ckpt"], 1, 2), ("flux2_klein", ["lora+ckpt"], 1, 2)],
+             ("flux", ["lora+ckpt"], 1, 2), ("flux2_klein", ["lora+ckpt"], 1, 2),
+             ("wan22_a14b", ["lora+ckpt"], 1, 2)],
     "toy": [("sd3", ["full", "lora+ckpt"], 2, 2), ("wan", ["lora+ckpt"], 2, 2), ("flux", ["lora+ckpt"], 2, 2),
-            ("flux2_klein", ["lora+ckpt"], 1, 2)],
+            ("flux2_klein", ["lora+ckpt"], 1, 2), ("wan22_a14b", ["lora+ckpt"], 1, 2)],
     "small": [("sd3", ["full", "full+ckpt", "full+mb2", "lora", "lora+ckpt", "lora+mb2"], 2, 2)],
 }
 DEFAULTS = {"real": dict(budget=450.0, cell_limit=150.0, dtype="bfloat16", lora_rank=32),
