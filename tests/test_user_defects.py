@@ -411,3 +411,172 @@ def test_short_masked_lm_pretraining_runs():  # found by the user-path matrix: p
     cfg = RunConfig.from_overrides(["model.name=tiny_mlm", "pretrain.steps=20", "pretrain.batch_size=8"])
     net = pretrain_tiny_mlm(get_task(cfg.dllm.task), cfg.pretrain, progress=False)
     assert all(torch.isfinite(p).all() for p in net.parameters())
+
+
+# ------------------------------------------------------------------------------------------ remaining medium ones
+@pytest.mark.parametrize("argv, overrides", [
+    (["export", "model.pretrained=/base", "RUN", "--out", "D"], ["model.pretrained=/base"]),
+    (["export", "RUN", "--out", "D", "model.pretrained=/base", "--merge"], ["model.pretrained=/base"]),
+    (["export", "--out", "D", "--model.pretrained", "/base", "RUN"], ["model.pretrained=/base"]),
+    (["train", "seed=1", "--resume", "R", "train.lr=1"], ["seed=1", "train.lr=1"]),
+    (["sample", "seed=1", "--prompt", "a=b", "--weights", "R", "sampler.num_steps=3"], ["seed=1", "sampler.num_steps=3"]),
+    (["print-config", "seed=1", "--changed", "train.lr=1"], ["seed=1", "train.lr=1"]),
+    (["bench", "engines", "seed=1", "--repeats", "1", "train.lr=1"], ["seed=1", "train.lr=1"]),
+    (["download", "seed=1", "--dry-run", "train.lr=1"], ["seed=1", "train.lr=1"]),
+    (["pretrain", "seed=1", "--task", "sudoku", "train.lr=1"], ["seed=1", "train.lr=1"])])
+def test_overrides_anywhere_on_every_subcommand(argv, overrides):  # M-6
+    from diffgrpo.cli import parse_args
+
+    args = parse_args(argv)
+    assert args.overrides == overrides
+    if args.command == "export":
+        assert (args.source, args.out) == ("RUN", "D")
+    if args.command == "sample":
+        assert args.prompt == ["a=b"] and args.weights == "R"
+
+
+def _tracker_run(tmp_path: Path, plant) -> Path:
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / ".diffgrpo-run").write_text('{"tool": "diffgrpo"}')
+    plant(run)
+    return run
+
+
+@pytest.mark.parametrize("plant, key, why", [
+    (lambda r: (r / "tensorboard").write_text("x"), "log.tensorboard", "exists and is not a directory"),
+    (lambda r: (r / "tensorboard").symlink_to(r.parent, target_is_directory=True), "log.tensorboard",
+     "is a symbolic link"),
+    (lambda r: (r / "wandb_id").write_text("bad/id:#"), "log.wandb", "not a W&B run id"),
+    (lambda r: (r / "wandb_id").symlink_to(r / ".diffgrpo-run"), "log.wandb", "is not a regular file")])
+def test_tracker_setup_problems_are_one_line_before_the_model_loads(tmp_path, capsys, monkeypatch, plant, key,
+                                                                    why):  # M-11, and the low TensorBoard/wandb ones
+    import diffgrpo.trainer
+
+    run = _tracker_run(tmp_path, plant)
+    monkeypatch.setattr(diffgrpo.trainer, "Trainer", lambda *a, **k: pytest.fail("the model was loaded"))
+    tracker = "log.tensorboard=true" if key == "log.tensorboard" else "log.wandb=true"
+    assert main(["train", *FAST, "train.num_iterations=1", tracker, f"log.output_dir={run}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {key}: ") and why in err[0], err
+    assert sorted(p.name for p in run.iterdir()) == sorted(p.name for p in run.iterdir() if p.name in
+                                                            (".diffgrpo-run", "tensorboard", "wandb_id"))
+
+
+def test_a_tracker_that_fails_to_start_is_one_line(tmp_path):  # M-11: whatever else a tracker raises
+    from diffgrpo.runlog import MetricsWriter, WandBTracker
+
+    class Broken(WandBTracker):
+        def __init__(self, *a):
+            raise RuntimeError("api_key not configured (no-tty)\ncall wandb.login()")
+
+    import diffgrpo.runlog as runlog
+
+    orig = runlog.WandBTracker
+    runlog.WandBTracker = Broken
+    try:
+        with pytest.raises(TrainingError) as err:
+            MetricsWriter(tmp_path, wandb=True)
+    finally:
+        runlog.WandBTracker = orig
+    assert str(err.value).startswith("log.wandb: the tracker could not start (RuntimeError: api_key not configured")
+    assert "\n" not in str(err.value)
+
+
+@pytest.fixture(scope="module")
+def remote_llada(tmp_path_factory):
+    from tests.dllm_remote_models import build_remote_model
+
+    return build_remote_model(tmp_path_factory.mktemp("remote") / "llada", "llada")
+
+
+def _llada_args(path: Path) -> list[str]:
+    return ["model.name=hf_masked_lm", f"dllm.model_path={path}", "dllm.mask_token_id=2", "dllm.task=arithmetic",
+            "dllm.prompt_length=16", "dllm.gen_length=8", "dllm.diffusion_steps=8"]
+
+
+def test_remote_code_without_trust_remote_code_is_one_line_before_loading(remote_llada, monkeypatch):  # M-12
+    import transformers
+
+    from diffgrpo import RunConfig
+    from diffgrpo.errors import ConfigError
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained",
+                        lambda *a, **k: pytest.fail("the model's config was loaded"))
+    with pytest.raises(ConfigError) as err:
+        RunConfig.from_overrides(_llada_args(remote_llada))
+    msg = str(err.value)
+    assert msg.startswith("dllm.trust_remote_code: the model in ") and "config.json auto_map" in msg
+    assert "set dllm.trust_remote_code=true" in msg and "\n" not in msg
+    RunConfig.from_overrides([*_llada_args(remote_llada), "dllm.trust_remote_code=true"])  # accepted with the key
+
+
+def test_system_prompt_without_a_chat_template_is_refused(remote_llada, tmp_path):  # M-13: refused, not ignored
+    import json
+    import shutil
+
+    from diffgrpo import RunConfig
+    from diffgrpo.errors import ConfigError
+
+    plain = tmp_path / "plain"
+    shutil.copytree(remote_llada, plain)
+    tok = json.loads((plain / "tokenizer_config.json").read_text())
+    tok.pop("chat_template", None)
+    (plain / "tokenizer_config.json").write_text(json.dumps(tok))
+    (plain / "chat_template.jinja").unlink(missing_ok=True)
+    args = [*_llada_args(plain), "dllm.trust_remote_code=true", "dllm.system_prompt=answer briefly."]
+    with pytest.raises(ConfigError, match=r"^dllm\.system_prompt: set, but the tokenizer in .* has no chat template"):
+        RunConfig.from_overrides(args)
+    with pytest.raises(ConfigError, match=r"^dllm\.system_prompt: set, but dllm\.chat_template=false"):
+        RunConfig.from_overrides([*_llada_args(remote_llada), "dllm.trust_remote_code=true",
+                                  "dllm.system_prompt=answer briefly.", "dllm.chat_template=false"])
+    cfg = RunConfig.from_overrides([*_llada_args(remote_llada), "dllm.trust_remote_code=true",
+                                    "dllm.system_prompt=answer briefly."])  # with a template: used
+    from diffgrpo.models.hf_masked_lm import load_hf_masked_lm
+
+    policy = load_hf_masked_lm(str(remote_llada), trust_remote_code=True, mask_token_id=2,
+                               system_prompt=cfg.dllm.system_prompt)
+    assert "answer briefly." in policy.vocab.tok.decode(policy.vocab.prompt_ids("1+2=?"))
+    with pytest.raises(ConfigError, match=r"^dllm\.system_prompt: set, but the tokenizer of .* no chat template"):
+        load_hf_masked_lm(str(plain), trust_remote_code=True, mask_token_id=2, system_prompt="answer briefly.")
+
+
+# ------------------------------------------------------------------------------------------ low ones (item 4)
+@pytest.mark.parametrize("text, why", [("prompt,a,a\nx,1,2\n", "names the column(s) ['a'] more than once"),
+                                       ("prompt,a,b\nx,1\n", "line 2 has fewer values than the header has columns")])
+def test_csv_duplicate_columns_and_short_rows_are_refused(tmp_path, text, why):
+    from diffgrpo.data_sources import load_prompts
+    from diffgrpo.errors import ConfigError
+
+    f = tmp_path / "p.csv"
+    f.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_prompts(str(f))
+    assert why in str(err.value) and str(err.value).startswith("train.prompts_file: ")
+
+
+def test_one_liners_say_what_is_wrong(tmp_path):
+    from diffgrpo.data_sources import load_prompts
+    from diffgrpo.errors import ConfigError
+
+    fifo = tmp_path / "fifo.txt"
+    os.mkfifo(fifo)
+    for spec, why in ((str(fifo), "is not a regular file"), (str(tmp_path), "is not a regular file"),
+                      ("builtin:", "names no prompt set; write builtin:<set>/<split>"),
+                      (str(tmp_path / "none.txt"), "does not exist")):
+        with pytest.raises(ConfigError, match=why):
+            load_prompts(spec)
+
+
+def test_a_huge_prompt_file_fails_in_one_line_without_reading_it(tmp_path, monkeypatch):
+    from diffgrpo import data_sources
+    from diffgrpo.errors import ConfigError
+
+    big = tmp_path / "big.txt"
+    with open(big, "wb") as f:  # sparse: 6 GB on paper, nothing on disk
+        f.truncate(6 * 10 ** 9)
+    monkeypatch.setattr(data_sources, "read_utf8", lambda *a: pytest.fail("the file was read"))
+    t0 = time.perf_counter()
+    with pytest.raises(ConfigError) as err:
+        data_sources.load_prompts(str(big))
+    assert time.perf_counter() - t0 < 1 and "5.6 GiB; a prompt file may hold at most 1024 MiB" in str(err.value)
