@@ -580,3 +580,86 @@ def test_a_huge_prompt_file_fails_in_one_line_without_reading_it(tmp_path, monke
     with pytest.raises(ConfigError) as err:
         data_sources.load_prompts(str(big))
     assert time.perf_counter() - t0 < 1 and "5.6 GiB; a prompt file may hold at most 1024 MiB" in str(err.value)
+
+
+def _children_with_rank(parent: int, rank: int) -> list[int]:
+    """The pids of the processes below ``parent`` whose environment has RANK=<rank> (torchrun's workers)."""
+    found = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            env = (d / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == parent and f"RANK={rank}".encode() in env:
+            found.append(int(d.name))
+    return found
+
+
+@pytest.mark.slow
+def test_sigterm_on_one_rank_stops_every_rank_at_the_same_iteration(tmp_path):
+    """SIGTERM to rank 1 only (not torchrun, not rank 0): both ranks stop after the same iteration and write one
+    sharded (DCP) checkpoint together; before, rank 1 alone entered the checkpoint's collectives and the job hung."""
+    import json
+    import socket
+
+    from diffgrpo.checkpoint import latest_complete
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "run"
+    root = str(Path(__file__).resolve().parents[1])
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([root + "/src", root]))
+    p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
+                          "127.0.0.1", "--master_port", str(port), "-m", "diffgrpo.cli", "train", *FAST,
+                          "dist.mode=ddp", "dist.backend=gloo", "train.num_iterations=200", "train.save_every=0",
+                          "train.checkpoint_format=dcp", "eval.every=0", f"log.output_dir={out}"],
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.time() + 400
+        metrics = out / "metrics.jsonl"
+        while time.time() < deadline and p.poll() is None and not (
+                metrics.is_file() and len(metrics.read_text().splitlines()) >= 3):
+            time.sleep(0.1)  # the start evaluation and two iterations: inside the training loop
+        rank1 = _children_with_rank(p.pid, 1)
+        assert p.poll() is None and len(rank1) == 1, (rank1, p.poll())
+        os.kill(rank1[0], signal.SIGTERM)
+        text = p.communicate(timeout=240)[0]
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    ckpt = latest_complete(out, log=lambda *a: None)
+    assert ckpt is not None, text[-3000:]
+    state = json.loads((ckpt / "state.json").read_text())
+    assert state["format"] == "dcp" and 2 <= state["iteration"] < 200, text[-3000:]
+    assert "interrupted by signal 15; resume with" in text, text[-3000:]  # rank 0 stopped on rank 1's signal
+    assert "[rank0]: Traceback" not in text and "[rank1]: Traceback" not in text, text[-3000:]
+
+
+def interrupting(images, prompts, metadata):
+    raise KeyboardInterrupt
+
+
+def huge(images, prompts, metadata):
+    return torch.full((len(prompts),), 1e39, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("timeout", [0, 60])
+def test_a_reward_raising_keyboard_interrupt_is_a_reward_error(make_trainer, timeout, monkeypatch):
+    import signal as sig
+
+    monkeypatch.setattr(sig, "getsignal", lambda s: (lambda *a: None))  # as inside a run: its own handler
+    tr = make_trainer(f"reward.timeout={timeout}", "reward.weights={tests.test_user_defects:interrupting: 1.0}")
+    with pytest.raises(RewardError, match="raised KeyboardInterrupt"):
+        tr.rollout()
+
+
+def test_a_finite_reward_beyond_float32_is_named_so():
+    from diffgrpo.rewards import compute_rewards
+
+    with pytest.raises(RewardError, match=r"returned 1e\+39, a finite number beyond float32's range"):
+        compute_rewards({"tests.test_user_defects:huge": 1.0}, torch.zeros(2, 1, 8, 8), ["a", "b"], [{}, {}],
+                        log=lambda *a: None)

@@ -165,6 +165,9 @@ def cmd_sample(args) -> int:
         data = fresh_device(data, overrides)
         if isinstance(data.get("log"), dict):  # sampling writes no run directory (the saved one may be elsewhere)
             data["log"]["output_dir"] = ""
+        for sec, name in (("train", "prompts_file"), ("eval", "prompts_file")):  # nor reads a moved run's prompts
+            if isinstance(data.get(sec), dict) and not any(o.startswith(f"{sec}.{name}=") for o in overrides):
+                data[sec][name] = ""
         cfg = RunConfig.from_overrides(overrides + ["log.progress=false"], base=from_dict(RunConfig, data))
         src = src / "weights.safetensors"
     else:
@@ -211,6 +214,9 @@ def _sample_text(trainer, args) -> int:
         examples = [Example(prompt=p, answer="") for p in args.prompt]
     else:
         examples = fam.task.instances("test")[:8]
+        if not examples:  # a file task (gsm8k, …) has no built-in test prompts
+            raise ConfigError(f"--prompt: dllm.task={trainer.cfg.dllm.task} has no built-in test prompts; give the "
+                              "prompts to complete with --prompt TEXT (repeatable)")
     examples = [e for e in examples for _ in range(args.num)]
     temperature = 0.0 if args.sde_type == "ode" else fam.d.temperature  # ode: deterministic (greedy) decoding
     g = torch.Generator(device=trainer.device).manual_seed(args.seed)

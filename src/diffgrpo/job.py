@@ -17,7 +17,7 @@ import torch
 from filelock import FileLock, Timeout
 from safetensors.torch import save_file
 
-from . import checkpoint, distributed, guards, rundir
+from . import checkpoint, distributed, guards, rundir, threads
 from .console import Progress
 from .errors import TrainingError
 from .fileio import atomic_write, run_root
@@ -172,6 +172,7 @@ class Job:
                     last_eval = self._evaluate(out, writer, str(tr.iteration))
                     if self.watch.stop:  # train.on_hacking=stop and a guard fell
                         break
+                self._share_stop()
                 if (cfg.train.save_every and tr.iteration % cfg.train.save_every == 0) or self.stop_signal:
                     self._save()
                 if self.stop_signal is not None:
@@ -190,10 +191,17 @@ class Job:
                 signal.signal(sig, h)
         return {"start": first, "end": last_eval, **self.watch.summary()}  # "stopped", "best" (guards)
 
+    def _share_stop(self) -> None:
+        """A signal on any rank stops every rank after the same iteration (one small collective per iteration)."""
+        shared = distributed.first_set(self.stop_signal)
+        if shared is not None and self.stop_signal is None:
+            self.stop_signal, self._stop_time = shared, time.monotonic()
+
     def _on_signal(self, signum, frame):
         if self.stop_signal is not None:  # second signal: stop now, unless it is the first one delivered twice
             if time.monotonic() - self._stop_time < 1.0:  # (within 1 s: to the process group, then the process)
                 return
+            threads.note_signal(signum)  # a KeyboardInterrupt from a signal, not from a reward
             raise KeyboardInterrupt
         self.stop_signal, self._stop_time = signum, time.monotonic()
         self.log(f"received signal {signum}: finishing the current iteration, then saving a checkpoint")

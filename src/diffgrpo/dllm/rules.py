@@ -9,6 +9,7 @@ from pathlib import Path
 
 from .. import guards
 from ..config import RewardConfig, RunConfig
+from ..data_sources import checking_data
 from ..errors import ConfigError
 from ..rewards import check_text_rewards
 from ..samplers.masked import schedule
@@ -53,7 +54,7 @@ def _validate_dllm(cfg: RunConfig) -> None:
     task = get_task(d.task)
     check_code_config(d)  # the dllm.sandbox* keys
     _validate_dllm_scale(cfg, task)
-    if d.data_file:
+    if d.data_file and checking_data():
         examples = examples_from_file(d.data_file, task, prompt_field=d.prompt_field, answer_field=d.answer_field)
         if cfg.model.name == "tiny_mlm":  # the built-in character vocabulary and its prompt positions
             for i, ex in enumerate(examples, 1):
@@ -106,7 +107,7 @@ def _validate_dllm_scale(cfg: RunConfig, task) -> None:
         if cfg.model.name != "hf_masked_lm":
             raise ConfigError(f"dllm.task: value {d.task!r} needs model.name=hf_masked_lm (the built-in tiny_mlm "
                               f"only knows {sorted(TASKS)})")
-    if d.eval_file:
+    if d.eval_file and checking_data():
         examples_from_file(d.eval_file, task, key="dllm.eval_file", prompt_field=d.prompt_field,
                            answer_field=d.answer_field)
     if cfg.model.name == "hf_masked_lm" and Path(d.model_path).expanduser().is_dir():

@@ -33,7 +33,7 @@ import torch
 
 from ..errors import ConfigError, RewardError, suggest
 from ..sandbox import BACKENDS as SANDBOX_BACKENDS
-from ..threads import CallTimeout, call_with_timeout
+from ..threads import CallTimeout, call_with_timeout, signal_expected
 from ..types import DTYPES
 from . import calling, clip_models, geneval, ocr, verifiers
 from .http import http as http_reward
@@ -184,7 +184,12 @@ def _call_with_retry(name: str, fn: RewardFn, images, prompts, metadata, log):
             # reward's input, a retry's, or the saved samples
             return fn(images.clone() if isinstance(images, torch.Tensor) else list(images), list(prompts),
                       copy.deepcopy(metadata))
-        except (KeyboardInterrupt, RewardError):  # final: a timeout, or e.g. http after its own retries
+        except KeyboardInterrupt:
+            if signal_expected():  # a signal (the run's second SIGINT/SIGTERM, or Ctrl-C without a run)
+                raise
+            raise RewardError(f"reward {name!r} raised KeyboardInterrupt itself (no signal arrived); a reward "
+                              "returns scores or raises an exception, so the run stops here") from None
+        except RewardError:  # final: a timeout, or e.g. http after its own retries
             raise
         except Exception as e:  # noqa: BLE001 - reported with the reward's name
             if attempt == 2:
@@ -227,7 +232,11 @@ def _as_scores(name: str, val, B: int) -> torch.Tensor:
         t = t[:, 0]
     if t.dim() != 1 or t.shape[0] != B:
         raise bad(f"shape {tuple(t.shape)} for {B} sample{'' if B == 1 else 's'}")
-    return t.to(device="cpu", dtype=torch.float32)
+    t = t.to(device="cpu")
+    big = torch.isfinite(t) & (t.double().abs() > torch.finfo(torch.float32).max)
+    if big.any():  # finite, but float32 (the rewards' precision) would make it inf
+        raise bad(f"{float(t[big][0]):.4g}, a finite number beyond float32's range (±3.4e38); scale the scores")
+    return t.to(dtype=torch.float32)
 
 
 def compute_rewards(weights: dict[str, float], images: torch.Tensor, prompts: list[str],
