@@ -663,3 +663,112 @@ def test_a_finite_reward_beyond_float32_is_named_so():
     with pytest.raises(RewardError, match=r"returned 1e\+39, a finite number beyond float32's range"):
         compute_rewards({"tests.test_user_defects:huge": 1.0}, torch.zeros(2, 1, 8, 8), ["a", "b"], [{}, {}],
                         log=lambda *a: None)
+
+
+def _copy_run(small_run: Path, tmp_path: Path) -> Path:
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(small_run, run, symlinks=True)
+    return run
+
+
+def _edit_state(ckpt: Path, edit) -> None:
+    import json
+
+    state = json.loads((ckpt / "state.json").read_text())
+    edit(state)
+    (ckpt / "state.json").write_text(json.dumps(state))
+
+
+def test_stale_temporary_files_are_removed_at_the_next_start(tmp_path):
+    from diffgrpo.rundir import sweep
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / ".tmp_iter_000002.ab_cd123").mkdir(parents=True)
+    (run / "checkpoints" / ".tmp_iter_000002.ab_cd123" / "trainable.safetensors").write_bytes(b"x" * 10)
+    (run / ".metrics.jsonl.k2j4h5g6.tmp").write_text("{}")
+    (run / ".lora.q1w2e3r4").mkdir()
+    (run / ".keep").write_text("mine")  # hidden files of other names stay
+    (run / "samples").mkdir()
+    (run / "samples" / ".eval_000001.jsonl.zz99yy88.tmp").write_text("")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / ".x.abcdefgh.tmp").write_text("not the run's")
+    (run / "best").symlink_to(elsewhere, target_is_directory=True)  # never followed
+    removed = sweep(run)
+    assert sorted(removed) == sorted([".metrics.jsonl.k2j4h5g6.tmp", ".lora.q1w2e3r4",
+                                      "checkpoints/.tmp_iter_000002.ab_cd123", "samples/.eval_000001.jsonl.zz99yy88.tmp"])
+    assert sorted(p.name for p in run.iterdir()) == [".keep", "best", "checkpoints", "samples"]
+    assert (elsewhere / ".x.abcdefgh.tmp").is_file()
+
+
+@pytest.mark.parametrize("edit, why", [
+    (lambda s: s.update(iteration=7), "says iteration 7 in its state.json, not its folder's"),
+    (lambda s: s.update(iteration="1"), "says iteration '1' in its state.json"),
+    (lambda s: s.update(format="dcp"), "says format 'dcp' in its state.json, which its files are not"),
+    (lambda s: s["config"]["engine"].update(name="jagg"), "was written with engine.name='jagg', this run has "
+                                                          "'recompute'")])
+def test_a_hand_edited_or_foreign_checkpoint_is_refused_in_one_line(small_run, tmp_path, capsys, edit, why):
+    run = _copy_run(small_run, tmp_path)
+    (run / "checkpoints" / ".tmp_iter_000002.ab_cd123").mkdir()  # a killed run's leftover: removed at the start
+    _edit_state(run / "checkpoints" / "iter_000001", edit)
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run), "train.num_iterations=2"]) in (1, 2)
+    err = [line for line in capsys.readouterr().err.strip().splitlines() if line]
+    assert len(err) == 1 and why in err[0] and err[0].startswith("error: "), err
+    assert not (run / "checkpoints" / ".tmp_iter_000002.ab_cd123").exists()
+
+
+def test_a_checkpoint_in_a_folder_of_another_iteration_is_refused(small_run, tmp_path, capsys):
+    run = _copy_run(small_run, tmp_path)
+    (run / "checkpoints" / "iter_000001").rename(run / "checkpoints" / "iter_000005")
+    (run / "checkpoints" / "latest.json").unlink(missing_ok=True)
+    assert main(["train", "--resume", str(run), "train.num_iterations=6"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "says iteration 1 in its state.json, not its folder's" in err[0], err
+
+
+def test_export_says_when_it_skips_a_damaged_newer_checkpoint(small_run, tmp_path, capsys):
+    import shutil
+
+    run = _copy_run(small_run, tmp_path)
+    newer = run / "checkpoints" / "iter_000002"
+    shutil.copytree(run / "checkpoints" / "iter_000001", newer)
+    with open(newer / "trainable.safetensors", "r+b") as f:
+        f.seek(100)
+        f.write(b"\x00\x01\x02")
+    capsys.readouterr()
+    assert main(["export", str(run), "--out", str(tmp_path / "exp")]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["warning: export: the newer checkpoint(s) ['iter_000002'] are incomplete or damaged (their files "
+                   "do not match state.json); exporting iter_000001"]
+
+
+def test_sample_and_export_of_a_moved_run_need_no_prompts_file(small_run, tmp_path):
+    import yaml
+
+    run = _copy_run(small_run, tmp_path)
+    gone = str(tmp_path / "moved-away" / "prompts.txt")
+    cfg = yaml.safe_load((run / "config.yaml").read_text())
+    cfg["train"]["prompts_file"] = cfg["eval"]["prompts_file"] = gone
+    (run / "config.yaml").write_text(yaml.safe_dump(cfg))
+    _edit_state(run / "checkpoints" / "iter_000001",
+                lambda s: (s["config"]["train"].update(prompts_file=gone), s["config"]["eval"].update(prompts_file=gone)))
+    out = tmp_path / "s.png"
+    assert main(["sample", "--weights", str(run), "--num", "1", "--out", str(out), "--prompt", "a handwritten digit 3"]) == 0
+    assert out.is_file()
+    assert main(["export", str(run), "--out", str(tmp_path / "exp")]) == 0
+
+
+def test_sample_of_a_file_task_without_prompts_is_refused(remote_llada, tmp_path, capsys):
+    import json
+
+    data = tmp_path / "gsm8k.jsonl"
+    data.write_text("".join(json.dumps({"question": f"{a}+{a}=?", "answer": f"#### {2 * a}"}) + "\n" for a in range(4)))
+    args = [*_llada_args(remote_llada), "dllm.trust_remote_code=true", "dllm.task=gsm8k", f"dllm.data_file={data}",
+            "dllm.prompt_field=question"]
+    assert main(["sample", "--out", str(tmp_path / "s.txt"), *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: --prompt: dllm.task=gsm8k has no built-in test prompts"), err
+    assert not (tmp_path / "s.txt").exists()

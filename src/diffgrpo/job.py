@@ -23,6 +23,7 @@ from .errors import TrainingError
 from .fileio import atomic_write, run_root
 from .media import SampleTable, caption_of, side_by_side
 from .runlog import MetricsWriter, plot_curves, read_metrics, save_grid
+from .saved_config import check_checkpoint
 
 
 def resume(trainer, out: Path) -> bool:
@@ -35,7 +36,15 @@ def resume(trainer, out: Path) -> bool:
             os.replace(out / "metrics.jsonl", out / "metrics.restarted.jsonl")
         distributed.all_gather_object(None)  # the other ranks wait for the move
         return False
-    trainer.load_state(checkpoint.load_checkpoint(ckpt))
+    check_checkpoint(ckpt, trainer.cfg)  # its own iteration, format and run (state.json is not hashed)
+    try:
+        trainer.load_state(checkpoint.load_checkpoint(ckpt))
+    except TrainingError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a DCP or safetensors error of a damaged checkpoint, on one line
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        raise TrainingError(f"checkpoint {ckpt} cannot be loaded ({type(e).__name__}: {first}); delete it to resume "
+                            "from an earlier one") from None
     if not trainer.weights_finite():
         raise TrainingError(f"checkpoint {ckpt} holds non-finite weights; delete it to resume from an earlier one")
     # a resume may change the learning rate (the checkpoint holds the old one): it becomes the schedule's base lr
@@ -73,6 +82,8 @@ class Job:
                 raise TrainingError(f"log.output_dir: cannot lock {str(out / '.lock')!r} ({e.strerror})") from None
         try:
             with run_root(out):  # no write or delete below out goes through a planted symlinked folder
+                if self.lead and (stale := rundir.sweep(out)):  # a killed run's temporary files
+                    self.log(f"removed {len(stale)} temporary file(s) a stopped run left: {stale[:3]}")
                 return self._run(out, resume_run)
         finally:
             if lock.is_locked:
