@@ -696,7 +696,7 @@ def test_stale_temporary_files_are_removed_at_the_next_start(tmp_path):
     elsewhere.mkdir()
     (elsewhere / ".x.abcdefgh.tmp").write_text("not the run's")
     (run / "best").symlink_to(elsewhere, target_is_directory=True)  # never followed
-    removed = sweep(run)
+    removed = sweep(run, log=lambda *a: None)
     assert sorted(removed) == sorted([".metrics.jsonl.k2j4h5g6.tmp", ".lora.q1w2e3r4",
                                       "checkpoints/.tmp_iter_000002.ab_cd123", "samples/.eval_000001.jsonl.zz99yy88.tmp"])
     assert sorted(p.name for p in run.iterdir()) == [".keep", "best", "checkpoints", "samples"]
@@ -772,3 +772,17 @@ def test_sample_of_a_file_task_without_prompts_is_refused(remote_llada, tmp_path
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error: --prompt: dllm.task=gsm8k has no built-in test prompts"), err
     assert not (tmp_path / "s.txt").exists()
+
+
+def nan_reward(images, prompts, metadata):
+    return torch.full((len(prompts),), float("nan"))
+
+
+def test_a_run_shorter_than_max_bad_updates_that_trains_nothing_fails(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", *FAST, "train.num_iterations=2", "train.max_bad_updates=3", "eval.every=0",
+                 "reward.weights={tests.test_user_defects:nan_reward: 1.0}", f"log.output_dir={out}"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: no update was applied in iterations 1..2 (each was skipped: see the warnings above); the "
+                   "run trained nothing"]
+    assert not (out / "summary.json").exists()

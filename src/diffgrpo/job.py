@@ -82,8 +82,7 @@ class Job:
                 raise TrainingError(f"log.output_dir: cannot lock {str(out / '.lock')!r} ({e.strerror})") from None
         try:
             with run_root(out):  # no write or delete below out goes through a planted symlinked folder
-                if self.lead and (stale := rundir.sweep(out)):  # a killed run's temporary files
-                    self.log(f"removed {len(stale)} temporary file(s) a stopped run left: {stale[:3]}")
+                rundir.sweep(out, log=self.log) if self.lead else None  # a killed run's temporary files
                 return self._run(out, resume_run)
         finally:
             if lock.is_locked:
@@ -169,14 +168,15 @@ class Job:
         first = evals[0] if evals else self._evaluate(out, writer, "start")
         last_eval, start_iteration = (evals[-1] if evals else first), tr.iteration
         self.log(f"eval at start: {_fmt(first)}")
-        handlers = {}
-        if threading.current_thread() is threading.main_thread():
-            handlers = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        handlers = ({sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+                    if threading.current_thread() is threading.main_thread() else {})
         bar = Progress(cfg.train.num_iterations, tr.iteration, enabled=self.lead, bar=cfg.log.progress,
                        every=cfg.log.every, log=self.log)
+        trained = 0  # iterations of this call whose update was applied
         try:
             while tr.iteration < cfg.train.num_iterations:
                 row = tr.step()
+                trained += row.get("skipped_updates", 0) < cfg.train.num_inner_epochs
                 writer.write(row)
                 bar.update(row)
                 if cfg.eval.every and tr.iteration % cfg.eval.every == 0 and tr.iteration < cfg.train.num_iterations:
@@ -191,6 +191,9 @@ class Job:
                              f"continue with: diffgrpo train --resume {out}")
                     return {"start": first, "end": last_eval, "interrupted": int(self.stop_signal)}
             bar.close()
+            if tr.iteration > start_iteration and not trained:  # shorter than train.max_bad_updates: still a failure
+                raise TrainingError(f"no update was applied in iterations {start_iteration + 1}..{tr.iteration} (each "
+                                    "was skipped: see the warnings above); the run trained nothing")
             if cfg.train.save_every and self.saved_at != tr.iteration:  # "train N more" resumes from here
                 self._save()
             ended = bool(evals and evals[-1].get("iteration") == tr.iteration)

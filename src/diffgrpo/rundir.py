@@ -135,7 +135,7 @@ _TEMP = re.compile(r"^\.(.+\.[a-z0-9_]{8}\.tmp|(tmp_iter_\d{6}|lora|model|transf
 _SWEPT = ("", "checkpoints", "samples", "best", "lora", "model", "transformer")
 
 
-def sweep(out: str | Path) -> list[str]:
+def sweep(out: str | Path, log=print) -> list[str]:
     """Remove the hidden temporary files and folders a killed run left in ``out`` and its own subfolders (never
     through a link: a link is removed, not followed). Call with the run's lock held. → what was removed."""
     out, removed = Path(out), []
@@ -151,6 +151,8 @@ def sweep(out: str | Path) -> list[str]:
             else:
                 p.unlink(missing_ok=True)
             removed.append(str(p.relative_to(out)))
+    if removed:
+        log(f"removed {len(removed)} temporary file(s) a stopped run left: {removed[:3]}")
     return removed
 
 
