@@ -786,3 +786,32 @@ def test_a_run_shorter_than_max_bad_updates_that_trains_nothing_fails(tmp_path, 
     assert err == ["error: no update was applied in iterations 1..2 (each was skipped: see the warnings above); the "
                    "run trained nothing"]
     assert not (out / "summary.json").exists()
+
+
+@pytest.mark.parametrize("override, why", [
+    ("train.warmup_iterations=5", "train.warmup_iterations: value 5 is more than train.num_iterations=3"),
+    ("train.digits=[3]", "train.digits: value [3] is not read with train.prompts_file set"),
+    ("reward.options={pickscore: {model: /nonexistent/pickscore}}",
+     "reward.options.pickscore.model: '/nonexistent/pickscore' names a local path that does not exist"),
+    ("reward.options={pickscore: {device: 'cuda:7'}}", "reward.options.pickscore.device: value 'cuda:7' is not a "
+                                                       "device of this machine")])
+def test_settings_that_would_be_ignored_or_fail_late_are_refused(tmp_path, override, why):
+    from diffgrpo import RunConfig
+    from diffgrpo.errors import ConfigError
+
+    if "cuda:7" in override and torch.cuda.device_count() > 7:
+        pytest.skip("this machine has a cuda:7")
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a handwritten digit 3\n")
+    base = ["train.num_iterations=3", "reward.weights={pickscore: 1.0}" if "pickscore" in override else "seed=0",
+            *([f"train.prompts_file={prompts}"] if "digits" in override else [])]
+    with pytest.raises(ConfigError) as err:
+        RunConfig.from_overrides([*base, override])
+    assert str(err.value).startswith(why) and "\n" not in str(err.value)
+
+
+def test_export_to_a_file_says_it_is_a_file(small_run, tmp_path, capsys):
+    f = tmp_path / "out.bin"
+    f.write_text("x")
+    assert main(["export", str(small_run), "--out", str(f)]) == 2
+    assert "is a file, not a directory" in capsys.readouterr().err

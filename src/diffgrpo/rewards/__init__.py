@@ -80,6 +80,8 @@ MODEL_REWARDS: dict[str, ModelReward] = {
     # a reward served elsewhere: reward.options.http.url is required
     "http": ModelReward(http_reward, {"url": str, "timeout": float, "attempts": int, "batch_size": int, "token": str}),
 }
+# options naming a model: a hub id or a local path (checked to exist before anything loads)
+_PATH_OPTIONS = ("model", "processor", "head", "detector", "clip")
 # options a model reward cannot do without
 REQUIRED_OPTIONS = {"http": ("url",)}
 
@@ -329,10 +331,18 @@ def _check_option(key: str, value, tp) -> object:
         raise ConfigError(f"{key}: value {value!r} must be an http:// or https:// URL")
     if key.endswith(".device"):
         try:
-            torch.device(value)
+            dev = torch.device(value)
         except (RuntimeError, ValueError, TypeError):
             raise ConfigError(f"{key}: value {value!r} is not a torch device; choose e.g. 'cpu', 'cuda' or "
                               "'cuda:1' (default: the policy's device)") from None
+        have = torch.cuda.device_count() if dev.type == "cuda" else None
+        if have is not None and (have == 0 or (dev.index or 0) >= have):  # known now, not at the first scoring
+            raise ConfigError(f"{key}: value {value!r} is not a device of this machine ({have} CUDA device(s)); "
+                              "choose one it has, or remove the option (default: the policy's device)")
+    if key.rsplit(".", 1)[-1] in _PATH_OPTIONS and value.startswith(("/", "./", "../", "~")) and \
+            not os.path.exists(os.path.expanduser(value)):
+        raise ConfigError(f"{key}: {value!r} names a local path that does not exist (a hub id has no leading / . "
+                          "or ~)")
     return value
 
 
