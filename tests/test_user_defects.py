@@ -815,3 +815,15 @@ def test_export_to_a_file_says_it_is_a_file(small_run, tmp_path, capsys):
     f.write_text("x")
     assert main(["export", str(small_run), "--out", str(f)]) == 2
     assert "is a file, not a directory" in capsys.readouterr().err
+
+
+def test_text_guard_rewards_honour_reward_timeout():
+    from diffgrpo import RunConfig, Trainer
+
+    cfg = RunConfig.from_overrides(["model.name=tiny_mlm", "pretrain.steps=20", "dllm.eval_size=4", "log.progress=false",
+                                    "reward.timeout=0.5", "eval.guard_rewards=[tests.test_user_defects:hang]"])
+    tr = Trainer(cfg, log=lambda *a: None)
+    t0 = time.perf_counter()
+    with pytest.raises(RewardError, match=r"returned nothing within reward\.timeout=0\.5 s"):
+        tr.evaluate()
+    assert time.perf_counter() - t0 < 60

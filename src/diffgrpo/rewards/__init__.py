@@ -279,7 +279,7 @@ def make_rewards(weights: Mapping[str, float], options: Mapping[str, Mapping] | 
             fn = OPTION_REWARDS[name].build(None, **dict(options.get(name) or {}))
         else:  # a plug-in: its options as keywords, TRL's keyword convention spread by name
             fn = calling.bind(resolve_reward(name), options.get(name))
-        out[name] = fn if not timeout else _time_limited(name, fn, float(timeout))
+        out[name] = fn if not timeout else time_limited(name, fn, float(timeout))
     return out
 
 
@@ -287,7 +287,8 @@ class RewardTimeout(RewardError):
     """A reward call ran past ``reward.timeout`` (never retried: it would hang again)."""
 
 
-def _time_limited(name: str, fn: RewardFn, timeout: float) -> RewardFn:
+def time_limited(name: str, fn: RewardFn, timeout: float) -> RewardFn:
+    """``fn`` stopped after ``timeout`` seconds with a one-line RewardError (``threads.call_with_timeout``)."""
     def call(images, prompts, metadata):
         try:
             return call_with_timeout(fn, timeout, images, prompts, metadata)
