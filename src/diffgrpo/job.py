@@ -191,7 +191,7 @@ class Job:
                              f"continue with: diffgrpo train --resume {out}")
                     return {"start": first, "end": last_eval, "interrupted": int(self.stop_signal)}
             bar.close()
-            if tr.iteration > start_iteration and not trained:  # shorter than train.max_bad_updates: still a failure
+            if tr.iteration > start_iteration and not trained and tr.bad_updates:  # (fp16 loss-scale skips are not bad)
                 raise TrainingError(f"no update was applied in iterations {start_iteration + 1}..{tr.iteration} (each "
                                     "was skipped: see the warnings above); the run trained nothing")
             if cfg.train.save_every and self.saved_at != tr.iteration:  # "train N more" resumes from here
