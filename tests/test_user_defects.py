@@ -470,7 +470,7 @@ def test_a_tracker_that_fails_to_start_is_one_line(tmp_path):  # M-11: whatever 
         def __init__(self, *a):
             raise RuntimeError("api_key not configured (no-tty)\ncall wandb.login()")
 
-    import diffgrpo.runlog as runlog
+    from diffgrpo import runlog
 
     orig = runlog.WandBTracker
     runlog.WandBTracker = Broken
@@ -707,8 +707,8 @@ def test_stale_temporary_files_are_removed_at_the_next_start(tmp_path):
     (lambda s: s.update(iteration=7), "says iteration 7 in its state.json, not its folder's"),
     (lambda s: s.update(iteration="1"), "says iteration '1' in its state.json"),
     (lambda s: s.update(format="dcp"), "says format 'dcp' in its state.json, which its files are not"),
-    (lambda s: s["config"]["engine"].update(name="jagg"), "was written with engine.name='jagg', this run has "
-                                                          "'recompute'")])
+    (lambda s: s["config"]["engine"].update(name="jagg"), ("was written with engine.name='jagg', this run has "
+                                                           "'recompute'"))])
 def test_a_hand_edited_or_foreign_checkpoint_is_refused_in_one_line(small_run, tmp_path, capsys, edit, why):
     run = _copy_run(small_run, tmp_path)
     (run / "checkpoints" / ".tmp_iter_000002.ab_cd123").mkdir()  # a killed run's leftover: removed at the start
@@ -741,8 +741,8 @@ def test_export_says_when_it_skips_a_damaged_newer_checkpoint(small_run, tmp_pat
     capsys.readouterr()
     assert main(["export", str(run), "--out", str(tmp_path / "exp")]) == 0
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["warning: export: the newer checkpoint(s) ['iter_000002'] are incomplete or damaged (their files "
-                   "do not match state.json); exporting iter_000001"]
+    assert err == [("warning: export: the newer checkpoint(s) ['iter_000002'] are incomplete or damaged (their "
+                    "files do not match state.json); exporting iter_000001")]
 
 
 def test_sample_and_export_of_a_moved_run_need_no_prompts_file(small_run, tmp_path):
@@ -783,8 +783,8 @@ def test_a_run_shorter_than_max_bad_updates_that_trains_nothing_fails(tmp_path, 
     assert main(["train", *FAST, "train.num_iterations=2", "train.max_bad_updates=3", "eval.every=0",
                  "reward.weights={tests.test_user_defects:nan_reward: 1.0}", f"log.output_dir={out}"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["error: no update was applied in iterations 1..2 (each was skipped: see the warnings above); the "
-                   "run trained nothing"]
+    assert err == [("error: no update was applied in iterations 1..2 (each was skipped: see the warnings above); "
+                    "the run trained nothing")]
     assert not (out / "summary.json").exists()
 
 
@@ -793,8 +793,8 @@ def test_a_run_shorter_than_max_bad_updates_that_trains_nothing_fails(tmp_path, 
     ("train.digits=[3]", "train.digits: value [3] is not read with train.prompts_file set"),
     ("reward.options={pickscore: {model: /nonexistent/pickscore}}",
      "reward.options.pickscore.model: '/nonexistent/pickscore' names a local path that does not exist"),
-    ("reward.options={pickscore: {device: 'cuda:7'}}", "reward.options.pickscore.device: value 'cuda:7' is not a "
-                                                       "device of this machine")])
+    ("reward.options={pickscore: {device: 'cuda:7'}}", ("reward.options.pickscore.device: value 'cuda:7' is not a "
+                                                        "device of this machine"))])
 def test_settings_that_would_be_ignored_or_fail_late_are_refused(tmp_path, override, why):
     from diffgrpo import RunConfig
     from diffgrpo.errors import ConfigError

@@ -26,7 +26,6 @@ from typing import Self
 
 import torch
 
-
 _SIGNALS: list[int] = []  # the signals a run's handler turned into KeyboardInterrupt (note_signal)
 
 
