@@ -131,8 +131,10 @@ SD = ["model.name=diffusers", "model.pretrained=org-that-does-not-exist/pipeline
       "reward.weights={pickscore: 1.0, aesthetic: 0.5}"]
 
 
-def test_hub_models_of_a_config():
-    cfg = RunConfig.from_overrides([*SD, "reward.options={pickscore: {model: /local/pickscore}}"])
+def test_hub_models_of_a_config(tmp_path):
+    local = tmp_path / "pickscore"  # a local path (it must exist: a missing one is refused at validation)
+    local.mkdir()
+    cfg = RunConfig.from_overrides([*SD, f"reward.options={{pickscore: {{model: {local}}}}}"])
     assert needed(cfg) == [
         ("model.pretrained", "org-that-does-not-exist/pipeline", None),
         ("reward.options.pickscore.processor", "laion/CLIP-ViT-H-14-laion2B-s32B-b79K", None),

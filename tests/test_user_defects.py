@@ -411,3 +411,419 @@ def test_short_masked_lm_pretraining_runs():  # found by the user-path matrix: p
     cfg = RunConfig.from_overrides(["model.name=tiny_mlm", "pretrain.steps=20", "pretrain.batch_size=8"])
     net = pretrain_tiny_mlm(get_task(cfg.dllm.task), cfg.pretrain, progress=False)
     assert all(torch.isfinite(p).all() for p in net.parameters())
+
+
+# ------------------------------------------------------------------------------------------ remaining medium ones
+@pytest.mark.parametrize("argv, overrides", [
+    (["export", "model.pretrained=/base", "RUN", "--out", "D"], ["model.pretrained=/base"]),
+    (["export", "RUN", "--out", "D", "model.pretrained=/base", "--merge"], ["model.pretrained=/base"]),
+    (["export", "--out", "D", "--model.pretrained", "/base", "RUN"], ["model.pretrained=/base"]),
+    (["train", "seed=1", "--resume", "R", "train.lr=1"], ["seed=1", "train.lr=1"]),
+    (["sample", "seed=1", "--prompt", "a=b", "--weights", "R", "sampler.num_steps=3"], ["seed=1", "sampler.num_steps=3"]),
+    (["print-config", "seed=1", "--changed", "train.lr=1"], ["seed=1", "train.lr=1"]),
+    (["bench", "engines", "seed=1", "--repeats", "1", "train.lr=1"], ["seed=1", "train.lr=1"]),
+    (["download", "seed=1", "--dry-run", "train.lr=1"], ["seed=1", "train.lr=1"]),
+    (["pretrain", "seed=1", "--task", "sudoku", "train.lr=1"], ["seed=1", "train.lr=1"])])
+def test_overrides_anywhere_on_every_subcommand(argv, overrides):  # M-6
+    from diffgrpo.cli import parse_args
+
+    args = parse_args(argv)
+    assert args.overrides == overrides
+    if args.command == "export":
+        assert (args.source, args.out) == ("RUN", "D")
+    if args.command == "sample":
+        assert args.prompt == ["a=b"] and args.weights == "R"
+
+
+def _tracker_run(tmp_path: Path, plant) -> Path:
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / ".diffgrpo-run").write_text('{"tool": "diffgrpo"}')
+    plant(run)
+    return run
+
+
+@pytest.mark.parametrize("plant, key, why", [
+    (lambda r: (r / "tensorboard").write_text("x"), "log.tensorboard", "exists and is not a directory"),
+    (lambda r: (r / "tensorboard").symlink_to(r.parent, target_is_directory=True), "log.tensorboard",
+     "is a symbolic link"),
+    (lambda r: (r / "wandb_id").write_text("bad/id:#"), "log.wandb", "not a W&B run id"),
+    (lambda r: (r / "wandb_id").symlink_to(r / ".diffgrpo-run"), "log.wandb", "is not a regular file")])
+def test_tracker_setup_problems_are_one_line_before_the_model_loads(tmp_path, capsys, monkeypatch, plant, key,
+                                                                    why):  # M-11, and the low TensorBoard/wandb ones
+    import diffgrpo.trainer
+
+    run = _tracker_run(tmp_path, plant)
+    monkeypatch.setattr(diffgrpo.trainer, "Trainer", lambda *a, **k: pytest.fail("the model was loaded"))
+    tracker = "log.tensorboard=true" if key == "log.tensorboard" else "log.wandb=true"
+    assert main(["train", *FAST, "train.num_iterations=1", tracker, f"log.output_dir={run}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {key}: ") and why in err[0], err
+    assert sorted(p.name for p in run.iterdir()) == sorted(p.name for p in run.iterdir() if p.name in
+                                                            (".diffgrpo-run", "tensorboard", "wandb_id"))
+
+
+def test_a_tracker_that_fails_to_start_is_one_line(tmp_path):  # M-11: whatever else a tracker raises
+    from diffgrpo.runlog import MetricsWriter, WandBTracker
+
+    class Broken(WandBTracker):
+        def __init__(self, *a):
+            raise RuntimeError("api_key not configured (no-tty)\ncall wandb.login()")
+
+    from diffgrpo import runlog
+
+    orig = runlog.WandBTracker
+    runlog.WandBTracker = Broken
+    try:
+        with pytest.raises(TrainingError) as err:
+            MetricsWriter(tmp_path, wandb=True)
+    finally:
+        runlog.WandBTracker = orig
+    assert str(err.value).startswith("log.wandb: the tracker could not start (RuntimeError: api_key not configured")
+    assert "\n" not in str(err.value)
+
+
+@pytest.fixture(scope="module")
+def remote_llada(tmp_path_factory):
+    from tests.dllm_remote_models import build_remote_model
+
+    return build_remote_model(tmp_path_factory.mktemp("remote") / "llada", "llada")
+
+
+def _llada_args(path: Path) -> list[str]:
+    return ["model.name=hf_masked_lm", f"dllm.model_path={path}", "dllm.mask_token_id=2", "dllm.task=arithmetic",
+            "dllm.prompt_length=16", "dllm.gen_length=8", "dllm.diffusion_steps=8"]
+
+
+def test_remote_code_without_trust_remote_code_is_one_line_before_loading(remote_llada, monkeypatch):  # M-12
+    import transformers
+
+    from diffgrpo import RunConfig
+    from diffgrpo.errors import ConfigError
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained",
+                        lambda *a, **k: pytest.fail("the model's config was loaded"))
+    with pytest.raises(ConfigError) as err:
+        RunConfig.from_overrides(_llada_args(remote_llada))
+    msg = str(err.value)
+    assert msg.startswith("dllm.trust_remote_code: the model in ") and "config.json auto_map" in msg
+    assert "set dllm.trust_remote_code=true" in msg and "\n" not in msg
+    RunConfig.from_overrides([*_llada_args(remote_llada), "dllm.trust_remote_code=true"])  # accepted with the key
+
+
+def test_system_prompt_without_a_chat_template_is_refused(remote_llada, tmp_path):  # M-13: refused, not ignored
+    import json
+    import shutil
+
+    from diffgrpo import RunConfig
+    from diffgrpo.errors import ConfigError
+
+    plain = tmp_path / "plain"
+    shutil.copytree(remote_llada, plain)
+    tok = json.loads((plain / "tokenizer_config.json").read_text())
+    tok.pop("chat_template", None)
+    (plain / "tokenizer_config.json").write_text(json.dumps(tok))
+    (plain / "chat_template.jinja").unlink(missing_ok=True)
+    args = [*_llada_args(plain), "dllm.trust_remote_code=true", "dllm.system_prompt=answer briefly."]
+    with pytest.raises(ConfigError, match=r"^dllm\.system_prompt: set, but the tokenizer in .* has no chat template"):
+        RunConfig.from_overrides(args)
+    with pytest.raises(ConfigError, match=r"^dllm\.system_prompt: set, but dllm\.chat_template=false"):
+        RunConfig.from_overrides([*_llada_args(remote_llada), "dllm.trust_remote_code=true",
+                                  "dllm.system_prompt=answer briefly.", "dllm.chat_template=false"])
+    cfg = RunConfig.from_overrides([*_llada_args(remote_llada), "dllm.trust_remote_code=true",
+                                    "dllm.system_prompt=answer briefly."])  # with a template: used
+    from diffgrpo.models.hf_masked_lm import load_hf_masked_lm
+
+    policy = load_hf_masked_lm(str(remote_llada), trust_remote_code=True, mask_token_id=2,
+                               system_prompt=cfg.dllm.system_prompt)
+    assert "answer briefly." in policy.vocab.tok.decode(policy.vocab.prompt_ids("1+2=?"))
+    with pytest.raises(ConfigError, match=r"^dllm\.system_prompt: set, but the tokenizer of .* no chat template"):
+        load_hf_masked_lm(str(plain), trust_remote_code=True, mask_token_id=2, system_prompt="answer briefly.")
+
+
+# ------------------------------------------------------------------------------------------ low ones (item 4)
+@pytest.mark.parametrize("text, why", [("prompt,a,a\nx,1,2\n", "names the column(s) ['a'] more than once"),
+                                       ("prompt,a,b\nx,1\n", "line 2 has fewer values than the header has columns")])
+def test_csv_duplicate_columns_and_short_rows_are_refused(tmp_path, text, why):
+    from diffgrpo.data_sources import load_prompts
+    from diffgrpo.errors import ConfigError
+
+    f = tmp_path / "p.csv"
+    f.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_prompts(str(f))
+    assert why in str(err.value) and str(err.value).startswith("train.prompts_file: ")
+
+
+def test_one_liners_say_what_is_wrong(tmp_path):
+    from diffgrpo.data_sources import load_prompts
+    from diffgrpo.errors import ConfigError
+
+    fifo = tmp_path / "fifo.txt"
+    os.mkfifo(fifo)
+    for spec, why in ((str(fifo), "is not a regular file"), (str(tmp_path), "is not a regular file"),
+                      ("builtin:", "names no prompt set; write builtin:<set>/<split>"),
+                      (str(tmp_path / "none.txt"), "does not exist")):
+        with pytest.raises(ConfigError, match=why):
+            load_prompts(spec)
+
+
+def test_a_huge_prompt_file_fails_in_one_line_without_reading_it(tmp_path, monkeypatch):
+    from diffgrpo import data_sources
+    from diffgrpo.errors import ConfigError
+
+    big = tmp_path / "big.txt"
+    with open(big, "wb") as f:  # sparse: 6 GB on paper, nothing on disk
+        f.truncate(6 * 10 ** 9)
+    monkeypatch.setattr(data_sources, "read_utf8", lambda *a: pytest.fail("the file was read"))
+    t0 = time.perf_counter()
+    with pytest.raises(ConfigError) as err:
+        data_sources.load_prompts(str(big))
+    assert time.perf_counter() - t0 < 1 and "5.6 GiB; a prompt file may hold at most 1024 MiB" in str(err.value)
+
+
+def _children_with_rank(parent: int, rank: int) -> list[int]:
+    """The pids of the processes below ``parent`` whose environment has RANK=<rank> (torchrun's workers)."""
+    found = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            env = (d / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == parent and f"RANK={rank}".encode() in env:
+            found.append(int(d.name))
+    return found
+
+
+@pytest.mark.slow
+def test_sigterm_on_one_rank_stops_every_rank_at_the_same_iteration(tmp_path):
+    """SIGTERM to rank 1 only (not torchrun, not rank 0): both ranks stop after the same iteration and write one
+    sharded (DCP) checkpoint together; before, rank 1 alone entered the checkpoint's collectives and the job hung."""
+    import json
+    import socket
+
+    from diffgrpo.checkpoint import latest_complete
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "run"
+    root = str(Path(__file__).resolve().parents[1])
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([root + "/src", root]))
+    p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
+                          "127.0.0.1", "--master_port", str(port), "-m", "diffgrpo.cli", "train", *FAST,
+                          "dist.mode=ddp", "dist.backend=gloo", "train.num_iterations=200", "train.save_every=0",
+                          "train.checkpoint_format=dcp", "eval.every=0", f"log.output_dir={out}"],
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.time() + 400
+        metrics = out / "metrics.jsonl"
+        while time.time() < deadline and p.poll() is None and not (
+                metrics.is_file() and len(metrics.read_text().splitlines()) >= 3):
+            time.sleep(0.1)  # the start evaluation and two iterations: inside the training loop
+        rank1 = _children_with_rank(p.pid, 1)
+        assert p.poll() is None and len(rank1) == 1, (rank1, p.poll())
+        os.kill(rank1[0], signal.SIGTERM)
+        text = p.communicate(timeout=240)[0]
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    ckpt = latest_complete(out, log=lambda *a: None)
+    assert ckpt is not None, text[-3000:]
+    state = json.loads((ckpt / "state.json").read_text())
+    assert state["format"] == "dcp" and 2 <= state["iteration"] < 200, text[-3000:]
+    assert "interrupted by signal 15; resume with" in text, text[-3000:]  # rank 0 stopped on rank 1's signal
+    assert "[rank0]: Traceback" not in text and "[rank1]: Traceback" not in text, text[-3000:]
+
+
+def interrupting(images, prompts, metadata):
+    raise KeyboardInterrupt
+
+
+def huge(images, prompts, metadata):
+    return torch.full((len(prompts),), 1e39, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("timeout", [0, 60])
+def test_a_reward_raising_keyboard_interrupt_is_a_reward_error(make_trainer, timeout, monkeypatch):
+    import signal as sig
+
+    monkeypatch.setattr(sig, "getsignal", lambda s: (lambda *a: None))  # as inside a run: its own handler
+    tr = make_trainer(f"reward.timeout={timeout}", "reward.weights={tests.test_user_defects:interrupting: 1.0}")
+    with pytest.raises(RewardError, match="raised KeyboardInterrupt"):
+        tr.rollout()
+
+
+def test_a_finite_reward_beyond_float32_is_named_so():
+    from diffgrpo.rewards import compute_rewards
+
+    with pytest.raises(RewardError, match=r"returned 1e\+39, a finite number beyond float32's range"):
+        compute_rewards({"tests.test_user_defects:huge": 1.0}, torch.zeros(2, 1, 8, 8), ["a", "b"], [{}, {}],
+                        log=lambda *a: None)
+
+
+def _copy_run(small_run: Path, tmp_path: Path) -> Path:
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(small_run, run, symlinks=True)
+    return run
+
+
+def _edit_state(ckpt: Path, edit) -> None:
+    import json
+
+    state = json.loads((ckpt / "state.json").read_text())
+    edit(state)
+    (ckpt / "state.json").write_text(json.dumps(state))
+
+
+def test_stale_temporary_files_are_removed_at_the_next_start(tmp_path):
+    from diffgrpo.rundir import sweep
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / ".tmp_iter_000002.ab_cd123").mkdir(parents=True)
+    (run / "checkpoints" / ".tmp_iter_000002.ab_cd123" / "trainable.safetensors").write_bytes(b"x" * 10)
+    (run / ".metrics.jsonl.k2j4h5g6.tmp").write_text("{}")
+    (run / ".lora.q1w2e3r4").mkdir()
+    (run / ".keep").write_text("mine")  # hidden files of other names stay
+    (run / "samples").mkdir()
+    (run / "samples" / ".eval_000001.jsonl.zz99yy88.tmp").write_text("")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / ".x.abcdefgh.tmp").write_text("not the run's")
+    (run / "best").symlink_to(elsewhere, target_is_directory=True)  # never followed
+    removed = sweep(run, log=lambda *a: None)
+    assert sorted(removed) == sorted([".metrics.jsonl.k2j4h5g6.tmp", ".lora.q1w2e3r4",
+                                      "checkpoints/.tmp_iter_000002.ab_cd123", "samples/.eval_000001.jsonl.zz99yy88.tmp"])
+    assert sorted(p.name for p in run.iterdir()) == [".keep", "best", "checkpoints", "samples"]
+    assert (elsewhere / ".x.abcdefgh.tmp").is_file()
+
+
+@pytest.mark.parametrize("edit, why", [
+    (lambda s: s.update(iteration=7), "says iteration 7 in its state.json, not its folder's"),
+    (lambda s: s.update(iteration="1"), "says iteration '1' in its state.json"),
+    (lambda s: s.update(format="dcp"), "says format 'dcp' in its state.json, which its files are not"),
+    (lambda s: s["config"]["engine"].update(name="jagg"), ("was written with engine.name='jagg', this run has "
+                                                           "'recompute'"))])
+def test_a_hand_edited_or_foreign_checkpoint_is_refused_in_one_line(small_run, tmp_path, capsys, edit, why):
+    run = _copy_run(small_run, tmp_path)
+    (run / "checkpoints" / ".tmp_iter_000002.ab_cd123").mkdir()  # a killed run's leftover: removed at the start
+    _edit_state(run / "checkpoints" / "iter_000001", edit)
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run), "train.num_iterations=2"]) in (1, 2)
+    err = [line for line in capsys.readouterr().err.strip().splitlines() if line]
+    assert len(err) == 1 and why in err[0] and err[0].startswith("error: "), err
+    assert not (run / "checkpoints" / ".tmp_iter_000002.ab_cd123").exists()
+
+
+def test_a_checkpoint_in_a_folder_of_another_iteration_is_refused(small_run, tmp_path, capsys):
+    run = _copy_run(small_run, tmp_path)
+    (run / "checkpoints" / "iter_000001").rename(run / "checkpoints" / "iter_000005")
+    (run / "checkpoints" / "latest.json").unlink(missing_ok=True)
+    assert main(["train", "--resume", str(run), "train.num_iterations=6"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "says iteration 1 in its state.json, not its folder's" in err[0], err
+
+
+def test_export_says_when_it_skips_a_damaged_newer_checkpoint(small_run, tmp_path, capsys):
+    import shutil
+
+    run = _copy_run(small_run, tmp_path)
+    newer = run / "checkpoints" / "iter_000002"
+    shutil.copytree(run / "checkpoints" / "iter_000001", newer)
+    with open(newer / "trainable.safetensors", "r+b") as f:
+        f.seek(100)
+        f.write(b"\x00\x01\x02")
+    capsys.readouterr()
+    assert main(["export", str(run), "--out", str(tmp_path / "exp")]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [("warning: export: the newer checkpoint(s) ['iter_000002'] are incomplete or damaged (their "
+                    "files do not match state.json); exporting iter_000001")]
+
+
+def test_sample_and_export_of_a_moved_run_need_no_prompts_file(small_run, tmp_path):
+    import yaml
+
+    run = _copy_run(small_run, tmp_path)
+    gone = str(tmp_path / "moved-away" / "prompts.txt")
+    cfg = yaml.safe_load((run / "config.yaml").read_text())
+    cfg["train"]["prompts_file"] = cfg["eval"]["prompts_file"] = gone
+    (run / "config.yaml").write_text(yaml.safe_dump(cfg))
+    _edit_state(run / "checkpoints" / "iter_000001",
+                lambda s: (s["config"]["train"].update(prompts_file=gone), s["config"]["eval"].update(prompts_file=gone)))
+    out = tmp_path / "s.png"
+    assert main(["sample", "--weights", str(run), "--num", "1", "--out", str(out), "--prompt", "a handwritten digit 3"]) == 0
+    assert out.is_file()
+    assert main(["export", str(run), "--out", str(tmp_path / "exp")]) == 0
+
+
+def test_sample_of_a_file_task_without_prompts_is_refused(remote_llada, tmp_path, capsys):
+    import json
+
+    data = tmp_path / "gsm8k.jsonl"
+    data.write_text("".join(json.dumps({"question": f"{a}+{a}=?", "answer": f"#### {2 * a}"}) + "\n" for a in range(4)))
+    args = [*_llada_args(remote_llada), "dllm.trust_remote_code=true", "dllm.task=gsm8k", f"dllm.data_file={data}",
+            "dllm.prompt_field=question"]
+    assert main(["sample", "--out", str(tmp_path / "s.txt"), *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: --prompt: dllm.task=gsm8k has no built-in test prompts"), err
+    assert not (tmp_path / "s.txt").exists()
+
+
+def nan_reward(images, prompts, metadata):
+    return torch.full((len(prompts),), float("nan"))
+
+
+def test_a_run_shorter_than_max_bad_updates_that_trains_nothing_fails(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", *FAST, "train.num_iterations=2", "train.max_bad_updates=3", "eval.every=0",
+                 "reward.weights={tests.test_user_defects:nan_reward: 1.0}", f"log.output_dir={out}"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [("error: no update was applied in iterations 1..2 (each was skipped: see the warnings above); "
+                    "the run trained nothing")]
+    assert not (out / "summary.json").exists()
+
+
+@pytest.mark.parametrize("override, why", [
+    ("train.warmup_iterations=5", "train.warmup_iterations: value 5 is more than train.num_iterations=3"),
+    ("train.digits=[3]", "train.digits: value [3] is not read with train.prompts_file set"),
+    ("reward.options={pickscore: {model: /nonexistent/pickscore}}",
+     "reward.options.pickscore.model: '/nonexistent/pickscore' names a local path that does not exist"),
+    ("reward.options={pickscore: {device: 'cuda:7'}}", ("reward.options.pickscore.device: value 'cuda:7' is not a "
+                                                        "device of this machine"))])
+def test_settings_that_would_be_ignored_or_fail_late_are_refused(tmp_path, override, why):
+    from diffgrpo import RunConfig
+    from diffgrpo.errors import ConfigError
+
+    if "cuda:7" in override and torch.cuda.device_count() > 7:
+        pytest.skip("this machine has a cuda:7")
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a handwritten digit 3\n")
+    base = ["train.num_iterations=3", "reward.weights={pickscore: 1.0}" if "pickscore" in override else "seed=0",
+            *([f"train.prompts_file={prompts}"] if "digits" in override else [])]
+    with pytest.raises(ConfigError) as err:
+        RunConfig.from_overrides([*base, override])
+    assert str(err.value).startswith(why) and "\n" not in str(err.value)
+
+
+def test_export_to_a_file_says_it_is_a_file(small_run, tmp_path, capsys):
+    f = tmp_path / "out.bin"
+    f.write_text("x")
+    assert main(["export", str(small_run), "--out", str(f)]) == 2
+    assert "is a file, not a directory" in capsys.readouterr().err
+
+
+def test_text_guard_rewards_honour_reward_timeout():
+    from diffgrpo import RunConfig, Trainer
+
+    cfg = RunConfig.from_overrides(["model.name=tiny_mlm", "pretrain.steps=20", "dllm.eval_size=4", "log.progress=false",
+                                    "reward.timeout=0.5", "eval.guard_rewards=[tests.test_user_defects:hang]"])
+    tr = Trainer(cfg, log=lambda *a: None)
+    t0 = time.perf_counter()
+    with pytest.raises(RewardError, match=r"returned nothing within reward\.timeout=0\.5 s"):
+        tr.evaluate()
+    assert time.perf_counter() - t0 < 60

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 from importlib import resources
@@ -164,6 +165,9 @@ def cmd_sample(args) -> int:
         data = fresh_device(data, overrides)
         if isinstance(data.get("log"), dict):  # sampling writes no run directory (the saved one may be elsewhere)
             data["log"]["output_dir"] = ""
+        for sec, name in (("train", "prompts_file"), ("eval", "prompts_file")):  # nor reads a moved run's prompts
+            if isinstance(data.get(sec), dict) and not any(o.startswith(f"{sec}.{name}=") for o in overrides):
+                data[sec][name] = ""
         cfg = RunConfig.from_overrides(overrides + ["log.progress=false"], base=from_dict(RunConfig, data))
         src = src / "weights.safetensors"
     else:
@@ -210,6 +214,9 @@ def _sample_text(trainer, args) -> int:
         examples = [Example(prompt=p, answer="") for p in args.prompt]
     else:
         examples = fam.task.instances("test")[:8]
+        if not examples:  # a file task (gsm8k, …) has no built-in test prompts
+            raise ConfigError(f"--prompt: dllm.task={trainer.cfg.dllm.task} has no built-in test prompts; give the "
+                              "prompts to complete with --prompt TEXT (repeatable)")
     examples = [e for e in examples for _ in range(args.num)]
     temperature = 0.0 if args.sde_type == "ode" else fam.d.temperature  # ode: deterministic (greedy) decoding
     g = torch.Generator(device=trainer.device).manual_seed(args.seed)
@@ -400,6 +407,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+_OVERRIDE = re.compile(r"^[A-Za-z_][\w-]*(\.[\w-]+)*=")  # key=value (a run directory named so is a path)
+
+
 def _subparser(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[argparse.ArgumentParser, int]:
     """The (sub)parser the command in ``argv`` reaches, and the index after its command words."""
     i = 0
@@ -418,26 +428,28 @@ def _normalise(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
     if not any(a.dest == "overrides" for a in sp._actions):
         return argv
     own = set(sp._option_string_actions)
-    out, i = list(argv[:start]), start
+    out, i, tail = list(argv[:start]), start, []  # tail: the overrides, after any positional (export RUN)
     while i < len(argv):
         a = argv[i]
         name = a.split("=", 1)[0]
         if a.startswith("--") and name not in own and a != "--":
             key = name[2:] if flags.known(name[2:]) else name[2:].replace("-", "_")
             if "=" in a:
-                out.append(f"{key}={a.split('=', 1)[1]}")
+                tail.append(f"{key}={a.split('=', 1)[1]}")
             elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
-                out.append(f"{key}={argv[i + 1]}")
+                tail.append(f"{key}={argv[i + 1]}")
                 i += 1
             else:
                 raise ConfigError(f"{a}: expected a value (--{name[2:]} VALUE or {key}=VALUE)")
+        elif _OVERRIDE.match(a) and not os.path.exists(a):
+            tail.append(a)
         else:
             out.append(a)
         if a in own and sp._option_string_actions[a].nargs != 0 and "=" not in a and i + 1 < len(argv):
             out.append(argv[i + 1])  # the flag's own value, whatever it looks like
             i += 1
         i += 1
-    return out
+    return out + tail
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

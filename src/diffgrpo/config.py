@@ -143,9 +143,11 @@ class RewardConfig:
                                      "the next one samples (FlowGRPO's overlap); the samples and rewards equal "
                                      "background=false's. Needs sampler.batch_size > 0; engines that keep rollout "
                                      "graphs (retain, reweight, evaluation=retain) score after sampling")
-    timeout: float = _f(3600.0, lo=0.0, doc="seconds one call of one reward may take; a longer one stops the run "
-                                             "with a one-line error (a hung call is left in a daemon thread, so "
-                                             "it never blocks the exit); 0: no limit", family="any")
+    timeout: float = _f(3600.0, lo=0.0, doc="seconds one call of one reward (or guard reward) may take; a longer "
+                                             "one stops the run with a one-line error (a hung call is left in a "
+                                             "daemon thread, so it never blocks the exit); 0: no limit. Masked LMs: "
+                                             "reward.weights and eval.guard_rewards (the task's own verifier keeps "
+                                             "dllm.sandbox_timeout and math_verify's limits)", family="any")
 
 
 @dataclass

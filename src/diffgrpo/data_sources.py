@@ -12,7 +12,9 @@ A prompt source (``train.prompts_file``, ``eval.prompts_file``) is one of:
   ``train`` by default). ``hf:json:<file>`` / ``hf:csv:<file>`` / ``hf:parquet:<file>`` load local files with that
   builder (``load_dataset("json", data_files=<file>)``).
 
-Each becomes a list of records ``{"prompt": str, **metadata}``. Files must be UTF-8 (a byte-order mark is dropped).
+Each becomes a list of records ``{"prompt": str, **metadata}``. Files must be UTF-8 (a byte-order mark is dropped),
+regular files (not a pipe or a device) of at most ``MAX_PROMPT_FILE_BYTES`` (1 GiB, checked before reading). A CSV
+header names each column once, and every row fills every column.
 Every problem is a one-line :class:`~diffgrpo.errors.ConfigError` naming the config key.
 
 A record's ``image`` / ``images`` fields name the source images of an editing prompt (``sources``: resolved
@@ -43,6 +45,7 @@ BUILTIN_PREFIX = "builtin:"
 BUILTIN_DIR = Path(__file__).resolve().parent / "prompts"
 _CHECK_DATA = contextvars.ContextVar("diffgrpo_check_data", default=True)
 _HF_BUILDERS = ("json", "csv", "parquet", "text")
+MAX_PROMPT_FILE_BYTES = 1 << 30  # 1 GiB: a local prompt file is read whole (an hf: dataset has no cap)
 _SPLIT_RE = re.compile(r"^[A-Za-z_][\w-]*$")
 
 
@@ -85,6 +88,10 @@ def _parse_csv(text: str, column: str, spec: str, key: str) -> list[dict]:
     reader = csv.DictReader(io.StringIO(text, newline=""))
     try:
         fields = reader.fieldnames or []
+        dup = sorted({f for f in fields if fields.count(f) > 1})
+        if dup:  # a DictReader keeps the last of two same-named columns: refused, not guessed
+            raise ConfigError(f"{key}: file {spec!r} names the column(s) {dup} more than once in its header; give "
+                              "each column its own name")
         if column not in fields:
             raise ConfigError(f"{key}: file {spec!r} has no column {column!r} (columns: "
                               f"{', '.join(fields) or 'none'}); name the prompt column with {_column_key(key)}")
@@ -95,6 +102,9 @@ def _parse_csv(text: str, column: str, spec: str, key: str) -> list[dict]:
                                   f"has columns")
             if not any((v or "").strip() for v in row.values()):
                 continue
+            if any(v is None for v in row.values()):  # a short row: its last columns would be None
+                raise ConfigError(f"{key}: file {spec!r} line {reader.line_num} has fewer values than the header "
+                                  f"has columns ({len(fields)})")
             out.append(_record(row, column, f"line {reader.line_num}", spec, key))
         return out
     except csv.Error as e:
@@ -143,6 +153,9 @@ def builtin_sets() -> list[str]:
 def resolve_builtin(spec: str, key: str = "train.prompts_file") -> Path:
     """``builtin:<set>/<split>`` → the shipped file; an unknown name is a one-line ConfigError listing the sets."""
     name = spec[len(BUILTIN_PREFIX):].strip().strip("/")
+    if not name:
+        raise ConfigError(f"{key}: {spec!r} names no prompt set; write builtin:<set>/<split>, one of "
+                          f"{[BUILTIN_PREFIX + n for n in builtin_sets()]}")
     for suffix in (".jsonl", ".txt"):
         f = BUILTIN_DIR / f"{name}{suffix}"
         if name in builtin_sets() and f.is_file():
@@ -167,6 +180,11 @@ def skip_data_checks():
         _CHECK_DATA.reset(token)
 
 
+def checking_data() -> bool:
+    """False inside :func:`skip_data_checks`: the data files' content is not read (only their names' form)."""
+    return _CHECK_DATA.get()
+
+
 def check_prompts(spec: str, *, key: str, column: str = "prompt") -> None:
     """Validation of a prompt source: it loads (exists, is UTF-8, parses, has the prompt column and a prompt), or,
     inside :func:`skip_data_checks`, only a ``builtin:`` name is checked."""
@@ -185,11 +203,18 @@ def load_prompts(spec: str, *, key: str = "train.prompts_file", column: str = "p
     else:
         p = resolve_builtin(spec, key) if spec.startswith(BUILTIN_PREFIX) else Path(spec).expanduser()
         try:
-            is_file = p.is_file()
+            exists, is_file = p.exists(), p.is_file()
         except (OSError, ValueError):  # a name too long, an embedded NUL byte
-            is_file = False
+            exists = is_file = False
         if not is_file:
-            raise ConfigError(f"{key}: file {spec!r} does not exist")
+            raise ConfigError(f"{key}: file {spec!r} " + ("is not a regular file (a folder, a pipe or a device); "
+                                                          "name a text, .jsonl or .csv file" if exists
+                                                          else "does not exist"))
+        size = p.stat().st_size
+        if size > MAX_PROMPT_FILE_BYTES:  # checked before reading: a huge file never fills the memory
+            raise ConfigError(f"{key}: file {spec!r} has {size / 2 ** 30:.1f} GiB; a prompt file may hold at most "
+                              f"{MAX_PROMPT_FILE_BYTES // 2 ** 20} MiB (data_sources.MAX_PROMPT_FILE_BYTES); use an "
+                              "hf: dataset for more")
         text = read_utf8(p, key, spec)
         suffix = p.suffix.lower()
         if suffix == ".jsonl":

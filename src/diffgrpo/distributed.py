@@ -19,6 +19,7 @@ RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT) :func:`init_from_env` creates the
   reshard(module)         FSDP2: register the sharded parameters again (the root keeps unsharded ones after forward)
   all_reduce_sum(t)       sum over ranks (not counted: statistics, not gradients)
   all_gather_object(o)    list of every rank's picklable object
+  first_set(v)            the lowest rank's non-None ``v``, on every rank (a stop signal any rank received)
   to_full(obj)            DTensor leaves (FSDP2 shards) of a nested state dict → full tensors (collective)
   full_model_state(m)     the whole unsharded state dict of ``m`` on rank 0, on the CPU, gathered one tensor at a
                           time (``get_model_state_dict``, full + CPU offload; {} on the other ranks): end-of-run
@@ -242,6 +243,12 @@ def all_gather_object(obj) -> list:
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
+
+
+def first_set(value):
+    """The value of the lowest rank whose ``value`` is not None, on every rank (None: no rank's). ``value`` at
+    world size 1."""
+    return next((v for v in all_gather_object(value) if v is not None), None)
 
 
 def seed_for(seed: int, rank: int) -> int:

@@ -23,13 +23,15 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
 from . import distributed
 from .cache import save_dir_atomic
-from .checkpoint import RunState, is_complete, latest_complete, load_checkpoint
+from .checkpoint import RunState, is_complete, latest_complete, list_checkpoints, load_checkpoint
 from .config import RunConfig, from_dict
+from .data_sources import skip_data_checks
 from .errors import ConfigError
 from .models import POLICIES
 from .models.hf_masked_lm import build_tiny_mlm_policy
@@ -50,10 +52,15 @@ def resolve_checkpoint(src: Path) -> tuple[Path, Path]:
     if not src.is_dir() or not ((src / "config.yaml").is_file() or (src / "checkpoints").is_dir()):
         raise ConfigError(f"export: {str(src)!r} is neither a run directory (config.yaml, checkpoints/) nor a "
                           "checkpoint directory (state.json)")
-    ckpt = latest_complete(src, log=lambda *a: None)
+    skipped: list[str] = []
+    ckpt = latest_complete(src, log=skipped.append)
     if ckpt is None:
         raise ConfigError(f"export: run {str(src)!r} has no complete checkpoint (train.save_every=0, or it stopped "
                           "before its first one); resume it to write one")
+    if skipped:  # said, never silent: the export is not of the newest iteration
+        newer = [p.name for p in list_checkpoints(src) if p.name > ckpt.name]
+        print(f"warning: export: the newer checkpoint(s) {newer} are incomplete or damaged (their files do not match "
+              f"state.json); exporting {ckpt.name}", file=sys.stderr)
     return src, ckpt
 
 
@@ -120,7 +127,8 @@ def _config(ckpt: Path, overrides: list[str]):
                          overrides)
     if isinstance(data.get("log"), dict):
         data["log"]["output_dir"] = ""
-    return raw, RunConfig.from_overrides([*overrides, "log.progress=false"], base=from_dict(RunConfig, data))
+    with skip_data_checks():  # the export reads no prompts: a moved run's data files need not be at hand
+        return raw, RunConfig.from_overrides([*overrides, "log.progress=false"], base=from_dict(RunConfig, data))
 
 
 def export(src: str | Path, out: str | Path, *, merge: bool = False, overrides: list[str] | None = None) -> Path:

@@ -48,7 +48,7 @@ from . import quality
 from .errors import ConfigError, TrainingError
 from .fileio import atomic_write
 from .quality import Moments, gaussian_from_sums
-from .rewards import REWARDS, TEXT_REWARDS, clip_models, compute_rewards, make_rewards
+from .rewards import REWARDS, TEXT_REWARDS, clip_models, compute_rewards, make_rewards, time_limited
 
 PREFIX = "eval/guard/"
 BASE_FILE = "guard_base.safetensors"
@@ -140,12 +140,15 @@ class EvalGuards:
     @classmethod
     def for_flow(cls, cfg, device, log=print) -> "EvalGuards":
         names = list(cfg.eval.guard_rewards)
-        fns = make_rewards(dict.fromkeys(names, 1.0), cfg.reward.options, device) if names else {}
+        fns = make_rewards(dict.fromkeys(names, 1.0), cfg.reward.options, device, timeout=cfg.reward.timeout) \
+            if names else {}
         return cls(cfg.eval.seeds_per_prompt, reward_fns=fns, features=image_feature_fn(cfg, device), log=log)
 
     @classmethod
     def for_text(cls, cfg, log=print) -> "EvalGuards":
         fns = {n: plugin(n, "eval.guard_rewards") for n in cfg.eval.guard_rewards}
+        if cfg.reward.timeout:  # a plug-in may hang as an image reward may
+            fns = {n: time_limited(n, fn, cfg.reward.timeout) for n, fn in fns.items()}
         return cls(cfg.dllm.eval_samples, reward_fns=fns, features=text_features, log=log)
 
     # one evaluation

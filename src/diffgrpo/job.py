@@ -17,12 +17,13 @@ import torch
 from filelock import FileLock, Timeout
 from safetensors.torch import save_file
 
-from . import checkpoint, distributed, guards, rundir
+from . import checkpoint, distributed, guards, rundir, threads
 from .console import Progress
 from .errors import TrainingError
 from .fileio import atomic_write, run_root
 from .media import SampleTable, caption_of, side_by_side
 from .runlog import MetricsWriter, plot_curves, read_metrics, save_grid
+from .saved_config import check_checkpoint
 
 
 def resume(trainer, out: Path) -> bool:
@@ -35,7 +36,15 @@ def resume(trainer, out: Path) -> bool:
             os.replace(out / "metrics.jsonl", out / "metrics.restarted.jsonl")
         distributed.all_gather_object(None)  # the other ranks wait for the move
         return False
-    trainer.load_state(checkpoint.load_checkpoint(ckpt))
+    check_checkpoint(ckpt, trainer.cfg)  # its own iteration, format and run (state.json is not hashed)
+    try:
+        trainer.load_state(checkpoint.load_checkpoint(ckpt))
+    except TrainingError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a DCP or safetensors error of a damaged checkpoint, on one line
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        raise TrainingError(f"checkpoint {ckpt} cannot be loaded ({type(e).__name__}: {first}); delete it to resume "
+                            "from an earlier one") from None
     if not trainer.weights_finite():
         raise TrainingError(f"checkpoint {ckpt} holds non-finite weights; delete it to resume from an earlier one")
     # a resume may change the learning rate (the checkpoint holds the old one): it becomes the schedule's base lr
@@ -73,6 +82,7 @@ class Job:
                 raise TrainingError(f"log.output_dir: cannot lock {str(out / '.lock')!r} ({e.strerror})") from None
         try:
             with run_root(out):  # no write or delete below out goes through a planted symlinked folder
+                rundir.sweep(out, log=self.log) if self.lead else None  # a killed run's temporary files
                 return self._run(out, resume_run)
         finally:
             if lock.is_locked:
@@ -158,20 +168,22 @@ class Job:
         first = evals[0] if evals else self._evaluate(out, writer, "start")
         last_eval, start_iteration = (evals[-1] if evals else first), tr.iteration
         self.log(f"eval at start: {_fmt(first)}")
-        handlers = {}
-        if threading.current_thread() is threading.main_thread():
-            handlers = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        handlers = ({sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+                    if threading.current_thread() is threading.main_thread() else {})
         bar = Progress(cfg.train.num_iterations, tr.iteration, enabled=self.lead, bar=cfg.log.progress,
                        every=cfg.log.every, log=self.log)
+        trained = 0  # iterations of this call whose update was applied
         try:
             while tr.iteration < cfg.train.num_iterations:
                 row = tr.step()
+                trained += row.get("skipped_updates", 0) < cfg.train.num_inner_epochs
                 writer.write(row)
                 bar.update(row)
                 if cfg.eval.every and tr.iteration % cfg.eval.every == 0 and tr.iteration < cfg.train.num_iterations:
                     last_eval = self._evaluate(out, writer, str(tr.iteration))
                     if self.watch.stop:  # train.on_hacking=stop and a guard fell
                         break
+                self._share_stop()
                 if (cfg.train.save_every and tr.iteration % cfg.train.save_every == 0) or self.stop_signal:
                     self._save()
                 if self.stop_signal is not None:
@@ -179,6 +191,9 @@ class Job:
                              f"continue with: diffgrpo train --resume {out}")
                     return {"start": first, "end": last_eval, "interrupted": int(self.stop_signal)}
             bar.close()
+            if tr.iteration > start_iteration and not trained and tr.bad_updates:  # (fp16 loss-scale skips are not bad)
+                raise TrainingError(f"no update was applied in iterations {start_iteration + 1}..{tr.iteration} (each "
+                                    "was skipped: see the warnings above); the run trained nothing")
             if cfg.train.save_every and self.saved_at != tr.iteration:  # "train N more" resumes from here
                 self._save()
             ended = bool(evals and evals[-1].get("iteration") == tr.iteration)
@@ -190,10 +205,17 @@ class Job:
                 signal.signal(sig, h)
         return {"start": first, "end": last_eval, **self.watch.summary()}  # "stopped", "best" (guards)
 
+    def _share_stop(self) -> None:
+        """A signal on any rank stops every rank after the same iteration (one small collective per iteration)."""
+        shared = distributed.first_set(self.stop_signal)
+        if shared is not None and self.stop_signal is None:
+            self.stop_signal, self._stop_time = shared, time.monotonic()
+
     def _on_signal(self, signum, frame):
         if self.stop_signal is not None:  # second signal: stop now, unless it is the first one delivered twice
             if time.monotonic() - self._stop_time < 1.0:  # (within 1 s: to the process group, then the process)
                 return
+            threads.note_signal(signum)  # a KeyboardInterrupt from a signal, not from a reward
             raise KeyboardInterrupt
         self.stop_signal, self._stop_time = signum, time.monotonic()
         self.log(f"received signal {signum}: finishing the current iteration, then saving a checkpoint")

@@ -11,6 +11,8 @@
                                specs are kept as they are).
   check(out, cfg, resume)      the checks above before anything loads; on a resume also that every recorded data
                                file still has its recorded content (a one-line ConfigError naming the key).
+  sweep(out)                   the hidden temporary files and folders of a killed run removed (at its next start,
+                               under its lock).
   claim(out, cfg, resume)      ``check``, then the marker written (a new run, or a run from before markers);
                                under several ranks rank 0 decides for all (a collective).
 
@@ -21,6 +23,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
+import shutil
 import time
 from pathlib import Path
 
@@ -29,6 +33,7 @@ from .config import RunConfig
 from .distributed import WorldInfo
 from .errors import ConfigError
 from .fileio import atomic_write
+from .runlog import check_trackers
 
 MARKER = ".diffgrpo-run"
 DATA_KEYS = (("train", "prompts_file"), ("eval", "prompts_file"), ("dllm", "data_file"), ("dllm", "eval_file"))
@@ -91,6 +96,7 @@ def check(out: str | Path, cfg, resume: bool) -> None:
                           f"{MARKER}); choose a new or empty directory, so that no file of yours is overwritten")
     if out.exists() and not out.is_dir():
         raise ConfigError(f"log.output_dir: {str(out)!r} exists and is not a directory")
+    check_trackers(out, tensorboard=cfg.log.tensorboard, wandb=cfg.log.wandb)  # before any model loads
     if not resume:
         return
     recorded = (read_marker(out) or {}).get("data_files") or {}
@@ -122,6 +128,34 @@ def claim(out: str | Path, cfg, resume: bool, *, lead: bool = True) -> None:
         raise ConfigError(error)
 
 
+# what fileio.atomic_write (``.<name>.XXXXXXXX.tmp``), fileio.temp_dir (``.tmp_iter_NNNNNN.XXXXXXXX``,
+# ``.<name>.XXXXXXXX``) and export leave behind when a process dies between writing and renaming
+_TEMP = re.compile(r"^\.(.+\.[a-z0-9_]{8}\.tmp|(tmp_iter_\d{6}|lora|model|transformer|transformer_2|best|export)"
+                   r"\.[a-z0-9_]{8})$")
+_SWEPT = ("", "checkpoints", "samples", "best", "lora", "model", "transformer")
+
+
+def sweep(out: str | Path, log=print) -> list[str]:
+    """Remove the hidden temporary files and folders a killed run left in ``out`` and its own subfolders (never
+    through a link: a link is removed, not followed). Call with the run's lock held. → what was removed."""
+    out, removed = Path(out), []
+    for sub in _SWEPT:
+        d = out / sub
+        if d.is_symlink() or not d.is_dir():
+            continue
+        for p in d.iterdir():
+            if not _TEMP.match(p.name):
+                continue
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
+            removed.append(str(p.relative_to(out)))
+    if removed:
+        log(f"removed {len(removed)} temporary file(s) a stopped run left: {removed[:3]}")
+    return removed
+
+
 def make(cfg: RunConfig, world: WorldInfo) -> Path:
     """The run directory; by default a new ``runs/<timestamp>`` (made exclusively, so runs started in the same
     second get distinct directories: ``-2``, ``-3``, …), rank 0's for every rank."""
@@ -148,4 +182,5 @@ def make(cfg: RunConfig, world: WorldInfo) -> Path:
     return p
 
 
-__all__ = ["MARKER", "absolute_data_paths", "check", "claim", "data_hashes", "is_run_dir", "make", "read_marker", "sha256_of"]
+__all__ = ["MARKER", "absolute_data_paths", "check", "claim", "data_hashes", "is_run_dir", "make", "read_marker", "sha256_of",
+           "sweep"]

@@ -14,6 +14,7 @@ import io
 import json
 import math
 import os
+import re
 import secrets
 from pathlib import Path
 from typing import Protocol
@@ -21,7 +22,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from .errors import TrainingError
+from .errors import ConfigError, TrainingError
 from .fileio import append_line, atomic_write, check_below, read_jsonl
 from .media import captioned_grid, grid_frames, table_columns
 
@@ -126,6 +127,54 @@ class WandBTracker:
         self._run.finish()
 
 
+_WANDB_ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")  # what wandb.init accepts as a run id (no :;,#?/' and short)
+
+
+def check_trackers(run_dir: str | Path, *, tensorboard: bool, wandb: bool) -> None:
+    """The trackers' files in ``run_dir`` as a ConfigError (one line, naming the key) before any model loads: a
+    ``tensorboard`` that is a link, a file or not writable; a ``wandb_id`` that is a link, unreadable or not an id.
+    Whatever else fails when a tracker starts is a one-line TrainingError then (:class:`MetricsWriter`)."""
+    d = Path(run_dir)
+    if tensorboard:
+        tb = d / "tensorboard"
+        if tb.is_symlink():
+            raise ConfigError(f"log.tensorboard: {str(tb)!r} is a symbolic link; the event files are never written "
+                              "through a link (remove it)")
+        if tb.exists() and not tb.is_dir():
+            raise ConfigError(f"log.tensorboard: {str(tb)!r} exists and is not a directory (remove it, or set "
+                              "log.tensorboard=false)")
+        if tb.is_dir() and not os.access(tb, os.W_OK | os.X_OK):
+            raise ConfigError(f"log.tensorboard: {str(tb)!r} is not writable (fix its permissions, or set "
+                              "log.tensorboard=false)")
+    if wandb:
+        f = d / "wandb_id"
+        if f.is_symlink() or (f.exists() and not f.is_file()):
+            raise ConfigError(f"log.wandb: {str(f)!r} is not a regular file (remove it to start a new W&B run)")
+        if f.is_file():
+            try:
+                run_id = f.read_text(encoding="utf-8").strip()
+            except (OSError, UnicodeDecodeError) as e:
+                raise ConfigError(f"log.wandb: {str(f)!r} cannot be read ({e}); remove it to start a new W&B "
+                                  "run") from None
+            if not _WANDB_ID.match(run_id):
+                raise ConfigError(f"log.wandb: {str(f)!r} holds {run_id[:40]!r}, not a W&B run id (1-64 of "
+                                  "A-Z a-z 0-9 _ . -); restore the id or remove the file to start a new W&B run")
+    if (tensorboard or wandb) and d.is_dir() and not os.access(d, os.W_OK | os.X_OK):
+        raise ConfigError(f"log.output_dir: {str(d)!r} is not writable")
+
+
+def _start(key: str, tracker, *args):
+    """A tracker, or its setup failure (a wandb login, a bad directory) as one line naming the key."""
+    try:
+        return tracker(*args)
+    except TrainingError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a tracker library's own error, whatever its class
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        raise TrainingError(f"{key}: the tracker could not start ({type(e).__name__}: {first}); fix it or set "
+                            f"{key}=false") from None
+
+
 class MetricsWriter:
     """Appends one JSON object per line to ``metrics.jsonl`` and mirrors each row's finite scalars (at its
     ``iteration``) and the evaluation grids to the trackers. ``close`` is idempotent; use it as ``with writer:``."""
@@ -141,9 +190,9 @@ class MetricsWriter:
                     raise RuntimeError(f"log.{package}=true needs the {package} package "
                                        "(pip install 'diffgrpo[trackers]')")
             if wandb:
-                self.trackers.append(WandBTracker(Path(run_dir), config))
+                self.trackers.append(_start("log.wandb", WandBTracker, Path(run_dir), config))
             if tensorboard:
-                self.trackers.append(TensorBoardTracker(Path(run_dir)))
+                self.trackers.append(_start("log.tensorboard", TensorBoardTracker, Path(run_dir)))
         except BaseException:
             self.close()
             raise

@@ -3,6 +3,7 @@ which keys a resume may change (``RESUMABLE``), and the keys whose values run co
 from a saved file unless the command line repeats them."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import yaml
@@ -73,4 +74,37 @@ def fresh_device(data: dict, overrides: list[str]) -> dict:
     return data
 
 
-__all__ = ["CODE_KEYS", "RESUMABLE", "distrust", "flat", "fresh_device", "saved_data"]
+# What makes a checkpoint another run's: a resume from one whose values differ is refused
+IDENTITY = ("model.name", "model.pretrained", "model.lora_rank", "engine.name", "dllm.method", "dllm.model_path",
+            "dllm.lora_rank", "dllm.task")
+_FORMAT_FILES = {"files": ("trainable.safetensors", "optimizer.pt", "rng.pt"), "dcp": ("dcp", "trainer.json", "rng.pt")}
+
+
+def check_checkpoint(ckpt: Path, cfg: RunConfig) -> None:
+    """A complete checkpoint's ``state.json`` read against the run resuming from it, before anything loads: its
+    iteration is its folder's (``iter_NNNNNN``), its format's files are there, and it was written by this run's
+    model, engine and method (:data:`IDENTITY`). A one-line ConfigError otherwise (a hand-edited ``state.json``, a
+    checkpoint copied in from another run)."""
+    where = f"checkpoint {str(ckpt)!r}"
+    try:
+        state = json.loads((ckpt / "state.json").read_text(encoding="utf-8"))
+        iteration, fmt, config = state["iteration"], state.get("format", "files"), state["config"]
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"--resume: {where} has an unreadable state.json ({type(e).__name__}); delete the "
+                          "checkpoint to resume from an earlier one") from None
+    if not isinstance(iteration, int) or isinstance(iteration, bool) or ckpt.name != f"iter_{iteration:06d}":
+        raise ConfigError(f"--resume: {where} says iteration {iteration!r} in its state.json, not its folder's; it "
+                          "was edited or copied in from elsewhere: delete it to resume from an earlier one")
+    if fmt not in _FORMAT_FILES or not isinstance(config, dict) or \
+            not all((ckpt / f).exists() for f in _FORMAT_FILES[fmt]):
+        raise ConfigError(f"--resume: {where} says format {fmt!r} in its state.json, which its files are not; "
+                          "delete it to resume from an earlier one")
+    saved, now = flat(config), flat(cfg.to_dict())
+    for key in IDENTITY:
+        if key in saved and saved[key] != now.get(key):
+            raise ConfigError(f"--resume: {where} was written with {key}={saved[key]!r}, this run has "
+                              f"{now.get(key)!r} (another run's checkpoint, or a code key not repeated on the "
+                              f"command line: repeat {key}={saved[key]} to resume it)")
+
+
+__all__ = ["CODE_KEYS", "IDENTITY", "RESUMABLE", "check_checkpoint", "distrust", "flat", "fresh_device", "saved_data"]

@@ -10,18 +10,35 @@ background scorer of ``reward.background``.
                                 its ``with`` block does not wait for calls still queued or running, so a signal or an
                                 error in the main thread ends the run even while a call hangs.
 
+``note_signal`` / ``signal_expected`` tell a KeyboardInterrupt from a signal apart from one a reward raised itself.
+
 The main thread's waits (``Future.result``) are interruptible: a second SIGINT/SIGTERM (the trainer's handler raises
 KeyboardInterrupt) stops the run at once.
 """
 from __future__ import annotations
 
 import queue
+import signal
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Self
 
 import torch
+
+_SIGNALS: list[int] = []  # the signals a run's handler turned into KeyboardInterrupt (note_signal)
+
+
+def note_signal(signum: int) -> None:
+    """Called by a signal handler just before it raises KeyboardInterrupt (the run's second SIGINT/SIGTERM)."""
+    _SIGNALS.append(int(signum))
+
+
+def signal_expected() -> bool:
+    """Whether a KeyboardInterrupt now may come from a signal: Python's own SIGINT handler is installed (no run's
+    handler: Ctrl-C raises at once), or a run's handler said it raised (:func:`note_signal`). Otherwise the code
+    that was running raised it itself."""
+    return signal.getsignal(signal.SIGINT) is signal.default_int_handler or bool(_SIGNALS)
 
 
 class CallTimeout(TimeoutError):

@@ -42,6 +42,10 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"train.prompts_per_batch: value {t.prompts_per_batch} is out of range with "
                           f"train.group_size={t.group_size} ({t.prompts_per_batch * t.group_size} samples per "
                           f"iteration); prompts_per_batch × group_size must be <= {MAX_SAMPLES_PER_ITERATION}")
+    if t.warmup_iterations > t.num_iterations:
+        raise ConfigError(f"train.warmup_iterations: value {t.warmup_iterations} is more than train.num_iterations="
+                          f"{t.num_iterations}: the learning rate would never reach train.lr; choose at most "
+                          f"{t.num_iterations} (0 = no warmup)")
     if not t.prompt_column.strip():
         raise ConfigError("train.prompt_column: value '' is empty; name the prompt field (default 'prompt')")
     for key in ("train.prompts_file", "eval.prompts_file"):

@@ -4,9 +4,12 @@ files, chat templates, the LoRA / dtype / sharding combinations and each base me
 from __future__ import annotations
 
 import functools
+import json
+from pathlib import Path
 
 from .. import guards
 from ..config import RewardConfig, RunConfig
+from ..data_sources import checking_data
 from ..errors import ConfigError
 from ..rewards import check_text_rewards
 from ..samplers.masked import schedule
@@ -51,7 +54,7 @@ def _validate_dllm(cfg: RunConfig) -> None:
     task = get_task(d.task)
     check_code_config(d)  # the dllm.sandbox* keys
     _validate_dllm_scale(cfg, task)
-    if d.data_file:
+    if d.data_file and checking_data():
         examples = examples_from_file(d.data_file, task, prompt_field=d.prompt_field, answer_field=d.answer_field)
         if cfg.model.name == "tiny_mlm":  # the built-in character vocabulary and its prompt positions
             for i, ex in enumerate(examples, 1):
@@ -104,9 +107,11 @@ def _validate_dllm_scale(cfg: RunConfig, task) -> None:
         if cfg.model.name != "hf_masked_lm":
             raise ConfigError(f"dllm.task: value {d.task!r} needs model.name=hf_masked_lm (the built-in tiny_mlm "
                               f"only knows {sorted(TASKS)})")
-    if d.eval_file:
+    if d.eval_file and checking_data():
         examples_from_file(d.eval_file, task, key="dllm.eval_file", prompt_field=d.prompt_field,
                            answer_field=d.answer_field)
+    if cfg.model.name == "hf_masked_lm" and Path(d.model_path).expanduser().is_dir():
+        _check_model_dir(Path(d.model_path).expanduser(), d)
     if cfg.model.name == "tiny_mlm":
         if d.chat_template == "true" or d.system_prompt:
             key = "dllm.chat_template" if d.chat_template == "true" else "dllm.system_prompt"
@@ -122,6 +127,35 @@ def _validate_dllm_scale(cfg: RunConfig, task) -> None:
                           f"not supported (FSDP2 shards each block in one dtype and the adapter trains in float32); "
                           f"choose dllm.dtype=float32 (with dist.fsdp_param_dtype=bfloat16 to compute in bf16) or "
                           f"dist.mode=ddp")
+
+
+def _json_file(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        return {}  # absent or unreadable: transformers says what is wrong when it loads
+    return data if isinstance(data, dict) else {}
+
+
+def _check_model_dir(path: Path, d) -> None:
+    """A local ``dllm.model_path`` read as files, before it loads: code it ships (``auto_map`` in ``config.json`` or
+    ``tokenizer_config.json``) needs ``dllm.trust_remote_code``; ``dllm.system_prompt`` needs a chat template (the
+    prompt is never sent as plain text in front of the question: refused instead)."""
+    tok = _json_file(path / "tokenizer_config.json")
+    if not d.trust_remote_code:
+        for name, data in (("config.json", _json_file(path / "config.json")), ("tokenizer_config.json", tok)):
+            if data.get("auto_map"):
+                classes = sorted(map(str, data["auto_map"]))[:3] if isinstance(data["auto_map"], dict) else []
+                raise ConfigError(f"dllm.trust_remote_code: the model in {str(path)!r} ships its own code ({name} "
+                                  f"auto_map {classes}); set dllm.trust_remote_code=true if you trust that code")
+    if d.system_prompt:
+        has_template = bool(tok.get("chat_template")) or any(
+            (path / f).is_file() for f in ("chat_template.jinja", "chat_template.json"))
+        if d.chat_template == "false" or not has_template:
+            why = "dllm.chat_template=false" if d.chat_template == "false" else \
+                f"the tokenizer in {str(path)!r} has no chat template"
+            raise ConfigError(f"dllm.system_prompt: set, but {why}, so it would be unused; clear dllm.system_prompt "
+                              "or use a tokenizer with a chat template (dllm.chat_template=auto)")
 
 
 def _validate_dllm_methods(cfg: RunConfig) -> None:

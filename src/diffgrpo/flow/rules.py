@@ -88,6 +88,9 @@ def _validate_flow(cfg: RunConfig) -> None:
     bad = [d for d in cfg.train.digits if not (isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= 9)]
     if bad or not cfg.train.digits:
         raise ConfigError(f"train.digits: value {cfg.train.digits!r} must be a non-empty list of digits 0..9")
+    if cfg.train.prompts_file and list(cfg.train.digits) != list(range(10)):
+        raise ConfigError(f"train.digits: value {cfg.train.digits!r} is not read with train.prompts_file set (the "
+                          "file replaces the digit prompts); remove one of the two")
     if cfg.sampler.sde_type == "ode" and cfg.engine.name not in FORWARD_ENGINES:
         raise ConfigError("sampler.sde_type: 'ode' has no exploration noise and cannot be trained; "
                           "choose one of ['flow_sde', 'dance_sde', 'cps'] (eval.sde_type may be 'ode'), or a "

@@ -433,7 +433,13 @@ def load_hf_masked_lm(path: str, *, trust_remote_code: bool = False, logits_shif
     ``chat_template``: "auto" (when the tokenizer has one), "true", "false"."""
     from transformers import AutoConfig, AutoModel, AutoModelForMaskedLM, AutoTokenizer
 
-    cfg = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    try:
+        cfg = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except ValueError as e:  # a hub model whose config needs its own code
+        if trust_remote_code or "trust_remote_code" not in str(e):
+            raise
+        raise ConfigError(f"dllm.trust_remote_code: the model {path!r} ships its own code; set "
+                          "dllm.trust_remote_code=true if you trust that code") from None
     mtype = getattr(cfg, "model_type", "").lower()
     if logits_shift is None:
         logits_shift = "dream" in mtype
@@ -452,6 +458,9 @@ def load_hf_masked_lm(path: str, *, trust_remote_code: bool = False, logits_shif
         raise ConfigError(f"dllm.chat_template: value 'true' but the tokenizer of {path!r} has no chat template; "
                           f"use auto or false")
     use_template = chat_template == "true" or (chat_template == "auto" and has_template)
+    if system_prompt and not use_template:  # a hub model (a local one is refused before it loads)
+        raise ConfigError(f"dllm.system_prompt: set, but the tokenizer of {path!r} has no chat template in use "
+                          f"(dllm.chat_template={chat_template}), so it would be unused; clear dllm.system_prompt")
     vocab = HFTokenizerVocab(tok, mask_token_id, chat_template=use_template, system_prompt=system_prompt)
     size = getattr(cfg, "vocab_size", None) or len(tok)
     if not 0 <= vocab.mask_id < size:

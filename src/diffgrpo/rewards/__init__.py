@@ -35,7 +35,7 @@ import torch
 from .. import sources
 from ..errors import ConfigError, RewardError, suggest
 from ..sandbox import BACKENDS as SANDBOX_BACKENDS
-from ..threads import CallTimeout, call_with_timeout
+from ..threads import CallTimeout, call_with_timeout, signal_expected
 from ..types import DTYPES
 from . import calling, clip_models, edit, geneval, ocr, verifiers
 from .http import http as http_reward
@@ -83,6 +83,8 @@ MODEL_REWARDS: dict[str, ModelReward] = {
     # a reward served elsewhere: reward.options.http.url is required
     "http": ModelReward(http_reward, {"url": str, "timeout": float, "attempts": int, "batch_size": int, "token": str}),
 }
+# options naming a model: a hub id or a local path (checked to exist before anything loads)
+_PATH_OPTIONS = ("model", "processor", "head", "detector", "clip")
 # options a model reward cannot do without
 REQUIRED_OPTIONS = {"http": ("url",)}
 
@@ -187,7 +189,12 @@ def _call_with_retry(name: str, fn: RewardFn, images, prompts, metadata, log):
             # reward's input, a retry's, or the saved samples
             return fn(images.clone() if isinstance(images, torch.Tensor) else list(images), list(prompts),
                       copy.deepcopy(metadata))
-        except (KeyboardInterrupt, RewardError):  # final: a timeout, or e.g. http after its own retries
+        except KeyboardInterrupt:
+            if signal_expected():  # a signal (the run's second SIGINT/SIGTERM, or Ctrl-C without a run)
+                raise
+            raise RewardError(f"reward {name!r} raised KeyboardInterrupt itself (no signal arrived); a reward "
+                              "returns scores or raises an exception, so the run stops here") from None
+        except RewardError:  # final: a timeout, or e.g. http after its own retries
             raise
         except Exception as e:  # noqa: BLE001 - reported with the reward's name
             if attempt == 2:
@@ -230,7 +237,11 @@ def _as_scores(name: str, val, B: int) -> torch.Tensor:
         t = t[:, 0]
     if t.dim() != 1 or t.shape[0] != B:
         raise bad(f"shape {tuple(t.shape)} for {B} sample{'' if B == 1 else 's'}")
-    return t.to(device="cpu", dtype=torch.float32)
+    t = t.to(device="cpu")
+    big = torch.isfinite(t) & (t.double().abs() > torch.finfo(torch.float32).max)
+    if big.any():  # finite, but float32 (the rewards' precision) would make it inf
+        raise bad(f"{float(t[big][0]):.4g}, a finite number beyond float32's range (±3.4e38); scale the scores")
+    return t.to(dtype=torch.float32)
 
 
 def compute_rewards(weights: dict[str, float], images: torch.Tensor, prompts: list[str],
@@ -272,7 +283,7 @@ def make_rewards(weights: Mapping[str, float], options: Mapping[str, Mapping] | 
             fn = OPTION_REWARDS[name].build(None, **dict(options.get(name) or {}))
         else:  # a plug-in: its options as keywords, TRL's keyword convention spread by name
             fn = calling.bind(resolve_reward(name), options.get(name))
-        out[name] = fn if not timeout else _time_limited(name, fn, float(timeout))
+        out[name] = fn if not timeout else time_limited(name, fn, float(timeout))
     return out
 
 
@@ -280,7 +291,8 @@ class RewardTimeout(RewardError):
     """A reward call ran past ``reward.timeout`` (never retried: it would hang again)."""
 
 
-def _time_limited(name: str, fn: RewardFn, timeout: float) -> RewardFn:
+def time_limited(name: str, fn: RewardFn, timeout: float) -> RewardFn:
+    """``fn`` stopped after ``timeout`` seconds with a one-line RewardError (``threads.call_with_timeout``)."""
     def call(images, prompts, metadata):
         try:
             return call_with_timeout(fn, timeout, images, prompts, metadata)
@@ -324,10 +336,18 @@ def _check_option(key: str, value, tp) -> object:
         raise ConfigError(f"{key}: value {value!r} must be an http:// or https:// URL")
     if key.endswith(".device"):
         try:
-            torch.device(value)
+            dev = torch.device(value)
         except (RuntimeError, ValueError, TypeError):
             raise ConfigError(f"{key}: value {value!r} is not a torch device; choose e.g. 'cpu', 'cuda' or "
                               "'cuda:1' (default: the policy's device)") from None
+        have = torch.cuda.device_count() if dev.type == "cuda" else None
+        if have is not None and (have == 0 or (dev.index or 0) >= have):  # known now, not at the first scoring
+            raise ConfigError(f"{key}: value {value!r} is not a device of this machine ({have} CUDA device(s)); "
+                              "choose one it has, or remove the option (default: the policy's device)")
+    if key.rsplit(".", 1)[-1] in _PATH_OPTIONS and value.startswith(("/", "./", "../", "~")) and \
+            not os.path.exists(os.path.expanduser(value)):
+        raise ConfigError(f"{key}: {value!r} names a local path that does not exist (a hub id has no leading / . "
+                          "or ~)")
     return value
 
 
