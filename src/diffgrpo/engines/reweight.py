@@ -18,6 +18,10 @@ Exact relative to ``recompute`` on the first update after a rollout; later inner
 Cost per selected step: 0 extra forwards + 1 backward (≈ 2F; +1 backward with β > 0) instead of 3F.
 Memory: one graph in flight at a time (like recompute) plus B·P floats of buffers (2·B·P with β > 0; tiny
 with LoRA); reported as metric ``grad_buffer_bytes``.
+Floor: the cost model counts a sample-backward as 2 forwards, but each selected step also forms B per-sample
+gradients of every trainable weight and adds them into the buffers (B·P floats of memory traffic per step), which
+it does not see: on a full fine-tune of the tiny transformer (P = 283k, B = 64) the train phase measures about 1.0×
+recompute against an ideal 1.5× (docs/engines.md, "The engines' floors"); with LoRA it reaches 1.99×.
 Gradient sync is deferred: the rollout-time forwards/backwards run under ``ctx.no_sync()`` and never touch
 ``.grad``; the final gradient is averaged over ranks with exactly ONE collective per optimizer step (an
 all-reduce under DDP, a reduce-scatter into the shards under FSDP2; see ``distributed.add_mean_grad_``).
