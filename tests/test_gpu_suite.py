@@ -34,7 +34,8 @@ def test_gpu_suite_runs_at_toy_size(tmp_path):
     assert ("sd3", "full") in cells and ("sd3", "lora+ckpt") in cells
     for key, c in cells.items():
         assert c["status"] == "ok" or c["status"].startswith("skipped ("), (key, c["status"])
-    for key in (("sd3", "full"), ("sd3", "lora+ckpt"), ("sd3", "full+compile"), ("mlm", "lora")):
+    assert ("sd3", "full+compile") not in cells  # on request only at toy size (the slow test below)
+    for key in (("sd3", "full"), ("sd3", "lora+ckpt"), ("mlm", "lora")):
         assert cells[key]["status"] == "ok", cells[key]
     assert rep["peak_bf16_flops"] == 1e12  # --peak-tflops 1: the CPU has no table entry
     for (model, cell), c in cells.items():
@@ -73,7 +74,7 @@ def test_gpu_suite_runs_at_toy_size(tmp_path):
         assert r["forwards_grad"] > 0 and r["train_s"] > 0 and 0 < r["sample_peak_fraction"]
     md = (out / "suite.md").read_text()
     assert "Command: `bash benchmarks/gpu/suite.sh --size toy" in md and "Hardware: CPU only" in md
-    assert "| sd3 | full+compile | recompute |" in md and "Where each second goes" in md
+    assert "Where each second goes" in md and "| sd3 | full | reweight |" in md
     assert "| thr0.9+dual |" in md
     assert md.count("| sd3 | full |") == 2 * len(LIKELIHOOD_ENGINES)  # the engines table and the seconds table
 
@@ -111,3 +112,27 @@ def test_peak_table_reads_the_device_name():
     assert peak_for_name("NVIDIA H100 PCIe") == 756e12 and peak_for_name("NVIDIA H100 80GB HBM3") == 989e12
     assert peak_for_name("NVIDIA GeForce GTX 1080") is None
     assert peak_bf16(torch.device("cpu")) is None and peak_bf16(torch.device("cpu"), 2.5) == 2.5e12
+
+
+@pytest.mark.slow
+def test_gpu_suite_compiled_cell_against_eager_at_toy_size(tmp_path):
+    """``+compile``: recompute with model.compile (the toy size's eager backend: Dynamo's graph capture) against the
+    same cell eager; the × eager column is the eager iteration over the compiled one."""
+    out = tmp_path / "suite"
+    env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1", "SUITE_TIMEOUT": "600"}
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu" / "suite.sh"), "--size", "toy", "--out", str(out),
+                           "--threads", "1", "--models", "sd3", "--cells", "full,full+compile", "--variants",
+                           "recompute", "--budget", "500", "--cell-limit", "240"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=660)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rep = json.loads((out / "suite.json").read_text())
+    cells = {c["cell"]: c for c in rep["cells"]}
+    assert cells["full"]["status"] == "ok" and cells["full+compile"]["status"] == "ok", cells
+    assert cells["full+compile"]["compiled"] and not cells["full"]["compiled"]
+    (eager,), (compiled,) = cells["full"]["rows"], cells["full+compile"]["rows"]
+    assert eager["variant"] == compiled["variant"] == "recompute"
+    assert compiled["first_iteration_s"] > compiled["iteration_s"]  # the warm-up compiles
+    ratio = eager["iteration_s"] / compiled["iteration_s"]
+    md = (out / "suite.md").read_text()
+    assert f"| {ratio:.2f} |" in md.split("| sd3 | full+compile | recompute | ")[2]  # the seconds table's last column
+    assert rep["peak_bf16_flops"] is None and "| n/a |" in md  # a CPU has no peak without --peak-tflops
