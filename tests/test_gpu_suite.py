@@ -123,7 +123,7 @@ def test_gpu_suite_compiled_cell_against_eager_at_toy_size(tmp_path):
     proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu" / "suite.sh"), "--size", "toy", "--out", str(out),
                            "--threads", "1", "--models", "sd3", "--cells", "full,full+compile", "--variants",
                            "recompute", "--budget", "500", "--cell-limit", "240"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=660)
+                          capture_output=True, text=True, timeout=660, check=False)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     rep = json.loads((out / "suite.json").read_text())
     cells = {c["cell"]: c for c in rep["cells"]}
