@@ -36,8 +36,9 @@ import torch
 from diffgrpo import RunConfig, Trainer
 from diffgrpo.models.kv_cache import KVCache
 
-DECODERS = ("schedule", "schedule+prefix", "schedule+dual", "thr0.5", "thr0.7", "thr0.9", "thr0.95",
-            "thr0.7+prefix", "thr0.9+prefix", "thr0.7+dual", "thr0.9+dual", "thr0.95+dual")
+DECODERS = ("schedule", "schedule+prefix", "schedule+dual", "thr0.5", "thr0.7", "thr0.9", "thr0.95", "thr0.99",
+            "thr0.999", "thr0.7+prefix", "thr0.9+prefix", "thr0.7+dual", "thr0.9+dual", "thr0.95+dual",
+            "thr0.99+dual")
 
 
 def options(name: str) -> list[str]:

@@ -8,6 +8,11 @@ Per model and cell (full fine-tune or LoRA, checkpointing on or off, micro-batch
 ``<out>/suite.md`` (command, hardware line, model sizes, one row per engine and cell). A cell that fails (out of
 memory) or runs past ``--cell-limit`` is recorded as such and the suite goes on; cells that cannot finish before
 ``--budget`` seconds are skipped and listed.
+
+Where each second goes (``benchmarks/gpu/throughput.py``): per engine and cell the time shares of sampling, reward
+and train phase, the forwards' TFLOP/s and their fraction of the device's dense bf16 peak, the warm-up iteration;
+``+compile`` cells (``model.compile``) against the same cell eager; the masked-LM cell at LLaDA-8B's shape with
+both rollout decoders (``benchmarks/gpu/mlm.py``).
 """
 from __future__ import annotations
 
@@ -28,27 +33,41 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # `python benchmarks/gpu/suite.py` from the repository root
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.gpu import mlm  # noqa: E402
 from benchmarks.gpu.models import MODELS, build_policy, build_transformer, parameter_count  # noqa: E402
+from benchmarks.gpu.throughput import annotate, flow_forward_flops, fraction, peak_bf16  # noqa: E402
 from diffgrpo import RunConfig  # noqa: E402
 from diffgrpo.bench import bench_engines  # noqa: E402
 from diffgrpo.distributed import resolve_device  # noqa: E402
 from diffgrpo.engines import ENGINES, FORWARD_ENGINES  # noqa: E402
+from diffgrpo.models.regional_compile import repeated_blocks  # noqa: E402
 
-# cell name → (LoRA adapter, gradient checkpointing, engine.micro_batch_size); the rank is the size's lora_rank
+# cell name → (LoRA adapter, gradient checkpointing, engine.micro_batch_size); the rank is the size's lora_rank.
+# "<cell>+compile": the same cell with model.compile (regional, the size's compile_backend), compared with <cell>;
+# it runs COMPILE_VARIANTS only (its blocks are compiled in place and reset to eager after the cell)
 CELLS = {"full": (False, False, 0), "full+ckpt": (False, True, 0), "lora": (True, False, 0),
          "lora+ckpt": (True, True, 0), "full+mb2": (False, False, 2), "lora+mb2": (True, False, 2)}
-# per size: (model, cells, prompts per batch, group size); full fine-tune cells first (LoRA adds layers in place)
+COMPILE_VARIANTS = ["recompute"]  # compile on/off: the baseline engine, eager (the <cell> row) against compiled
+# per size: (model, cells, prompts per batch, group size); full fine-tune cells first (LoRA adds layers in place);
+# "mlm": the masked-LM cell at LLaDA-8B's shape (benchmarks/gpu/mlm.py), its cell names the decoders' LoRA run
 PLANS = {
-    "real": [("sd3", ["full", "full+ckpt", "lora", "lora+ckpt"], 2, 2), ("wan", ["lora", "lora+ckpt"], 2, 2),
-             ("flux", ["lora+ckpt"], 1, 2), ("flux2_klein", ["lora+ckpt"], 1, 2),
+    "real": [("sd3", ["full", "full+compile", "full+ckpt", "lora", "lora+ckpt"], 2, 2), ("mlm", ["lora"], 1, 4),
+             ("wan", ["lora", "lora+ckpt"], 2, 2), ("flux", ["lora+ckpt"], 1, 2), ("flux2_klein", ["lora+ckpt"], 1, 2),
              ("wan22_a14b", ["lora+ckpt"], 1, 2)],
-    "toy": [("sd3", ["full", "lora+ckpt"], 2, 2), ("wan", ["lora+ckpt"], 2, 2), ("flux", ["lora+ckpt"], 2, 2),
-            ("flux2_klein", ["lora+ckpt"], 1, 2), ("wan22_a14b", ["lora+ckpt"], 1, 2)],
+    # toy: the masked-LM cell first (about 3 s on an idle CPU; its budget share is added to the toy budget below)
+    "toy": [("mlm", ["lora"], 1, 2), ("sd3", ["full", "full+compile", "lora+ckpt"], 2, 2),
+            ("wan", ["lora+ckpt"], 2, 2), ("flux", ["lora+ckpt"], 2, 2), ("flux2_klein", ["lora+ckpt"], 1, 2),
+            ("wan22_a14b", ["lora+ckpt"], 1, 2)],
     "small": [("sd3", ["full", "full+ckpt", "full+mb2", "lora", "lora+ckpt", "lora+mb2"], 2, 2)],
 }
-DEFAULTS = {"real": dict(budget=450.0, cell_limit=150.0, dtype="bfloat16", lora_rank=32),
-            "toy": dict(budget=50.0, cell_limit=16.0, dtype="bfloat16", lora_rank=4),  # the GPU's dtype paths
-            "small": dict(budget=3000.0, cell_limit=900.0, dtype="float32", lora_rank=32)}
+# cells a size runs only when --cells names them: at toy size Dynamo's tracing of the SD3 blocks alone takes longer
+# than CI's cell limit (tests/test_gpu_suite.py runs it under the slow marker)
+ON_REQUEST = {"toy": {"full+compile"}}
+DEFAULTS = {"real": dict(budget=450.0, cell_limit=150.0, dtype="bfloat16", lora_rank=32, compile_backend="inductor"),
+            # the GPU's dtype paths; compilation by Dynamo's graph capture alone (no inductor C++ build on a CPU)
+            "toy": dict(budget=55.0, cell_limit=16.0, dtype="bfloat16", lora_rank=4, compile_backend="eager"),
+            "small": dict(budget=3000.0, cell_limit=900.0, dtype="float32", lora_rank=32,
+                          compile_backend="inductor")}
 NUM_STEPS, STEP_FRACTION = 8, 0.5  # T = 8 sampling steps, the first half (4 steps) trained: one JAGG window of 4
 
 
@@ -72,10 +91,18 @@ def hardware_line(device: torch.device) -> str:
     return f"CPU only: {cpu}, {os.cpu_count()} cores visible, {torch.get_num_threads()} torch threads, {soft}"
 
 
-def cell_config(cell: str, prompts: int, group: int, device: str, lora_rank: int) -> RunConfig:
-    lora, ckpt, micro = CELLS[cell]
+def cell_spec(cell: str) -> tuple[bool, bool, int, bool]:
+    """(LoRA, checkpointing, micro-batch size, compiled) of a cell name."""
+    base = cell.removesuffix("+compile")
+    return (*CELLS[base], base != cell)
+
+
+def cell_config(cell: str, prompts: int, group: int, device: str, lora_rank: int,
+                compile_backend: str = "inductor") -> RunConfig:
+    lora, ckpt, micro, compiled = cell_spec(cell)
     lora = lora_rank if lora else 0
     return RunConfig.from_overrides([
+        *(["model.compile=true", f"model.compile_backend={compile_backend}"] if compiled else []),
         "log.progress=false", "log.save_images=false", "reward.weights={jpeg_incompressibility: 1.0}",
         f"sampler.num_steps={NUM_STEPS}", "steps.mode=first_fraction", f"steps.fraction={STEP_FRACTION}",
         f"train.prompts_per_batch={prompts}", f"train.group_size={group}", "loss.beta=0", f"model.device={device}",
@@ -93,13 +120,14 @@ def _alarm(seconds: float):
 def run_suite(size: str, out: Path, *, device: str = "auto", models: list[str] | None = None,
               cells: list[str] | None = None, variants: list[str] | None = None, repeats: int = 1,
               budget: float | None = None, cell_limit: float | None = None, dtype: str | None = None,
-              command: str = "", log=print) -> dict:
+              peak_tflops: float = 0.0, command: str = "", log=print) -> dict:
     start = time.monotonic()
     d = DEFAULTS[size]
     budget = d["budget"] if budget is None else budget
     cell_limit = d["cell_limit"] if cell_limit is None else cell_limit
     wdtype = getattr(torch, dtype or d["dtype"])
     dev = torch.device(resolve_device(device))
+    peak = peak_bf16(dev, peak_tflops)
     # the likelihood engines by default (the suite's cells set steps.*; nft / awm train units of their own)
     variants = variants or [e for e in ENGINES if e not in FORWARD_ENGINES]
     if "recompute" not in variants:
@@ -108,7 +136,8 @@ def run_suite(size: str, out: Path, *, device: str = "auto", models: list[str] |
     report = {"command": command, "hardware": hardware_line(dev), "size": size, "device": str(dev),
               "dtype": str(wdtype).replace("torch.", ""), "num_steps": NUM_STEPS,
               "trained_steps": int(round(STEP_FRACTION * (NUM_STEPS - 1))), "repeats": repeats, "budget_s": budget,
-              "cell_limit_s": cell_limit, "lora_rank": d["lora_rank"], "models": {}, "cells": []}
+              "cell_limit_s": cell_limit, "lora_rank": d["lora_rank"], "compile_backend": d["compile_backend"],
+              "peak_bf16_flops": peak, "models": {}, "cells": []}
 
     def save():
         report["elapsed_s"] = time.monotonic() - start
@@ -118,11 +147,17 @@ def run_suite(size: str, out: Path, *, device: str = "auto", models: list[str] |
     for family, plan_cells, prompts, group in PLANS[size]:
         if models and family not in models:
             continue
-        todo = [c for c in plan_cells if not cells or c in cells]
+        todo = [c for c in plan_cells if c in cells] if cells else [
+            c for c in plan_cells if c not in ON_REQUEST.get(size, ())]
         if not todo:
             continue
         if time.monotonic() - start > budget - 5:
             report["cells"] += [{"model": family, "cell": c, "status": "skipped (suite budget spent)"} for c in todo]
+            save()
+            continue
+        if family == "mlm":
+            report["cells"].append(masked_lm_cell(size, dev, wdtype, peak, min(cell_limit * 2, budget - (
+                time.monotonic() - start)), log))
             save()
             continue
         t0 = time.monotonic()
@@ -152,20 +187,24 @@ def run_suite(size: str, out: Path, *, device: str = "auto", models: list[str] |
             entry = {"model": family, "cell": cell, "batch": prompts * group}
             t1 = time.monotonic()
             try:
-                lora, ckpt, _ = CELLS[cell]
+                lora, ckpt, _, compiled = cell_spec(cell)
                 _alarm(min(cell_limit, left))
                 policy = build_policy(tr, family, size, str(dev), lora_rank=d["lora_rank"] if lora else 0,
                                       gradient_checkpointing=ckpt)
                 entry["trainable_parameters"] = sum(p.numel() for p in policy.trainable_parameters())
-                rep = bench_engines(cell_config(cell, prompts, group, str(dev), d["lora_rank"]), variants,
-                                    repeats=repeats,
+                entry["flops_per_forward"] = flow_forward_flops(policy)  # eager, before any compilation
+                rep = bench_engines(cell_config(cell, prompts, group, str(dev), d["lora_rank"], d["compile_backend"]),
+                                    COMPILE_VARIANTS if compiled else variants, repeats=repeats,
                                     out_dir=out / family / cell, log=lambda *a: None, policy=policy,
                                     command=command, keep_going=True)
-                entry.update(status="ok", rows=rep["rows"], errors=rep["errors"])
+                annotate(rep["rows"], entry["flops_per_forward"], peak)
+                entry.update(status="ok", rows=rep["rows"], errors=rep["errors"], compiled=compiled)
             except (Exception, CellTimeout) as e:  # out of memory, the cell's time limit, anything: record, go on
                 entry["status"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
             finally:
                 signal.setitimer(signal.ITIMER_REAL, 0)
+                for block in repeated_blocks(tr):  # a compiled cell's blocks back to eager for the next cell
+                    block._compiled_call_impl = None
                 policy = None
                 gc.collect()
                 if dev.type == "cuda":
@@ -181,6 +220,27 @@ def run_suite(size: str, out: Path, *, device: str = "auto", models: list[str] |
             torch.cuda.empty_cache()
     save()
     return report
+
+
+def masked_lm_cell(size: str, dev: torch.device, wdtype: torch.dtype, peak: float | None, limit: float, log) -> dict:
+    """The masked-LM cell (benchmarks/gpu/mlm.py) under its own time limit; recorded like a flow cell."""
+    entry, t0 = {"model": "mlm", "cell": "lora"}, time.monotonic()
+    if limit < 5:
+        return {**entry, "status": f"skipped ({limit:.0f} s of the budget left)"}
+    try:
+        _alarm(limit)
+        res = mlm.run_mlm_cell(size, str(dev), dtype=str(wdtype).replace("torch.", ""), peak=peak, log=log)
+        entry.update(status="ok", mlm=res, trainable_parameters=res["trainable_parameters"])
+    except (Exception, CellTimeout) as e:
+        entry["status"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        gc.collect()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    entry["seconds"] = time.monotonic() - t0
+    log(f"[mlm] {entry['status']} in {entry['seconds']:.1f} s")
+    return entry
 
 
 def to_markdown(report: dict) -> str:
@@ -207,7 +267,7 @@ def to_markdown(report: dict) -> str:
         if c.get("status") != "ok":
             lines.append(f"| {c['model']} | {c['cell']} | {c['status']} |" + " |" * 12)
             continue
-        for r in c["rows"]:
+        for r in c.get("rows", []):
             mem = r["peak_memory_bytes"]
             mem_s = f"{mem / 2**30:.2f} GiB" if mem >= 2**30 else f"{mem / 2**20:.2f} MiB"
             lines.append(
@@ -219,9 +279,39 @@ def to_markdown(report: dict) -> str:
                 f"{r['iteration_s']:.3f} |")
         for name, err in c.get("errors", {}).items():
             lines.append(f"| {c['model']} | {c['cell']} | {name} | failed: {err} |" + " |" * 11)
+    lines += seconds_table(report)
+    for c in report["cells"]:
+        if c.get("status") == "ok" and "mlm" in c:
+            lines += mlm.to_markdown(c["mlm"])
     lines += memory_table(report)
     lines.append(f"\nSuite time {report.get('elapsed_s', 0):.0f} s (budget {report['budget_s']:.0f} s).")
     return "\n".join(lines) + "\n"
+
+
+def seconds_table(report: dict) -> list[str]:
+    """Per flow cell and engine: the iteration's time shares, the forwards' TFLOP/s and fraction of the bf16 peak,
+    the warm-up iteration, and for a compiled cell the eager cell's iteration time over this one."""
+    peak = report.get("peak_bf16_flops")
+    lines = ["", "Where each second goes (shares of the iteration; TFLOP/s from the counted forwards × the FLOPs of "
+                 "one forward, FlopCounterMode; peak: dense bf16 "
+                 f"{'n/a' if peak is None else f'{peak / 1e12:.0f} TFLOP/s'}; first s = the warm-up iteration, "
+                 "compilation included; × eager = the same engine's iteration in the cell without +compile over "
+                 "this one):", "",
+             "| model | cell | engine | sample % | reward % | train % | other % | sample TFLOP/s | of peak | "
+             "model TFLOP/s | of peak | first s | iter s | × eager |", "|" + "---|" * 14]
+    ok = {(c["model"], c["cell"]): c for c in report["cells"] if c.get("status") == "ok" and "rows" in c}
+    for (model, cell), c in ok.items():
+        eager = ok.get((model, cell.removesuffix("+compile"))) if cell.endswith("+compile") else None
+        for r in c["rows"]:
+            sh, tp = r["shares"], r["throughput"]
+            e = next((x for x in eager["rows"] if x["variant"] == r["variant"]), None) if eager else None
+            ratio = f"{e['iteration_s'] / max(r['iteration_s'], 1e-12):.2f}" if e else ""
+            lines.append(f"| {model} | {cell} | {r['variant']} | {100 * sh['sample']:.0f} | {100 * sh['reward']:.0f} | "
+                         f"{100 * sh['train']:.0f} | {100 * sh['other']:.0f} | {tp['sample_tflops']:.3g} | "
+                         f"{fraction(tp['sample_peak_fraction'])} | {tp['model_tflops']:.3g} | "
+                         f"{fraction(tp['model_peak_fraction'])} | {r['first_iteration_s']:.2f} | "
+                         f"{r['iteration_s']:.3f} | {ratio} |")
+    return lines
 
 
 def _mem(b: float) -> str:
@@ -261,6 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cell-limit", type=float, default=None, help="seconds per cell")
     ap.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"))
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    ap.add_argument("--peak-tflops", type=float, default=0.0,
+                    help="dense bf16 peak of the device in TFLOP/s (0: throughput.PEAK_BF16 by device name)")
     a = ap.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -270,7 +362,8 @@ def main(argv: list[str] | None = None) -> int:
     rep = run_suite(a.size, out, device=a.device, models=[m for m in a.models.split(",") if m] or None,
                     cells=[c for c in a.cells.split(",") if c] or None,
                     variants=[v for v in a.variants.split(";") if v] or None, repeats=a.repeats, budget=a.budget,
-                    cell_limit=a.cell_limit, dtype=a.dtype, command=command.strip())
+                    cell_limit=a.cell_limit, dtype=a.dtype, peak_tflops=a.peak_tflops,
+                    command=command.strip())
     print(f"tables in {out}/suite.md and {out}/suite.json")
     return 0 if any(c.get("status") == "ok" for c in rep["cells"]) else 1
 

@@ -7,7 +7,8 @@ seconds, peak memory over the iteration, the counters, and the gradient's cosine
 ``recompute`` on that same rollout.
 
 Cost model (sample-forward units, backward ≈ 2 forwards): cost = F_nograd + F_grad + 2·B_samples, from the
-counters. The ideal speedup of a variant is cost(recompute) / cost(variant); efficiency = measured / ideal.
+counters of the timed runs (after the warm-up, whose work may differ: nft's θ_old equals θ on its first rollout).
+The ideal speedup of a variant is cost(recompute) / cost(variant); efficiency = measured / ideal.
 This reproduces the design's ideals: JAGG K/(#sample-backwards), Retain/Reweight (T+3K)/(T+2K),
 Flash (T+3K)/(T+3).
 """
@@ -89,6 +90,7 @@ def _run_variant(trainer: Trainer, base_state: dict, rng_state: dict) -> dict:
                 "grad_buffers": stats.grad_buffers, "allreduce_calls": stats.allreduce_calls}
     rollout_extra = stats.seconds.get("rollout_extra", 0.0)
     return {"ro": ro, "grad": grad, "t_iter": t_iter, "t_rollout": ro.timings["rollout"],
+            "t_sample": ro.timings.get("sample", 0.0) - rollout_extra, "t_reward": ro.timings.get("reward", 0.0),
             "t_train": stats.seconds.get("train", 0.0) + rollout_extra, "peak": max(mem.peak, stats.peak_memory_bytes),
             "counters": counters, "metrics": stats.metrics}
 
@@ -157,8 +159,16 @@ def bench_engines(cfg: RunConfig, variants: list[str], *, repeats: int = 3, out_
             "rollout_s": statistics.median(x["t_rollout"] for x in timed),
             "train_s": statistics.median(x["t_train"] for x in timed),
             "iteration_s": statistics.median(x["t_iter"] for x in timed),
+            # sampling (without an engine's rollout-time backwards, which count as train), reward, and the warm-up
+            # iteration (compilation, first-call allocations)
+            "sample_s": statistics.median(x["t_sample"] for x in timed),
+            "reward_s": statistics.median(x["t_reward"] for x in timed),
+            "first_iteration_s": runs[0]["t_iter"],
             "peak_memory_bytes": max(x["peak"] for x in timed),
-            "counters": runs[0]["counters"],
+            # the timed runs' counters (an engine's work may differ on the warm-up: nft's θ_old equals θ bit for
+            # bit on its first rollout and needs no θ_old forwards then); the warm-up's are kept if they differ
+            "counters": timed[-1]["counters"],
+            **({"counters_first": runs[0]["counters"]} if runs[0]["counters"] != timed[-1]["counters"] else {}),
             "grad_cos_vs_recompute": runs[0]["ref_cos"],
             "grad_relerr_vs_recompute": runs[0]["ref_relerr"],
             "metrics": runs[0]["metrics"],

@@ -21,6 +21,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+# Linear layers: per-sample gradients accumulated into the buffer by one GEMM (False: the einsum, then an add;
+# kept for the equality test and benchmarks/engines_floor.py)
+_FUSED = True
+
 
 def _root_modules(policy) -> list[nn.Module]:
     for name in ("transformer", "model", "module"):
@@ -110,12 +114,30 @@ class PerSampleGrads:
             N = d.shape[0]
             if N % n:
                 raise RuntimeError(f"network batch {N} is not a multiple of the sample batch {n}")
+            if _FUSED and rows is None and N == n and isinstance(mod, nn.Linear):
+                self._add_linear(flat, mod, a, d)
+                continue
             gw, gb = _layer_grads(mod, a, d)  # (N, *W.shape), (N, O) or None
             w_slot, b_slot = self.slots[mod]
             self._add(flat, rows, w_slot, gw, n)
             if gb is not None:
                 self._add(flat, rows, b_slot, gb, n)
         return flat
+
+    def _add_linear(self, flat, mod, a, d):
+        """Sample j's weight gradient Σ_tokens δ_j a_jᵀ accumulated straight into row j of ``flat`` by one batched
+        GEMM (no (n, out, in) temporary, no second pass over it), its bias gradient Σ_tokens δ_j added. Rows of
+        ``flat`` in sample order, one network row per sample. a (n, *, in), d (n, *, out)."""
+        n = d.shape[0]
+        a2 = a.float().reshape(n, -1, a.shape[-1])  # (n, L, in)
+        d2 = d.float().reshape(n, -1, d.shape[-1])  # (n, L, out)
+        w_slot, b_slot = self.slots[mod]
+        if w_slot is not None:
+            off, size = w_slot
+            flat[:, off:off + size].view(n, d2.shape[-1], a2.shape[-1]).baddbmm_(d2.transpose(1, 2), a2)
+        if b_slot is not None:
+            off, size = b_slot
+            flat[:, off:off + size] += d2.sum(1)
 
     def _add(self, flat, rows, slot, g, n):
         if slot is None:  # a frozen weight or bias

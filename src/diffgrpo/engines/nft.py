@@ -32,6 +32,10 @@ in the sense that matters for the engine contract: the gradient of the stated lo
 Cost per sample: K forwards with grad + K sample-backwards, + K no-grad forwards of θ_old once θ_old ≠ θ
 (none on the first iteration, when θ_old = θ bit for bit, or while d = 0), + K no-grad reference forwards when
 β_KL > 0; on top of T no-grad rollout forwards (of θ_old). No per-step trajectory is used beyond x_0.
+Floor: the θ_old forwards are evaluated at the units' noised inputs, which the rollout never visits, so no
+implementation avoids them: at K = T − 1 the train phase costs 4/3 of ``recompute``'s (cost-model ideal 0.75×);
+measured 0.70× (0.93 of that ideal) with ``bench engines`` (docs/engines.md, "The engines' floors"); the x₀ loss, its
+adaptive weight and the θ_old swap add about 2 % of an iteration.
 Units run one index j at a time (the batch's B samples per chunk, like ``recompute``'s one step at a time) or in
 chunks of ``engine.micro_batch_size``, so peak activation memory is one chunk's forward. Once θ_old ≠ θ, the
 θ_old velocities of all units are computed first, inside one swap of the parameters to θ_old, and kept (B·K

@@ -18,6 +18,12 @@ Exact relative to ``recompute`` on the first update after a rollout; later inner
 Cost per selected step: 0 extra forwards + 1 backward (≈ 2F; +1 backward with β > 0) instead of 3F.
 Memory: one graph in flight at a time (like recompute) plus B·P floats of buffers (2·B·P with β > 0; tiny
 with LoRA); reported as metric ``grad_buffer_bytes``.
+Floor: the cost model counts a sample-backward as 2 forwards, but each selected step also forms B per-sample
+gradients of every trainable weight and adds them into the buffers (B·P floats of memory traffic per step), which
+it does not see. A Linear layer's per-sample gradients go into the buffers by one batched GEMM
+(``_per_sample.PerSampleGrads._add_linear``); on a full fine-tune of the tiny transformer (P = 283k, B = 64) the
+train phase then measured 1.4–1.9× recompute's (ideal 1.5×; 0.6–0.8× with the einsum-then-add it replaces;
+docs/engines.md, "The engines' floors"). The buffer traffic grows with P: LoRA keeps it small.
 Gradient sync is deferred: the rollout-time forwards/backwards run under ``ctx.no_sync()`` and never touch
 ``.grad``; the final gradient is averaged over ranks with exactly ONE collective per optimizer step (an
 all-reduce under DDP, a reduce-scatter into the shards under FSDP2; see ``distributed.add_mean_grad_``).
