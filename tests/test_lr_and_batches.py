@@ -130,6 +130,7 @@ def _eval_peak(make_trainer, tmp_path, n_prompts):
     return peak
 
 
+@pytest.mark.slow  # a minute of evaluations at several prompt counts
 def test_evaluation_memory_does_not_grow_with_prompts(make_trainer, tmp_path):
     small, big = _eval_peak(make_trainer, tmp_path, 4), _eval_peak(make_trainer, tmp_path, 64)
     print(f"eval peak bytes: 4 prompts {small}, 64 prompts {big}, ratio {big / small:.3f}")

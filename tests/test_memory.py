@@ -270,6 +270,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # two torchrun launches; FSDP2 equality itself runs by default in test_distributed
 def test_fsdp2_bf16_mixed_precision_and_cpu_offload_match_fp32_gradients():
     """FSDP2 with MixedPrecisionPolicy(bf16 parameters, fp32 reduction) computes in bf16, keeps fp32 shards and
     gradients, and its gradient agrees with fp32 FSDP2's on the same rollout within bf16 precision: relative error

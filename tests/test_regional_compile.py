@@ -98,7 +98,12 @@ def test_each_block_shape_compiles_once():
     assert counter.graphs == first
 
 
-@pytest.mark.parametrize("engine", sorted(ENGINES))
+# by default the baseline, the one-step and a forward-process engine; every engine with -m slow
+DEFAULT_COMPILE_ENGINES = ("recompute", "single_step", "nft")
+
+
+@pytest.mark.parametrize("engine", [e if e in DEFAULT_COMPILE_ENGINES else pytest.param(e, marks=pytest.mark.slow)
+                                    for e in sorted(ENGINES)])
 def test_no_compilation_after_the_first_iteration(engine, make_trainer, monkeypatch):
     """Sampling and the engine's forward/backward run compiled blocks; the second and third iterations compile
     nothing (the counting backend receives no new graph), and the trained weights stay finite."""

@@ -41,8 +41,9 @@ def _stable_rows(run: Path) -> list[dict]:
     return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in rows]
 
 
-@pytest.mark.parametrize("schedule", [[], ["train.lr_schedule=cosine", "train.warmup_iterations=2"]],
-                         ids=["constant", "cosine_warmup"])
+@pytest.mark.parametrize("schedule", [pytest.param([], id="constant"),
+                                      pytest.param(["train.lr_schedule=cosine", "train.warmup_iterations=2"],
+                                                   id="cosine_warmup", marks=pytest.mark.slow)])  # the same path
 def test_sigkill_mid_run_then_resume_matches_uninterrupted_run(tmp_path, schedule):
     """Bitwise: on CPU with a fixed thread count every kernel is deterministic, and the checkpoint restores
     weights, optimizer, learning-rate schedule, EMA and every RNG stream exactly, so the resumed run replays the
