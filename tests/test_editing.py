@@ -341,8 +341,9 @@ def _cli_args(kind, d, clip, run, lora):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind,lora", [("edit", 4), ("edit", 0), ("plus", 4), ("kontext", 4), ("kontext", 0)],
-                         ids=["edit-lora", "edit-full", "plus-lora", "kontext-lora", "kontext-full"])
+@pytest.mark.parametrize("kind,lora", [("edit", 4), ("edit", 0), ("plus", 4), ("plus", 0), ("kontext", 4),
+                                       ("kontext", 0)],
+                         ids=["edit-lora", "edit-full", "plus-lora", "plus-full", "kontext-lora", "kontext-full"])
 def test_cli_edit_run_exports_what_diffusers_reloads_and_samples(pipe_dirs, source_area, _processor, tmp_path,
                                                                   kind, lora):
     """``diffgrpo train`` on a JSONL of (source, instruction) pairs with the clip_direction reward (the source
@@ -390,6 +391,37 @@ def test_cli_edit_run_exports_what_diffusers_reloads_and_samples(pipe_dirs, sour
     print(f"{kind} {'lora' if lora else 'full'}: training moved the latents by {moved:.2e}; "
           f"max |reloaded pipeline − trained| = {err:.2e}")
     assert moved > 1e-4 and err < 1e-4, (moved, err)
+
+
+@pytest.mark.slow
+def test_cli_sample_edits_the_given_source_image(pipe_dirs, tmp_path, capsys):
+    """``diffgrpo sample --prompt TEXT --image SRC`` on an editing pipeline: the source conditions the samples (two
+    sources, same prompt and seed → different images; the same source twice → the same image); without
+    ``--image`` it is refused in one line naming it, and a link is refused as a prompt file's image is."""
+    from PIL import Image
+
+    from diffgrpo.cli import main
+
+    d = pipe_dirs["kontext"]
+    recs = _records(d)
+    a, b = sources.of_record(recs[0])[0], sources.of_record(recs[1])[0]
+    base = ["sample", "model.name=diffusers", f"model.pretrained={d}", f"model.resolution={RES}",
+            f"sampler.num_steps={T}", f"model.guidance_scale={GUIDANCE['kontext']}", "model.max_sequence_length=16",
+            "reward.weights={jpeg_compressibility: 1.0}",
+            "--prompt", recs[0]["prompt"], "--num", "1", "--seed", "0", "--sde-type", "ode"]
+    outs = []
+    for i, src in enumerate((a, b, a)):
+        out = tmp_path / f"s{i}.png"
+        assert main([*base, "--image", src, "--out", str(out)]) == 0, capsys.readouterr().err
+        outs.append(np.asarray(Image.open(out).convert("RGB")).astype(np.int16))
+    assert np.array_equal(outs[0], outs[2]) and np.abs(outs[0] - outs[1]).max() > 0
+    assert main([*base, "--out", str(tmp_path / "none.png")]) == 2
+    assert "diffgrpo sample takes --image" in capsys.readouterr().err
+    link = tmp_path / "link.png"
+    link.symlink_to(a)
+    assert main([*base, "--image", str(link), "--out", str(tmp_path / "l.png")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --image:") and "symbolic link" in err and err.count("\n") == 1, err  # before loading
 
 
 @pytest.mark.slow

@@ -141,6 +141,13 @@ def cmd_pretrain(args) -> int:
 
 
 def cmd_sample(args) -> int:
+    from .models.editing import sampling_only
+
+    with sampling_only():  # an editing model's source comes from --image, not from prompt files
+        return _cmd_sample(args)
+
+
+def _cmd_sample(args) -> int:
     import torch
     from safetensors.torch import load_file
 
@@ -176,6 +183,7 @@ def cmd_sample(args) -> int:
         raise ConfigError(f"--weights: {str(src)!r} does not exist")
     _threads(cfg)
     check_hub(cfg)
+    images = _sample_sources(args.image or [])  # an editing model's source image(s) for every prompt, checked now
     trainer = Trainer(cfg)
     if src is not None:
         trainer.policy.load_state_dict(load_file(str(src)))
@@ -183,12 +191,14 @@ def cmd_sample(args) -> int:
         return _sample_text(trainer, args)
     prompts = args.prompt or [digit_prompt(d) for d in range(10)]
     prompts = [p for p in prompts for _ in range(args.num)]
+    _check_editing(images, trainer)
     x0 = torch.stack([torch.randn(*trainer.policy.latent_shape, generator=torch.Generator().manual_seed(args.seed + i))
                       for i in range(len(prompts))]).to(trainer.device)
     kernel = dict(trainer.family.kernel, sde_type=args.sde_type)
     sig = flow_sde.sigma_grid(cfg.sampler.num_steps, cfg.sampler.shift, device=trainer.device)
     with torch.no_grad():
-        traj = sample_trajectories(trainer.policy, trainer.policy.encode(prompts), x0, sig, kernel=kernel,
+        cond = trainer.policy.encode(prompts, [images] * len(prompts)) if images else trainer.policy.encode(prompts)
+        traj = sample_trajectories(trainer.policy, cond, x0, sig, kernel=kernel,
                                    generator=torch.Generator(device=trainer.device).manual_seed(args.seed))
     images = trainer.policy.decode(traj["xs"][:, -1])
     out = Path(args.out)
@@ -196,6 +206,24 @@ def cmd_sample(args) -> int:
     save_grid(images, out, nrow=args.num)
     print(f"wrote {len(prompts)} samples to {out}")
     return 0
+
+
+def _sample_sources(paths: list[str]) -> tuple[str, ...]:
+    """``--image`` (repeatable): the source image(s) an editing model edits under every ``--prompt``, each checked
+    as a prompt file's ``image`` field is (a regular image file, no link, within the pixel cap) → absolute paths."""
+    from . import sources
+
+    return tuple(sources.resolve([{"prompt": "-", "image": Path(path).name}], base=Path(path).absolute().parent,
+                                 spec=path, key="--image")[0]["image"] for path in paths)
+
+
+def _check_editing(images: tuple[str, ...], trainer) -> None:
+    from .models.editing import is_edit
+
+    family = getattr(getattr(trainer.policy, "family", None), "name", "")
+    if images and not is_edit(family):
+        raise ConfigError(f"--image: model family {family or trainer.cfg.model.name} generates from text; --image "
+                          "gives the source image of an editing model (Qwen-Image-Edit, FLUX.1 Kontext)")
 
 
 def _sample_text(trainer, args) -> int:
@@ -345,6 +373,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--prompt", action="append", help="prompt (repeatable); default: digits 0-9")
     sp.add_argument("--seed", type=int, default=0)
     sp.add_argument("--num", type=int, default=8, help="samples per prompt")
+    sp.add_argument("--image", action="append", help="editing models: the source image every prompt edits "
+                    "(repeatable: several sources for Qwen-Image-Edit-Plus)")
     sp.add_argument("--sde-type", default="ode", choices=["ode", "flow_sde", "dance_sde", "cps"],
                     help="sampler; for diffusion LMs 'ode' means greedy decoding, anything else dllm.temperature")
     sp.add_argument("--out", default="samples.png")

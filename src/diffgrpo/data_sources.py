@@ -180,11 +180,6 @@ def skip_data_checks():
         _CHECK_DATA.reset(token)
 
 
-def checking_data() -> bool:
-    """False inside :func:`skip_data_checks`: the data files' content is not read (only their names' form)."""
-    return _CHECK_DATA.get()
-
-
 def check_prompts(spec: str, *, key: str, column: str = "prompt") -> None:
     """Validation of a prompt source: it loads (exists, is UTF-8, parses, has the prompt column and a prompt), or,
     inside :func:`skip_data_checks`, only a ``builtin:`` name is checked."""

@@ -24,6 +24,9 @@ the sequence grows by h/2·w/2 tokens per source, which every engine pays in eve
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -80,7 +83,7 @@ def keys(prompts: list[str], sources: list[tuple[str, ...]] | None, family: str)
         missing = next((p for i, p in enumerate(prompts) if sources is None or not sources[i]), prompts[0])
         raise ConfigError(f"model.pretrained: model family {family} edits images and needs a source image per "
                           f"prompt (its record's 'image' or 'images' field); the prompt {missing!r} has none "
-                          "(prompts from train.prompts_file / eval.prompts_file carry them; diffgrpo sample takes none)")
+                          "(prompts from train.prompts_file / eval.prompts_file carry them; diffgrpo sample takes --image)")
     return [(p, tuple(s)) for p, s in zip(prompts, sources)]
 
 
@@ -191,11 +194,25 @@ def check_records(records: list[dict], family: str, key: str) -> None:
         raise ConfigError(f"{key}: records have {sorted(counts)} source images; give every record the same number")
 
 
+_TRAINING = contextvars.ContextVar("diffgrpo_editing_training", default=True)
+
+
+@contextlib.contextmanager
+def sampling_only():
+    """Within this context an editing pipeline needs no prompt files (``diffgrpo sample --image``: it trains on
+    nothing and takes its source from the command line)."""
+    token = _TRAINING.set(False)
+    try:
+        yield
+    finally:
+        _TRAINING.reset(token)
+
+
 def check_config(cfg: RunConfig) -> None:
     """``model.name=diffusers`` with an editing pipeline (``model.family``, or read from ``model.pretrained`` without
     loading it): the train and eval prompts must be files whose every record names its source image(s)."""
     m = cfg.model
-    if m.name != "diffusers":
+    if m.name != "diffusers" or not _TRAINING.get():
         return
     cls = pipeline_class(m.pretrained) if m.pretrained else None
     family = m.family if m.family != "auto" else EDIT_PIPELINES.get(cls or "", "")
