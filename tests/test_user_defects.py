@@ -3,6 +3,7 @@ run subfolders (H-1), a hung reward (H-2), moved or edited prompt files on resum
 string keys (H-4), a run into a folder that is not a run directory (H-5), and the medium and low ones."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -229,6 +230,24 @@ def test_unparseable_prompt_lines_are_one_line_errors(tmp_path, line, why):  # M
         load_prompts(str(f))
     assert str(err.value).startswith(f"train.prompts_file: file {str(f)!r} line 2 cannot be read") and why in str(err.value)
     assert "\n" not in str(err.value) and len(str(err.value)) < 300
+
+
+def test_deep_nesting_through_hf_json_is_one_line_not_a_crash(tmp_path):  # M-2, through datasets
+    """pyarrow's JSON reader segfaulted on 100k-deep nesting; the file is refused in one line first, in a child
+    process (a crash would kill it, not the test run). Brackets inside strings do not count."""
+    deep = tmp_path / "deep.jsonl"
+    deep.write_text('{"prompt": "a", "x": ' + "[" * 100000 + "]" * 100000 + "}\n")
+    fine = tmp_path / "fine.jsonl"
+    fine.write_text(json.dumps({"prompt": "a " + "[" * 5000 + ' \\" ['}) + "\n")
+    code = ("import sys\nfrom diffgrpo.data_sources import load_prompts\nfrom diffgrpo.errors import ConfigError\n"
+            "try:\n    print(len(load_prompts('hf:json:' + sys.argv[1])))\n"
+            "except ConfigError as e:\n    print('ConfigError', e)\n")
+    for f, want in ((deep, "ConfigError train.prompts_file: file"), (fine, "1")):
+        out = subprocess.run([sys.executable, "-c", code, str(f)], capture_output=True, text=True, timeout=120,
+                             check=False)
+        assert out.returncode == 0, (out.returncode, out.stderr[-500:])
+        assert out.stdout.strip().startswith(want), out.stdout
+        assert f is fine or "nested more than 1000 deep" in out.stdout
 
 
 def zap(images, prompts, metadata):

@@ -130,6 +130,8 @@ def _load_hf(spec: str, column: str, key: str) -> list[dict]:
     path, data_files, split = split_hf_spec(spec)
     if data_files is not None and not Path(data_files).expanduser().is_file():
         raise ConfigError(f"{key}: file {data_files!r} does not exist")
+    if path == "json" and data_files is not None:  # pyarrow's JSON reader crashes the process on deep nesting
+        _check_nesting(Path(data_files).expanduser(), spec, key)
     try:
         ds = datasets.load_dataset(path, data_files=str(Path(data_files).expanduser()) if data_files else None,
                                    split=split)
@@ -142,6 +144,27 @@ def _load_hf(spec: str, column: str, key: str) -> list[dict]:
     records = [_record(dict(row), column, f"row {i}", spec, key) for i, row in enumerate(ds)]
     base = Path(data_files).expanduser().parent if data_files else None  # paths in a local file's rows
     return sources.resolve(records, base=base, spec=spec, key=key, where="row")
+
+
+MAX_JSON_DEPTH = 1000  # deeper nesting is refused before a JSON file reaches datasets (as json.loads refuses it)
+_JSON_TOKENS = re.compile(rb'"(?:\\.|[^"\\])*"|[\[\]{}]')
+
+
+def _check_nesting(path: Path, spec: str, key: str) -> None:
+    """A local JSON / JSONL file for ``hf:json:`` whose brackets nest deeper than :data:`MAX_JSON_DEPTH` (outside
+    strings) is a one-line ConfigError: pyarrow's reader segfaults on such a file instead of raising."""
+    depth = 0
+    with path.open("rb") as f:
+        for chunk_line, line in enumerate(f, 1):
+            for m in _JSON_TOKENS.finditer(line):
+                c = m.group()
+                if c in (b"[", b"{"):
+                    depth += 1
+                    if depth > MAX_JSON_DEPTH:
+                        raise ConfigError(f"{key}: file {str(path)!r} line {chunk_line} cannot be read (nested more "
+                                          f"than {MAX_JSON_DEPTH} deep) for {spec!r}")
+                elif c in (b"]", b"}"):
+                    depth = max(0, depth - 1)
 
 
 def builtin_sets() -> list[str]:
