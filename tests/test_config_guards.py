@@ -64,7 +64,7 @@ BAD_OVERRIDES = [
     (["engine.name='json:'"], "engine.name: value 'json:' is not a valid module:Class ('' is not a Python name)"),
     (["engine.name=json: x"], "engine.name: value {'json': 'x'} is not a valid str"),
     (["reward.weights={':fn': 1}"], "reward.weights: reward ':fn' is not a valid module:function (the module name is "
-                                    "empty); choose one of ['aesthetic', 'clip_score', 'd1_format', "
+                                    "empty); choose one of ['aesthetic', 'clip_direction', 'clip_score', 'd1_format', "
                                     "'digit_alignment', 'geneval', 'http', 'jpeg_compressibility', "
                                     "'jpeg_incompressibility', 'ocr', 'pickscore', 'verify_code', 'verify_code_pass_at_1', "
                                     "'verify_countdown', 'verify_gsm8k', 'verify_json_schema', 'verify_math', 'verify_sudoku'] "

@@ -106,8 +106,18 @@ def test_other_base_exceptions_are_reward_errors_but_keyboard_interrupt_propagat
     def interrupted(images, prompts, metadata):
         raise KeyboardInterrupt
 
-    with pytest.raises(KeyboardInterrupt):
-        _score(monkeypatch, interrupted, name="ctrl_c")
+    import signal
+
+    # Python's own SIGINT handler installed (no run's handler, no library's): the KeyboardInterrupt may be Ctrl-C
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            _score(monkeypatch, interrupted, name="ctrl_c")
+        signal.signal(signal.SIGINT, lambda *a: None)  # another handler, no signal noted: the reward raised it
+        with pytest.raises(RewardError, match="raised KeyboardInterrupt itself"):
+            _score(monkeypatch, interrupted, name="ctrl_c")
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def test_raising_reward_still_retried_once_and_reported_on_one_line(monkeypatch):

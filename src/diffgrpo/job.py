@@ -201,8 +201,7 @@ class Job:
                 last_eval = self._evaluate(out, writer, "end")  # (a resumed finished run holds its end evaluation)
         finally:
             bar.close()
-            for sig, h in handlers.items():
-                signal.signal(sig, h)
+            threads.restore_handlers(handlers)
         return {"start": first, "end": last_eval, **self.watch.summary()}  # "stopped", "best" (guards)
 
     def _share_stop(self) -> None:

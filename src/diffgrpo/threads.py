@@ -34,6 +34,14 @@ def note_signal(signum: int) -> None:
     _SIGNALS.append(int(signum))
 
 
+def restore_handlers(handlers: dict) -> None:
+    """A run's end: the signal handlers it replaced back in place, and its noted signals forgotten (a later
+    KeyboardInterrupt in this process is judged afresh)."""
+    for sig, h in handlers.items():
+        signal.signal(sig, h)
+    _SIGNALS.clear()
+
+
 def signal_expected() -> bool:
     """Whether a KeyboardInterrupt now may come from a signal: Python's own SIGINT handler is installed (no run's
     handler: Ctrl-C raises at once), or a run's handler said it raised (:func:`note_signal`). Otherwise the code
