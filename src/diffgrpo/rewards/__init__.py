@@ -394,6 +394,19 @@ TEXT_REWARDS = frozenset({"verify_gsm8k", "verify_countdown", "verify_sudoku", "
                           "verify_math", "verify_code", "verify_code_pass_at_1"})
 
 
+def _check_options_and_plugins(weights: Mapping[str, float], options: Mapping[str, Mapping]) -> None:
+    """For either family: the options a reward cannot do without, ``reward.options`` (:func:`check_options`), and
+    that each plug-in or supplied callable can be called as a reward (its signature)."""
+    for name, opts in REQUIRED_OPTIONS.items():
+        if name in weights and name not in options:
+            raise ConfigError(f"reward.options.{name}.{opts[0]}: required for reward {name!r}, e.g. "
+                              f"reward.options={{{name}: {{{opts[0]}: 'http://127.0.0.1:8000/score'}}}}")
+    check_options(weights, options)
+    for name in weights:
+        if name not in REWARDS:
+            calling.check_signature(name, resolve_reward(name), options.get(name))
+
+
 def check_text_rewards(weights: Mapping[str, float], options: Mapping[str, Mapping]) -> None:
     """``reward.weights`` of a masked diffusion LM run, before anything loads: rewards added to the task's verifier
     (``task`` weighs the verifier itself). Image rewards are refused; plug-ins' signatures, ``reward.options`` and
@@ -404,14 +417,7 @@ def check_text_rewards(weights: Mapping[str, float], options: Mapping[str, Mappi
         raise ConfigError(f"reward.weights: {images[0]!r} scores images and cannot score a masked diffusion LM's "
                           f"completions; choose text rewards ({', '.join(sorted(TEXT_REWARDS))}, http, a "
                           f"module:function) beside the task's verifier ('{TASK_REWARD}')")
-    for name, opts in REQUIRED_OPTIONS.items():
-        if name in extra and name not in options:
-            raise ConfigError(f"reward.options.{name}.{opts[0]}: required for reward {name!r}, e.g. "
-                              f"reward.options={{{name}: {{{opts[0]}: 'http://127.0.0.1:8000/score'}}}}")
-    check_options(extra, options)
-    for name in extra:
-        if name not in REWARDS:
-            calling.check_signature(name, resolve_reward(name), options.get(name))
+    _check_options_and_plugins(extra, options)
 
 
 def check_rewards(weights: Mapping[str, float], options: Mapping[str, Mapping], *, model_name: str) -> None:
@@ -421,8 +427,7 @@ def check_rewards(weights: Mapping[str, float], options: Mapping[str, Mapping], 
     - ``reward.options`` (see :func:`check_options`);
     - a registry reward whose optional package is missing names the package and the ``rewards`` extra.
 
-    (A diffusion LM is scored by its task's verifier: ``validation.validate`` refuses any ``reward.*`` key set on such a
-    run, as a key its family does not read.)"""
+    (A diffusion LM's reward.weights are checked by :func:`check_text_rewards`.)"""
     if "digit_alignment" in weights and model_name != "tiny":
         raise ConfigError(f"reward.weights: 'digit_alignment' scores the built-in one-channel digit images "
                           f"(model.name=tiny) and cannot apply to model.name={model_name}'s RGB output; choose "
@@ -432,14 +437,8 @@ def check_rewards(weights: Mapping[str, float], options: Mapping[str, Mapping], 
         raise ConfigError(f"reward.weights: {text[0]!r} verifies text completions and cannot score "
                           f"model.name={model_name}'s images; choose e.g. pickscore, clip_score, aesthetic, ocr or "
                           f"geneval (text verifiers score masked diffusion LMs' completions)")
-    for name, opts in REQUIRED_OPTIONS.items():
-        if name in weights and name not in options:
-            raise ConfigError(f"reward.options.{name}.{opts[0]}: required for reward {name!r}, e.g. "
-                              f"reward.options={{{name}: {{{opts[0]}: 'http://127.0.0.1:8000/score'}}}}")
-    check_options(weights, options)
+    _check_options_and_plugins(weights, options)
     for name in weights:
-        if name not in REWARDS:  # a plug-in or a supplied callable: can it be called as a reward?
-            calling.check_signature(name, resolve_reward(name), options.get(name))
         missing = missing_packages(name)
         if missing:
             raise ConfigError(f"reward.weights: reward {name!r} needs {', '.join(missing)}, which is not installed; "
