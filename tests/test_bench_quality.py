@@ -93,3 +93,78 @@ def test_bench_quality_on_a_tiny_diffusers_pipeline(sd3_dir, tmp_path, capsys): 
     assert cfg["seed"] == 1 and cfg["steps"]["mode"] == "first_fraction" and cfg["eval"]["guard_rewards"] == ["clip_score"]
     assert "--variant half=steps.mode=first_fraction,steps.fraction=0.5" in (out / "command.txt").read_text()
     assert not list(out.rglob("metrics.jsonl"))  # no per-iteration logs
+
+
+def test_evaluation_marks_and_the_plateau_window():
+    assert bench_quality.eval_marks(100.0, 4) == [25.0, 50.0, 75.0, 100.0]
+    q = bench_quality.eval_marks(100.0, 4, "quadratic")
+    assert q == [6.25, 25.0, 56.25, 100.0]  # denser early: a several-times faster variant is still resolved
+    with pytest.raises(bench_quality.ConfigError, match="--eval-spacing: 'log' is not one of"):
+        bench_quality.eval_marks(1.0, 4, "log")
+    # the plateau is judged over the last quarter of the budget, however the marks are spaced
+    xs = [0.0, *q]
+    p = bench_quality.plateau(xs, [0.0, 0.5, 0.8, 0.9, 0.9], [0.01] * 5, seeds=5)
+    assert p["points"] == 2 and p["level"] == pytest.approx(0.9) and p["plateaued"]
+
+
+class _FakeTrainer:
+    """Stands in for a Trainer: a fixed cost per iteration, a reward rising by 0.1 per iteration, and an optional
+    iteration at which training stops with a TrainingError."""
+
+    def __init__(self, cost: int, fail_at: int = 0):
+        self.policy = type("P", (), {"counters": {"forwards_grad": 0, "forwards_nograd": 0}})()
+        self.cost, self.fail_at, self.it = cost, fail_at, 0
+
+    def step(self):
+        if self.fail_at and self.it + 1 == self.fail_at:
+            raise bench_quality.TrainingError("stopping: the weights are non-finite after the update\nmore")
+        self.it += 1
+        self.policy.counters["forwards_nograd"] += self.cost
+        return {"sample_backwards": 0}
+
+    def evaluate(self):
+        return {"eval/reward": 0.1 * self.it, "eval/guard/drift": 0.0}, None
+
+
+def test_a_failing_cell_is_reported_and_the_other_cells_go_on():
+    mk = lambda v, s, cost, fail=0: bench_quality.Cell(v, s, None, _FakeTrainer(cost, fail), overrides=[])
+    cells = [mk("ref", 0, 10), mk("ref", 1, 10), mk("cheap", 0, 5), mk("cheap", 1, 5, fail=3)]
+    logged = []
+    budget = bench_quality.interleave(cells, "ref", iterations=8, evals=4, log=logged.append)
+    assert budget == 80 and all(c.done for c in cells)
+    bad = cells[3]
+    assert bad.failed == "stopping: the weights are non-finite after the update" and bad.iterations == 2
+    assert cells[2].iterations == 16 and cells[0].iterations == 8  # the others spent the whole budget
+    assert any("cheap" in line and "failed at iteration 3" in line for line in logged)
+    th = guards.Thresholds()
+    s = bench_quality.summarize(cells, "ref", metric="eval/reward", target_fraction=0.95, th=th)
+    rows = {r["variant"]: r for r in s["rows"]}
+    assert rows["cheap"]["failed"] == {"1": bad.failed} and rows["cheap"]["reached"] == 1
+    assert rows["cheap"]["final_reward"] == pytest.approx(1.6)  # the failed cell's last evaluation is not an end
+    assert len(rows["cheap"]["curve"]) == 5  # the mean curve is the surviving seed's, not cut at the failure
+    meta = {"title": "t", "command": "c", "variants": {"ref": [], "cheap": []}, "seeds": [0, 1], "iterations": 8,
+            "budget_cost": budget, "evals": 4, "eval_samples": 1, "total_seconds": 1.0, "load": "0"}
+    assert "| cheap |" in bench_quality.to_markdown(meta, s) and "1/2 (1 failed)" in bench_quality.to_markdown(meta, s)
+
+
+def test_out_must_be_new_empty_or_an_earlier_bench_output(tmp_path):
+    from diffgrpo import RunConfig
+
+    base = RunConfig.from_overrides(["log.progress=false"])
+    mine = tmp_path / "project"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    with pytest.raises(bench_quality.ConfigError, match="--out: .* is not empty and is not a bench quality output"):
+        bench_quality.run(base, {"a": []}, [0], out=mine, iterations=1, evals=2)
+    assert sorted(p.name for p in mine.iterdir()) == ["notes.txt"]  # nothing written before the refusal
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    with pytest.raises(bench_quality.ConfigError, match="is a link or not a directory"):
+        bench_quality.run(base, {"a": []}, [0], out=link, iterations=1, evals=2)
+    with pytest.raises(bench_quality.ConfigError, match="--eval-spacing"):
+        bench_quality.run(base, {"a": []}, [0], out=tmp_path / "new", iterations=1, evals=2, eval_spacing="log")
+    assert not (tmp_path / "new").exists()
+    earlier = tmp_path / "earlier"
+    bench_quality.claim_out(earlier)  # an earlier output (its marker) may be written into again
+    (earlier / "table.md").write_text("old")
+    bench_quality.claim_out(earlier)

@@ -10,12 +10,16 @@ machine's load, and load noise hits every variant alike.
               iteration × iterations, measured on their first iteration), the same for every cell; or a counted
               cost directly. Never seconds: a loaded machine cannot move the target.
   wall-clock  cumulative ``trainer.step()`` seconds of each cell (evaluation excluded), measured side by side
-  evaluation  at the start and whenever a cell's cost passes budget·j/evals (j = 1 … evals): ``trainer.evaluate()``
-              (fixed prompts and seeds), with the guards of :mod:`diffgrpo.guards` beside the reward
+  evaluation  at the start and whenever a cell's cost passes a mark: budget·j/evals (j = 1 … evals; ``linear``) or
+              budget·(j/evals)² (``quadratic``: denser early, so a variant several times faster than the reference is
+              still resolved); ``trainer.evaluate()`` (fixed prompts and seeds), with the guards of
+              :mod:`diffgrpo.guards` beside the reward
+  failures    a cell whose training stops with a ``TrainingError`` (non-finite weights, repeated bad updates) is
+              finished there and reported as failed (it never reaches the target); the other cells go on
 
-Target: the start reward plus ``target_fraction`` × the reference's gain at its plateau (the mean of the last quarter
-of its seed-mean curve, minus the start). The reference *plateaued* when the least-squares trend across that last
-quarter is within twice the standard error of the seed mean (one seed: not judged). A cell reaches the target at its
+Target: the start reward plus ``target_fraction`` × the reference's gain at its plateau (the mean of its seed-mean
+curve over the last quarter of the budget, minus the start). The reference *plateaued* when the least-squares trend
+across that last quarter is within twice the standard error of the seed mean (one seed: not judged). A cell reaches the target at its
 first evaluation whose reward ≥ target while every guard is inside its limits relative to **that cell's own start**
 (``guards.tripped`` with the ``train.guard_*`` thresholds); reaching it only outside the guards is reported as
 hacking. Time to target, its speed-up over the reference (seeds paired) and their 95 % intervals come from a
@@ -42,12 +46,15 @@ import torch
 
 from . import guards
 from .config import MODEL_FAMILIES, RunConfig
-from .errors import ConfigError
-from .fileio import atomic_write
+from .errors import ConfigError, TrainingError
+from .fileio import atomic_write, run_root
 from .trainer import Trainer
 
 METRIC = "eval/reward"
 GUARD_PLOTS = ("eval/fid", "eval/guard/drift", "eval/guard/diversity", "eval/diversity")
+SPACINGS = ("linear", "quadratic")
+PHASES = ("sample", "reward", "train")  # the trainer's time/<phase> keys; the rest of a step is "other"
+MARKER = ".diffgrpo-bench-quality"
 
 
 # ---------------------------------------------------------------------- pure functions
@@ -57,6 +64,15 @@ def parse_variant(spec: str) -> tuple[str, list[str]]:
     if not name.strip():
         raise ConfigError(f"--variant: {spec!r} must be NAME or NAME=key=value[,key=value...]")
     return name.strip(), [o.strip() for o in ov.split(",") if o.strip()]
+
+
+def eval_marks(budget: float, evals: int, spacing: str = "linear") -> list[float]:
+    """The costs at which a cell is evaluated after its start: budget·j/evals (``linear``) or budget·(j/evals)²
+    (``quadratic``), j = 1 … evals; ascending, the last one the budget."""
+    if spacing not in SPACINGS:
+        raise ConfigError(f"--eval-spacing: {spacing!r} is not one of {list(SPACINGS)}")
+    power = 2 if spacing == "quadratic" else 1
+    return [budget * (j / evals) ** power for j in range(1, evals + 1)]
 
 
 def bootstrap_ci(samples: np.ndarray, stat, n: int = 2000, seed: int = 0, level: float = 0.95) -> tuple[float, float]:
@@ -73,15 +89,29 @@ def bootstrap_ci(samples: np.ndarray, stat, n: int = 2000, seed: int = 0, level:
 
 
 def plateau(xs: list[float], means: list[float], sds: list[float], seeds: int) -> dict:
-    """Did a seed-mean curve plateau? Its last quarter (at least 2 points): level (mean), trend (least-squares slope ×
-    span) and noise (2 × mean std over seeds / √seeds); plateaued when |trend| ≤ noise (None with one seed)."""
-    k = max(2, math.ceil(len(xs) / 4))
+    """Did a seed-mean curve plateau? Its points in the last quarter of its x range (x ≥ x₀ + ¾·(x_last − x₀); at
+    least 2 points): level (mean), trend (least-squares slope × span) and noise (2 × mean std over seeds / √seeds);
+    plateaued when |trend| ≤ noise (None with one seed)."""
+    cut = xs[0] + 0.75 * (xs[-1] - xs[0])
+    k = max(2, sum(1 for x in xs if x >= cut))
     x, y = np.asarray(xs[-k:], float), np.asarray(means[-k:], float)
     slope = float(np.polyfit(x, y, 1)[0]) if len(x) > 1 and np.ptp(x) > 0 else 0.0
     trend = slope * float(np.ptp(x))
     noise = 2 * float(np.mean(sds[-k:])) / math.sqrt(seeds) if seeds > 1 else float("nan")
     return {"level": float(y.mean()), "trend": trend, "noise": noise, "points": k,
             "plateaued": None if seeds < 2 else bool(abs(trend) <= noise)}
+
+
+def first_out(curve: list[dict], th: guards.Thresholds, budget: float, metric: str = METRIC) -> dict | None:
+    """The first evaluation after the start of one cell's curve with a guard out of its start-anchored limits: the
+    guards out, the cost there as a fraction of the budget, and the reward there (None: never out)."""
+    start = curve[0]["metrics"]
+    for p in curve[1:]:
+        out = guards.tripped(start, p["metrics"], th)
+        if out:
+            return {"guards": sorted({g.split()[0] for g in out}), "cost_fraction": p["cost"] / budget,
+                    "reward": p["metrics"].get(metric, float("nan"))}
+    return None
 
 
 def first_reach(curve: list[dict], target: float, metric: str, th: guards.Thresholds) -> dict:
@@ -116,6 +146,8 @@ class Cell:
     iterations: int = 0
     curve: list = field(default_factory=list)
     done: bool = False
+    failed: str = ""  # the TrainingError that ended the cell early, if any
+    phases: dict = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))  # seconds of each phase of its steps
 
     def evaluate(self) -> None:
         row, _ = self.trainer.evaluate()
@@ -123,13 +155,22 @@ class Cell:
                            "metrics": {k: float(v) for k, v in row.items() if k.startswith("eval/")}})
 
     def step(self) -> None:
+        """One training iteration; a ``TrainingError`` finishes the cell as failed (its weights are not evaluated
+        again)."""
         c = self.trainer.policy.counters
         f0 = c["forwards_grad"] + c["forwards_nograd"]
         t0 = time.perf_counter()
-        row = self.trainer.step()
+        try:
+            row = self.trainer.step()
+        except TrainingError as e:
+            self.seconds += time.perf_counter() - t0
+            self.failed, self.done = str(e).splitlines()[0], True
+            return
         self.seconds += time.perf_counter() - t0
         self.cost += (c["forwards_grad"] + c["forwards_nograd"] - f0) + 2 * row["sample_backwards"]
         self.iterations += 1
+        for k in PHASES:
+            self.phases[k] += float(row.get(f"time/{k}", 0.0))
 
 
 def build_cells(base: RunConfig, variants: dict[str, list[str]], seeds: list[int], log=print) -> list[Cell]:
@@ -140,10 +181,10 @@ def build_cells(base: RunConfig, variants: dict[str, list[str]], seeds: list[int
 
 
 def interleave(cells: list[Cell], reference: str, *, iterations: int = 0, budget_cost: float = 0.0, evals: int = 4,
-               max_iterations: int = 0, log=print) -> float:
+               spacing: str = "linear", max_iterations: int = 0, log=print) -> float:
     """Step the unfinished cell with the least cost until every cell has spent the budget (→ the budget in cost):
     ``budget_cost``, or ``iterations`` of the reference (its seeds' mean cost of one iteration × iterations).
-    Each cell is evaluated at the start and when its cost passes budget·j/evals."""
+    Each cell is evaluated at the start and when its cost passes each of :func:`eval_marks`."""
     for c in cells:
         c.evaluate()
     cap = max_iterations or 1_000_000
@@ -151,25 +192,33 @@ def interleave(cells: list[Cell], reference: str, *, iterations: int = 0, budget
         refs = [c for c in cells if c.variant == reference]
         for c in refs:
             c.step()
+        if any(c.failed for c in refs):
+            raise TrainingError(f"bench quality: the reference's first iteration failed: "
+                                f"{next(c.failed for c in refs if c.failed)}")
         budget_cost = statistics.mean(c.cost for c in refs) * iterations
-        for c in refs:
-            _at_marks(c, budget_cost, evals, cap, log)
+    marks = eval_marks(budget_cost, evals, spacing)
+    for c in cells:
+        if c.iterations:
+            _at_marks(c, marks, cap, log)
     while True:
         live = [c for c in cells if not c.done]
         if not live:
             return budget_cost
         c = min(live, key=lambda q: q.cost)  # min keeps the listing order on ties
         c.step()
-        _at_marks(c, budget_cost, evals, cap, log)
+        _at_marks(c, marks, cap, log)
 
 
-def _at_marks(c: Cell, budget: float, evals: int, cap: int, log) -> None:
-    """After a step: evaluate ``c`` when its cost passed the next mark budget·j/evals; finish it at the budget."""
-    finished = c.cost >= budget or c.iterations >= cap
-    passed = sum(1 for j in range(1, evals + 1) if c.cost >= budget * j / evals)
+def _at_marks(c: Cell, marks: list[float], cap: int, log) -> None:
+    """After a step: evaluate ``c`` when its cost passed the next mark; finish it at the budget (the last mark)."""
+    if c.failed:
+        log(f"  {c.variant:20s} seed {c.seed}: failed at iteration {c.iterations + 1}: {c.failed}")
+        return
+    finished = c.cost >= marks[-1] or c.iterations >= cap
+    passed = sum(1 for m in marks if c.cost >= m)
     if len(c.curve) - 1 < passed or finished:
         c.evaluate()
-        while len(c.curve) - 1 < (evals if finished else passed):  # marks passed in one step share a point
+        while len(c.curve) - 1 < (len(marks) if finished else passed):  # marks passed in one step share a point
             c.curve.insert(len(c.curve) - 1, dict(c.curve[-1]))
     if finished:
         c.done = True
@@ -190,7 +239,9 @@ def _std(xs):
 
 
 def mean_curve(cells: list[Cell], metric: str) -> list[dict]:
-    """Seed-mean curve, evaluation by evaluation (the j-th evaluation of each seed; cut at the shortest)."""
+    """Seed-mean curve, evaluation by evaluation (the j-th evaluation of each seed; cut at the shortest), over the
+    cells that did not fail (all of them when every one failed)."""
+    cells = [c for c in cells if not c.failed] or cells
     n = min(len(c.curve) for c in cells)
     out = []
     for j in range(n):
@@ -204,7 +255,9 @@ def mean_curve(cells: list[Cell], metric: str) -> list[dict]:
 
 
 def summarize(cells: list[Cell], reference: str, *, metric: str, target_fraction: float,
-              th: guards.Thresholds, target: float | None = None) -> dict:
+              th: guards.Thresholds, target: float | None = None, budget: float = 0.0) -> dict:
+    """The aggregate of every variant against ``reference`` (see the module docstring); ``budget``: the counted cost
+    per cell (default: the reference cells' mean final cost)."""
     variants = list(dict.fromkeys(c.variant for c in cells))
     by = {v: sorted((c for c in cells if c.variant == v), key=lambda c: c.seed) for v in variants}
     curves = {v: mean_curve(cs, metric) for v, cs in by.items()}
@@ -216,11 +269,13 @@ def summarize(cells: list[Cell], reference: str, *, metric: str, target_fraction
         target = start + target_fraction * (plat["level"] - start)
     reach = {v: [first_reach(c.curve, target, metric, th) for c in cs] for v, cs in by.items()}
     ref_t = np.array([r["seconds"] for r in reach[reference]])
+    budget = budget or _mean([c.cost for c in by[reference]])
     rows = []
     for v, cs in by.items():
         t = np.array([r["seconds"] for r in reach[v]])
         k = np.array([r["cost"] for r in reach[v]])
-        finals = [c.curve[-1]["metrics"] for c in cs]
+        ok = [c for c in cs if not c.failed] or cs  # a failed cell's last evaluation is not its end
+        finals = [c.curve[-1]["metrics"] for c in ok]
         last = curves[v][-1]["metrics"]
         paired = np.stack([ref_t, t], 1) if len(t) == len(ref_t) else None
         rows.append({
@@ -231,23 +286,36 @@ def summarize(cells: list[Cell], reference: str, *, metric: str, target_fraction
             "seconds_total": _mean([c.seconds for c in cs]),
             "final_reward": _mean([f.get(metric) for f in finals]), "final_reward_std": _std([f.get(metric) for f in finals]),
             "final_guards": {k: last[k] for k in last if k.startswith(("eval/guard/", "eval/fid", "eval/diversity"))},
-            "final_out_of_guards": sorted({g.split()[0] for c in cs for g in guards.tripped(c.curve[0]["metrics"],
+            "final_out_of_guards": sorted({g.split()[0] for c in ok for g in guards.tripped(c.curve[0]["metrics"],
                                                                                          c.curve[-1]["metrics"], th)}),
-            "reached": int(np.isfinite(t).sum()),
+            "reached": int(np.isfinite(t).sum()), "failed": {str(c.seed): c.failed for c in cs if c.failed},
             "time_to_target": float(np.mean(t)), "time_to_target_ci": bootstrap_ci(t, np.mean),
             "cost_to_target": float(np.mean(k)), "cost_to_target_ci": bootstrap_ci(k, np.mean),
             "time_to_target_ignoring_guards": float(np.mean([r["raw_seconds"] for r in reach[v]])),
             "speedup": _speedup(paired) if paired is not None else float("nan"),
             "speedup_ci": bootstrap_ci(paired, _speedup) if paired is not None else (float("nan"), float("nan")),
+            "first_out_of_guards": [first_out(c.curve, th, budget, metric) for c in cs],
+            "time_shares": _shares(ok),
             "hacks": any(r["hacks"] for r in reach[v]), "per_seed": reach[v], "curve": curves[v]})
-    return {"metric": metric, "reference": reference, "start": start, "target": target,
+    start_guards = {k: v for k, v in ref[0]["metrics"].items() if k.startswith(("eval/guard/", "eval/fid",
+                                                                                   "eval/diversity"))}
+    return {"metric": metric, "reference": reference, "start": start, "start_guards": start_guards, "target": target,
             "reference_gain": plat["level"] - start,
             "target_fraction": target_fraction, "plateau": plat, "thresholds": th.__dict__, "rows": rows}
 
 
+def _shares(cells: list[Cell]) -> dict[str, float]:
+    """Fractions of the cells' training wall-clock in each phase (sampling, reward, train, other)."""
+    total = sum(c.seconds for c in cells)
+    if total <= 0:
+        return {}
+    sh = {k: sum(c.phases[k] for c in cells) / total for k in PHASES}
+    return {**sh, "other": max(0.0, 1 - sum(sh.values()))}
+
+
 def _speedup(m: np.ndarray) -> float:
-    """m (S, 2): per seed (reference's, variant's) time to target → mean ÷ mean (∞ where the variant never reaches
-    it and the reference does; NaN where neither does)."""
+    """m (S, 2): per seed (reference's, variant's) time to target → mean ÷ mean (0 where the variant misses the
+    target in some seed and the reference reaches it in every one; ∞ the other way round; NaN where both miss)."""
     with np.errstate(divide="ignore", invalid="ignore"):
         return float(np.mean(m[:, 0]) / np.mean(m[:, 1]))
 
@@ -262,40 +330,78 @@ def _ci(ci, f="{:.1f}"):
     return "" if not (math.isfinite(lo) or math.isfinite(hi)) else f" [{_fmt(lo, f)}, {_fmt(hi, f)}]"
 
 
+def _first_out_words(outs: list) -> str:
+    """Per-seed :func:`first_out` results → '3/5: eval/guard/diversity at 31% (reward 0.884)', or 'none'."""
+    hit = [o for o in outs if o]
+    if not hit:
+        return "none"
+    names = [", ".join(o["guards"]) for o in hit]
+    common = max(dict.fromkeys(names), key=names.count)
+    return (f"{len(hit)}/{len(outs)}: {common} at {statistics.median(o['cost_fraction'] for o in hit):.0%} "
+            f"(reward {statistics.median(o['reward'] for o in hit):.3f})")
+
+
+def _guard_words(g: dict, start: dict) -> str:
+    """Seed-mean guard metrics at the end, FID and diversity as ratios to the start: 'fid 1.21×, drift 0.31, …'."""
+    out = []
+    for key, name, ratio in (("eval/fid", "fid", True), ("eval/guard/drift", "drift", False),
+                             ("eval/guard/diversity", "div", True)):
+        v, v0 = g.get(key), start.get(key)
+        if v is None or not math.isfinite(v):
+            continue
+        out.append(f"{name} {v / v0:.2f}×" if ratio and v0 else f"{name} {v:.2f}")
+    out += [f"{k.split('/')[-2]} {v:.3g}" for k, v in g.items() if k.startswith("eval/guard/rewards/")]
+    return ", ".join(out) or "—"
+
+
 def to_markdown(meta: dict, s: dict) -> str:
     p = s["plateau"]
     plat = ("not judged (one seed)" if p["plateaued"] is None else
-            ("yes" if p["plateaued"] else "**no**") + f" (trend {p['trend']:+.4f} vs noise ±{p['noise']:.4f} over its "
-            f"last {p['points']} evaluations)")
+            ("yes" if p["plateaued"] else "**no**") + f" (trend {p['trend']:+.4f} vs noise ±{p['noise']:.4f} over the "
+            f"last quarter of its budget, {p['points']} evaluations)")
     th = s["thresholds"]
     budget_words = f" (= {meta['iterations']} iterations of {s['reference']})" if meta["iterations"] else ""
     lines = [
         f"# Time to quality: {meta['title']}", "", f"Command: `{meta['command']}`", "",
-        f"Cells: {len(meta['variants'])} variants × seeds {meta['seeds']}, stepped interleaved in one process (least "
+        (f"Cells: {len(meta['variants'])} variants × seeds {meta['seeds']}, stepped interleaved in one process (least "
         f"counted cost first). Budget: {meta['budget_cost']:.0f} counted cost units per cell"
         f"{budget_words}"
-        f"; {meta['evals']} evaluations per cell after the start one ({meta['eval_samples']} held-out samples each). "
-        f"Total benchmark time {meta['total_seconds']:.0f} s; machine load at start {meta['load']}.", "",
+        f"; {meta['evals']} evaluations per cell after the start one, {meta.get('eval_spacing', 'linear')} in cost "
+        f"({meta['eval_samples']} held-out samples each). "
+        f"Total benchmark time {meta['total_seconds']:.0f} s; machine load at start {meta['load']}."), "",
         f"Target: {s['metric']} ≥ {s['target']:.4f} = start {s['start']:.4f} + {s['target_fraction']:g} × the "
         f"reference's gain at its plateau (level {p['level']:.4f}). Reference plateaued: {plat}."
         + (" **The reference gained nothing within the budget: the target is not a gain; raise the budget.**"
            if s["reference_gain"] <= 0 else ""), "",
-        f"Guards, each relative to the cell's own start: eval/fid ≤ {th['max_fid_ratio']:g}× (built-in task), "
+        (f"Guards, each relative to the cell's own start: eval/fid ≤ {th['max_fid_ratio']:g}× (built-in task), "
         f"eval/guard/drift ≤ {th['max_drift']:g}, diversity ≥ {th['min_diversity_ratio']:g}×, guard rewards ≥ start − "
-        f"{th['max_reward_drop']:g}×|start| (0 = off).", "",
-        "| variant | s / it | cost / it | iterations | reached | time to target (s) [95% CI] | cost to target | "
-        "speed-up vs reference (time) [95% CI] | final reward | out of guards at end | hacks |",
-        "|---|---|---|---|---|---|---|---|---|---|---|"]
+        f"{th['max_reward_drop']:g}×|start| (0 = off)."), "",
+        ("| variant | s / it | cost / it | iterations | reached | time to target (s) [95% CI] | cost to target | "
+        "speed-up vs reference (time) [95% CI] | final reward | guards at end | out of guards at end | first out of "
+        "guards | hacks |"),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in s["rows"]:
+        failed = f" ({len(r['failed'])} failed)" if r.get("failed") else ""
         lines.append(
             f"| {r['variant']} | {r['seconds_per_iteration']:.2f} | {r['cost_per_iteration']:.0f} | "
-            f"{r['iterations']:.1f} | {r['reached']}/{len(r['seeds'])} | {_fmt(r['time_to_target'])}"
+            f"{r['iterations']:.1f} | {r['reached']}/{len(r['seeds'])}{failed} | {_fmt(r['time_to_target'])}"
             f"{_ci(r['time_to_target_ci'])} | {_fmt(r['cost_to_target'], '{:.0f}')} | {_fmt(r['speedup'], '{:.2f}×')}"
             f"{_ci(r['speedup_ci'], '{:.2f}')} | {r['final_reward']:.4f} ± {r['final_reward_std']:.4f} | "
-            f"{', '.join(r['final_out_of_guards']) or 'none'} | {'yes' if r['hacks'] else 'no'} |")
-    lines += ["", "'time to target': training wall-clock (mean over seeds) at each seed's first evaluation at the target "
+            f"{_guard_words(r['final_guards'], s['start_guards'])} | "
+            f"{', '.join(r['final_out_of_guards']) or 'none'} | {_first_out_words(r['first_out_of_guards'])} | "
+            f"{'yes' if r['hacks'] else 'no'} |")
+    lines += ["", ("'time to target': training wall-clock (mean over seeds) at each seed's first evaluation at the target "
                   "inside its guards (— : some seed never did within the budget); 'hacks': some seed was at the target "
-                  "with a guard out of limits; intervals: percentile bootstrap over seeds (speed-up: seeds paired)."]
+                  "with a guard out of limits; 'guards at end': seed means at the last evaluation (FID and diversity "
+                  "as ratios to the start); 'first out of guards': seeds with a guard out at some evaluation, the guard "
+                  "out first in most of them, and the median fraction of the budget and reward there; intervals: "
+                  "percentile bootstrap over seeds (speed-up: seeds paired)."), "",
+              "Where each variant's training wall-clock goes (all seeds):", "",
+              "| variant | sampling | reward | train | other |", "|---|---|---|---|---|"]
+    for r in s["rows"]:
+        sh = r.get("time_shares") or {}
+        lines.append(f"| {r['variant']} | " + " | ".join(f"{sh[k]:.0%}" if k in sh else "—"
+                                                           for k in (*PHASES, "other")) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -330,8 +436,20 @@ def plot(s: dict, path: Path) -> None:
     axes[0].legend(fontsize=7)
     fig.suptitle("Time to quality (dashed: target)")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, format="png")
     plt.close(fig)
+
+
+def claim_out(out: Path) -> None:
+    """``--out`` must be new, empty, or an earlier ``bench quality`` output (its marker file): any other folder is
+    refused before any model loads, so the benchmark never overwrites files it did not write."""
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        raise ConfigError(f"--out: {str(out)!r} is a link or not a directory; choose a new or empty directory")
+    if out.is_dir() and any(out.iterdir()) and not (out / MARKER).is_file():
+        raise ConfigError(f"--out: {str(out)!r} is not empty and is not a bench quality output (no {MARKER}); choose "
+                          "a new or empty directory, so that no file of yours is overwritten")
+    with run_root(out):
+        atomic_write(out / MARKER, json.dumps({"tool": "diffgrpo", "kind": "bench quality"}) + "\n")
 
 
 def _eval_samples(c: Cell) -> int:
@@ -344,7 +462,8 @@ def _eval_samples(c: Cell) -> int:
 
 
 def run(base: RunConfig, variants: dict[str, list[str]], seeds: list[int], *, out: str | Path, reference: str = "",
-        iterations: int = 0, budget_cost: float = 0.0, evals: int = 4, target_fraction: float = 0.95,
+        iterations: int = 0, budget_cost: float = 0.0, evals: int = 4, eval_spacing: str = "linear",
+        target_fraction: float = 0.95,
         target: float | None = None, metric: str = METRIC, title: str = "", command: str = "",
         max_iterations: int = 0, log=print) -> dict:
     """The whole benchmark; writes the outputs under ``out`` and returns the summary (see the module docstring)."""
@@ -355,28 +474,35 @@ def run(base: RunConfig, variants: dict[str, list[str]], seeds: list[int], *, ou
         raise ConfigError("bench quality: give exactly one budget, --iterations (of the reference) or --budget-cost")
     if evals < 2 or not seeds or not 0 < target_fraction <= 1:
         raise ConfigError("bench quality: --evals must be >= 2, --seeds non-empty, --target-fraction in (0, 1]")
+    eval_marks(1.0, evals, eval_spacing)  # a bad spacing fails here, before any model loads
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     out = Path(out)
+    claim_out(out)
     t0 = time.perf_counter()
     cells = build_cells(base, variants, seeds, log=log)
-    for c in cells:
-        atomic_write(out / "configs" / f"{c.variant}_seed{c.seed}.yaml", c.cfg.to_yaml())
+    with run_root(out):
+        for c in cells:
+            atomic_write(out / "configs" / f"{c.variant}_seed{c.seed}.yaml", c.cfg.to_yaml())
     cost = interleave(cells, reference, iterations=iterations, budget_cost=budget_cost, evals=evals,
-                      max_iterations=max_iterations, log=log)
+                      spacing=eval_spacing, max_iterations=max_iterations, log=log)
     th = guards.Thresholds(base.train.guard_max_fid_ratio, base.train.guard_max_drift,
                            base.train.guard_min_diversity_ratio, base.train.guard_max_reward_drop)
-    s = summarize(cells, reference, metric=metric, target_fraction=target_fraction, th=th, target=target)
+    s = summarize(cells, reference, metric=metric, target_fraction=target_fraction, th=th, target=target,
+                  budget=cost)
     meta = {"title": title or f"{base.model.name} model, rewards {sorted(base.reward.weights)}", "command": command,
             "variants": variants, "seeds": seeds, "iterations": iterations, "budget_cost": cost, "evals": evals,
+            "eval_spacing": eval_spacing,
             "eval_samples": _eval_samples(cells[0]),
             "total_seconds": time.perf_counter() - t0, "load": f"{load:.2f}", "torch_threads": torch.get_num_threads()}
     cells_json = [{"variant": c.variant, "seed": c.seed, "iterations": c.iterations, "seconds": c.seconds,
-                   "cost": c.cost, "evaluations": c.curve} for c in cells]
-    atomic_write(out / "summary.json", json.dumps({"meta": meta, **s, "cells": cells_json}, indent=2, default=str))
-    atomic_write(out / "command.txt", command + "\n")
+                   "cost": c.cost, "failed": c.failed, "overrides": c.overrides, "phases": c.phases,
+                   "evaluations": c.curve} for c in cells]
     md = to_markdown(meta, s)
-    atomic_write(out / "table.md", md)
-    plot(s, out / "curves.png")
+    with run_root(out):
+        atomic_write(out / "summary.json", json.dumps({"meta": meta, **s, "cells": cells_json}, indent=2, default=str))
+        atomic_write(out / "command.txt", command + "\n")
+        atomic_write(out / "table.md", md)
+        atomic_write(out / "curves.png", lambda tmp: plot(s, tmp))  # never through a link at curves.png
     log(md)
     return {"meta": meta, **s, "cells": cells_json}
 
@@ -390,7 +516,8 @@ def from_args(base: RunConfig, args) -> dict:
             raise ConfigError(f"--variant: {name!r} is given twice")
         variants[name] = ov
     words = (["--config", args.config] if args.config else []) + [w for v in args.variant for w in ("--variant", v)]
-    words += ["--seeds", *map(str, args.seeds), "--evals", str(args.evals), "--target-fraction",
+    words += ["--seeds", *map(str, args.seeds), "--evals", str(args.evals), "--eval-spacing", args.eval_spacing,
+              "--target-fraction",
               str(args.target_fraction), "--metric", args.metric, "--out", args.out]
     words += (["--iterations", str(args.iterations)] if args.iterations else []) + (
         ["--budget-cost", str(args.budget_cost)] if args.budget_cost else [])
@@ -398,8 +525,9 @@ def from_args(base: RunConfig, args) -> dict:
         ["--target", str(args.target)] if args.target is not None else []) + list(args.overrides)
     command = "diffgrpo bench quality " + " ".join(shlex.quote(w) for w in words)
     return run(base, variants, args.seeds, out=args.out, reference=args.reference, iterations=args.iterations,
-               budget_cost=args.budget_cost, evals=args.evals, target_fraction=args.target_fraction,
+               budget_cost=args.budget_cost, evals=args.evals, eval_spacing=args.eval_spacing,
+               target_fraction=args.target_fraction,
                target=args.target, metric=args.metric, command=command)
 
 
-__all__ = ["run", "from_args", "parse_variant", "bootstrap_ci", "plateau", "first_reach", "interleave", "summarize", "Cell"]
+__all__ = ["Cell", "bootstrap_ci", "eval_marks", "first_reach", "from_args", "interleave", "parse_variant", "plateau", "run", "summarize"]

@@ -399,6 +399,8 @@ def build_parser() -> argparse.ArgumentParser:
     bq.add_argument("--iterations", type=int, default=0, help="budget: iterations of the reference (as counted cost)")
     bq.add_argument("--budget-cost", type=float, default=0.0, help="budget: counted cost per cell")
     bq.add_argument("--evals", type=int, default=6, help="evaluations per cell after the start one")
+    bq.add_argument("--eval-spacing", default="linear", choices=["linear", "quadratic"],
+                    help="evaluation marks budget·j/evals (linear) or budget·(j/evals)² (quadratic: denser early)")
     bq.add_argument("--target-fraction", type=float, default=0.95, help="of the reference's gain at its plateau")
     bq.add_argument("--target", type=float, default=None, help="an explicit target value of --metric instead")
     bq.add_argument("--metric", default="eval/reward", help="the held-out metric to reach (higher is better)")
