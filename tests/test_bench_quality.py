@@ -62,7 +62,7 @@ def test_bench_quality_on_a_tiny_diffusers_pipeline(sd3_dir, tmp_path, capsys): 
             f"eval.prompts_file={sd3_dir / 'prompts.txt'}", "eval.seeds_per_prompt=2"]
     code = main(["bench", "quality", *base, "--variant", "recompute=engine.name=recompute",
                  "--variant", "half=steps.mode=first_fraction,steps.fraction=0.5", "--seeds", "0", "1",
-                 "--iterations", "2", "--evals", "2", "--out", str(out)])
+                 "--iterations", "2", "--evals", "2", "--eval-spacing", "quadratic", "--out", str(out)])
     assert code == 0
     s = json.loads((out / "summary.json").read_text())
     cells = {(c["variant"], c["seed"]): c for c in s["cells"]}
@@ -76,6 +76,8 @@ def test_bench_quality_on_a_tiny_diffusers_pipeline(sd3_dir, tmp_path, capsys): 
         assert ev0["eval/guard/fd_base"] == pytest.approx(0.0, abs=1e-9)
         assert "eval/guard/rewards/clip_score/mean" in ev0 and "eval/guard/diversity" in ev0
         assert c["evaluations"][-1]["cost"] == c["cost"] and c["evaluations"][0]["cost"] == 0
+        # evaluated when the cost passed budget/4 and budget (quadratic marks), not before
+        assert [e["cost"] >= m for e, m in zip(c["evaluations"][1:], (budget / 4, budget))] == [True, True]
     assert cells[("half", 0)]["iterations"] > 2  # cheaper iterations: more of them in the same counted cost
     # every cell starts from the same base model, prompts and seeds: identical start evaluations
     starts = [c["evaluations"][0]["metrics"]["eval/reward"] for c in s["cells"]]
@@ -92,6 +94,7 @@ def test_bench_quality_on_a_tiny_diffusers_pipeline(sd3_dir, tmp_path, capsys): 
     cfg = yaml.safe_load((out / "configs" / "half_seed1.yaml").read_text())
     assert cfg["seed"] == 1 and cfg["steps"]["mode"] == "first_fraction" and cfg["eval"]["guard_rewards"] == ["clip_score"]
     assert "--variant half=steps.mode=first_fraction,steps.fraction=0.5" in (out / "command.txt").read_text()
+    assert "--eval-spacing quadratic" in (out / "command.txt").read_text() and "quadratic in cost" in table
     assert not list(out.rglob("metrics.jsonl"))  # no per-iteration logs
 
 
@@ -136,6 +139,8 @@ def test_a_failing_cell_is_reported_and_the_other_cells_go_on():
     assert bad.failed == "stopping: the weights are non-finite after the update" and bad.iterations == 2
     assert cells[2].iterations == 16 and cells[0].iterations == 8  # the others spent the whole budget
     assert any("cheap" in line and "failed at iteration 3" in line for line in logged)
+    progress = [line for line in logged if line.startswith("bench quality: every cell past mark")]
+    assert [line.split("mark ")[1].split(" ")[0] for line in progress] == ["1/4", "2/4", "3/4"]  # a line per mark
     th = guards.Thresholds()
     s = bench_quality.summarize(cells, "ref", metric="eval/reward", target_fraction=0.95, th=th)
     rows = {r["variant"]: r for r in s["rows"]}

@@ -200,11 +200,17 @@ def interleave(cells: list[Cell], reference: str, *, iterations: int = 0, budget
     for c in cells:
         if c.iterations:
             _at_marks(c, marks, cap, log)
+    t0, shown = time.perf_counter(), 0
     while True:
         live = [c for c in cells if not c.done]
         if not live:
             return budget_cost
         c = min(live, key=lambda q: q.cost)  # min keeps the listing order on ties
+        passed = sum(1 for m in marks if c.cost >= m)  # every live cell has passed these marks
+        if passed > shown:
+            shown = passed
+            log(f"bench quality: every cell past mark {passed}/{len(marks)} (cost {marks[passed - 1]:.0f} of "
+                f"{budget_cost:.0f}), {time.perf_counter() - t0:.0f} s")
         c.step()
         _at_marks(c, marks, cap, log)
 
