@@ -27,7 +27,7 @@ from diffgrpo import RunConfig, bench_quality
 from diffgrpo.fileio import atomic_write, run_root
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from time_to_quality import BASE, KL  # noqa: E402  (the study's base config and KL term)
+from time_to_quality import BASE, KL
 
 REWARDS = ("digit_alignment", "jpeg_compressibility")
 WEIGHTS = "reward.weights={digit_alignment: 1.0, jpeg_compressibility: 1.0}"
@@ -51,10 +51,10 @@ def table(summary: dict, command: str) -> str:
     seeds = sorted(g["summed"][REWARDS[0]])
     lines = ["# Per-reward group normalisation (GDPO-style) on two rewards of different spread", "",
              f"Command: `{command}`", "",
-             f"Base: the time-to-quality study's config with `{KL}`, `{WEIGHTS}`; seeds {seeds}; budget "
+             (f"Base: the time-to-quality study's config with `{KL}`, `{WEIGHTS}`; seeds {seeds}; budget "
              f"{summary['meta']['budget_cost']:.0f} counted cost units per cell "
              f"(= {summary['meta']['iterations']} iterations); {summary['meta']['eval_samples']} held-out samples "
-             f"per evaluation. Gains: last evaluation − start, mean over seeds [95 % bootstrap interval].", "",
+             f"per evaluation. Gains: last evaluation − start, mean over seeds [95 % bootstrap interval]."), "",
              "| variant | " + " | ".join(f"{r} gain" for r in REWARDS) + " | guards at end | out of guards at end |",
              "|---|" + "---|" * len(REWARDS) + "---|---|"]
     for v in VARIANTS:

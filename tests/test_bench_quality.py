@@ -152,7 +152,7 @@ def test_a_failing_cell_is_reported_and_the_other_cells_go_on():
     assert "| cheap |" in bench_quality.to_markdown(meta, s) and "1/2 (1 failed)" in bench_quality.to_markdown(meta, s)
 
 
-def test_out_must_be_new_empty_or_an_earlier_bench_output(tmp_path):
+def test_out_must_be_new_empty_or_an_earlier_bench_output(tmp_path, capsys):
     from diffgrpo import RunConfig
 
     base = RunConfig.from_overrides(["log.progress=false"])
@@ -162,10 +162,13 @@ def test_out_must_be_new_empty_or_an_earlier_bench_output(tmp_path):
     with pytest.raises(bench_quality.ConfigError, match="--out: .* is not empty and is not a bench quality output"):
         bench_quality.run(base, {"a": []}, [0], out=mine, iterations=1, evals=2)
     assert sorted(p.name for p in mine.iterdir()) == ["notes.txt"]  # nothing written before the refusal
-    link = tmp_path / "link"
-    link.symlink_to(tmp_path / "elsewhere", target_is_directory=True)
-    with pytest.raises(bench_quality.ConfigError, match="is a link or not a directory"):
-        bench_quality.run(base, {"a": []}, [0], out=link, iterations=1, evals=2)
+    (tmp_path / "file").write_text("x")
+    dangling = tmp_path / "link"
+    dangling.symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    for bad in (tmp_path / "file", dangling):
+        with pytest.raises(bench_quality.ConfigError, match="exists and is not a directory"):
+            bench_quality.run(base, {"a": []}, [0], out=bad, iterations=1, evals=2)
+    assert not (tmp_path / "elsewhere").exists() and (tmp_path / "file").read_text() == "x"
     with pytest.raises(bench_quality.ConfigError, match="--eval-spacing"):
         bench_quality.run(base, {"a": []}, [0], out=tmp_path / "new", iterations=1, evals=2, eval_spacing="log")
     assert not (tmp_path / "new").exists()
@@ -173,3 +176,6 @@ def test_out_must_be_new_empty_or_an_earlier_bench_output(tmp_path):
     bench_quality.claim_out(earlier)  # an earlier output (its marker) may be written into again
     (earlier / "table.md").write_text("old")
     bench_quality.claim_out(earlier)
+    # bench engines' --out follows the same rule, before any model loads
+    assert main(["bench", "engines", "--out", str(mine), "--repeats", "1"]) == 2
+    assert "--out:" in capsys.readouterr().err and sorted(p.name for p in mine.iterdir()) == ["notes.txt"]

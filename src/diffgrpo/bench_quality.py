@@ -47,7 +47,7 @@ import torch
 from . import guards
 from .config import MODEL_FAMILIES, RunConfig
 from .errors import ConfigError, TrainingError
-from .fileio import atomic_write, run_root
+from .fileio import atomic_write, claim_folder, run_root
 from .trainer import Trainer
 
 METRIC = "eval/reward"
@@ -449,13 +449,7 @@ def plot(s: dict, path: Path) -> None:
 def claim_out(out: Path) -> None:
     """``--out`` must be new, empty, or an earlier ``bench quality`` output (its marker file): any other folder is
     refused before any model loads, so the benchmark never overwrites files it did not write."""
-    if out.is_symlink() or (out.exists() and not out.is_dir()):
-        raise ConfigError(f"--out: {str(out)!r} is a link or not a directory; choose a new or empty directory")
-    if out.is_dir() and any(out.iterdir()) and not (out / MARKER).is_file():
-        raise ConfigError(f"--out: {str(out)!r} is not empty and is not a bench quality output (no {MARKER}); choose "
-                          "a new or empty directory, so that no file of yours is overwritten")
-    with run_root(out):
-        atomic_write(out / MARKER, json.dumps({"tool": "diffgrpo", "kind": "bench quality"}) + "\n")
+    claim_folder(out, MARKER, "--out", "bench quality")
 
 
 def _eval_samples(c: Cell) -> int:

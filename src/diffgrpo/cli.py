@@ -21,7 +21,7 @@ from ._version import __version__
 from .config import MODEL_FAMILIES, RunConfig, from_dict
 from .console import end_summary
 from .errors import ConfigError, RewardError, TrainingError
-from .fileio import atomic_write, read_jsonl
+from .fileio import atomic_write, claim_folder, read_jsonl
 from .hub import check_hub
 from .runtime import apply_cpu_threads
 from .saved_config import RESUMABLE, distrust, flat, fresh_device, saved_data
@@ -270,6 +270,7 @@ def cmd_bench(args) -> int:
     if "recompute" not in variants:  # the baseline every ratio refers to
         variants = ["recompute"] + variants
     out = args.out or str(Path("runs") / "bench")
+    claim_folder(out, ".diffgrpo-bench-engines", "--out", "bench engines")
     bench_engines(cfg, variants, repeats=args.repeats, out_dir=out)
     print(f"report in {out}/engines.json and {out}/engines.md")
     return 0

@@ -13,6 +13,10 @@ redirect them elsewhere.
                             team's umask 002 or 022 lets teammates read a run).
   read_jsonl(path)          the rows of a JSON-lines log; a torn last line (a write cut short by a full disk or a
                             kill) is dropped with a warning, a damaged line elsewhere is an error naming the line.
+  claim_folder(out, marker, option, what)
+                            an output folder of a command other than a run (``bench quality``, ``bench engines``)
+                            must be new, empty, or hold that command's ``marker`` file; any other folder is refused
+                            in one line naming ``option``, so the command never overwrites files it did not write.
   run_root(directory)       inside the block ``directory`` is guarded: every write, append and delete below it
                             (``atomic_write``, ``append_line``, ``check_below`` called by the checkpoint and export
                             writers) refuses a path one of whose folders below ``directory`` is a symbolic link, so
@@ -207,3 +211,17 @@ def read_utf8(p: Path, key: str, spec: str | None = None) -> str:
 
 __all__ = ["append_line", "atomic_write", "check_below", "current_umask", "dir_mode", "file_mode", "read_jsonl",
            "read_utf8", "run_root", "share_tree", "temp_dir"]
+
+
+def claim_folder(out: str | Path, marker: str, option: str, what: str) -> None:
+    """Refuse ``out`` unless it is new, empty, or an earlier output of the same command (it holds ``marker``); then
+    write the marker (guarded: never through a link below ``out``). ``what`` names the command in the error."""
+    out = Path(out)
+    if (out.exists() or out.is_symlink()) and not out.is_dir():  # a file, or a link to nothing
+        raise ConfigError(f"{option}: {str(out)!r} exists and is not a directory; choose a new or empty directory")
+    mark = out / marker
+    if out.is_dir() and any(out.iterdir()) and (mark.is_symlink() or not mark.is_file()):
+        raise ConfigError(f"{option}: {str(out)!r} is not empty and is not a {what} output (no {marker}); choose a "
+                          "new or empty directory, so that no file of yours is overwritten")
+    with run_root(out):
+        atomic_write(mark, json.dumps({"tool": "diffgrpo", "kind": what}) + "\n")
