@@ -15,6 +15,10 @@ from tests._tiny_rewards import save_tiny_clip
 from tests.test_diffusers_models import sd3_dir  # noqa: F401 - the tiny pipeline fixture
 
 
+def _refuse(name):
+    raise ValueError(f"not strict JSON: {name}")
+
+
 def mean_brightness(images, prompts, metadata):
     """A plug-in training reward: the mean pixel value of each image."""
     return images.float().flatten(1).mean(1)
@@ -64,7 +68,7 @@ def test_bench_quality_on_a_tiny_diffusers_pipeline(sd3_dir, tmp_path, capsys): 
                  "--variant", "half=steps.mode=first_fraction,steps.fraction=0.5", "--seeds", "0", "1",
                  "--iterations", "2", "--evals", "2", "--eval-spacing", "quadratic", "--out", str(out)])
     assert code == 0
-    s = json.loads((out / "summary.json").read_text())
+    s = json.loads((out / "summary.json").read_text(), parse_constant=_refuse)
     cells = {(c["variant"], c["seed"]): c for c in s["cells"]}
     assert set(cells) == {("recompute", 0), ("recompute", 1), ("half", 0), ("half", 1)}
     budget = s["meta"]["budget_cost"]
@@ -96,6 +100,18 @@ def test_bench_quality_on_a_tiny_diffusers_pipeline(sd3_dir, tmp_path, capsys): 
     assert "--variant half=steps.mode=first_fraction,steps.fraction=0.5" in (out / "command.txt").read_text()
     assert "--eval-spacing quadratic" in (out / "command.txt").read_text() and "quadratic in cost" in table
     assert not list(out.rglob("metrics.jsonl"))  # no per-iteration logs
+    # summarised again from its cells with another target fraction: nothing trains, the cells stay as they were
+    assert main(["bench", "quality", "--from", str(out), "--target-fraction", "0.5"]) == 0
+    again = json.loads((out / "summary.json").read_text(), parse_constant=_refuse)  # strict JSON: no NaN / Infinity
+    assert again["target"] == pytest.approx(s["start"] + 0.5 * (s["plateau"]["level"] - s["start"]))
+    assert again["target_fraction"] == 0.5 and again["plateau"] == pytest.approx(s["plateau"])
+    assert [c["evaluations"] for c in again["cells"]] == [c["evaluations"] for c in s["cells"]]
+    lines = (out / "command.txt").read_text().splitlines()
+    assert lines[0].startswith("diffgrpo bench quality") and lines[1].endswith("--from " + str(out) + " --target-fraction 0.5")
+    capsys.readouterr()
+    assert main(["bench", "quality", "--from", str(out), "--variant", "x"]) == 2
+    assert "--from: --variant cannot change a finished benchmark's cells" in capsys.readouterr().err
+    assert main(["bench", "quality", "--from", str(tmp_path)]) == 2  # not a bench quality output
 
 
 def test_evaluation_marks_and_the_plateau_window():

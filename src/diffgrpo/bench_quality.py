@@ -497,18 +497,82 @@ def run(base: RunConfig, variants: dict[str, list[str]], seeds: list[int], *, ou
     cells_json = [{"variant": c.variant, "seed": c.seed, "iterations": c.iterations, "seconds": c.seconds,
                    "cost": c.cost, "failed": c.failed, "overrides": c.overrides, "phases": c.phases,
                    "evaluations": c.curve} for c in cells]
-    md = to_markdown(meta, s)
-    with run_root(out):
-        atomic_write(out / "summary.json", json.dumps({"meta": meta, **s, "cells": cells_json}, indent=2, default=str))
-        atomic_write(out / "command.txt", command + "\n")
-        atomic_write(out / "table.md", md)
-        atomic_write(out / "curves.png", lambda tmp: plot(s, tmp))  # never through a link at curves.png
+    md = _write(out, meta, s, cells_json, command)
     log(md)
     return {"meta": meta, **s, "cells": cells_json}
 
 
+def _strict(x):
+    """``x`` with every non-finite float (an unreached target's ∞, a failed reward's NaN) as None: strict JSON."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: _strict(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_strict(v) for v in x]
+    return x
+
+
+def load_cells(summary: dict) -> list[Cell]:
+    """The finished cells of a ``summary.json`` (no trainer), as :func:`summarize` reads them."""
+    nan = float("nan")
+    cells = []
+    for c in summary["cells"]:
+        curve = [{**p, "metrics": {k: nan if v is None else float(v) for k, v in p["metrics"].items()}}
+                 for p in c["evaluations"]]
+        cells.append(Cell(c["variant"], int(c["seed"]), None, None, overrides=list(c.get("overrides") or []),
+                          seconds=float(c["seconds"]), cost=float(c["cost"]), iterations=int(c["iterations"]),
+                          curve=curve, done=True, failed=c.get("failed") or "",
+                          phases={**dict.fromkeys(PHASES, 0.0), **(c.get("phases") or {})}))
+    return cells
+
+
+def _write(out: Path, meta: dict, s: dict, cells_json: list, command: str) -> str:
+    md = to_markdown(meta, s)
+    with run_root(out):
+        atomic_write(out / "summary.json", json.dumps(_strict({"meta": meta, **s, "cells": cells_json}), indent=1,
+                                                      default=str, allow_nan=False))
+        atomic_write(out / "command.txt", command + "\n")
+        atomic_write(out / "table.md", md)
+        atomic_write(out / "curves.png", lambda tmp: plot(s, tmp))  # never through a link at curves.png
+    return md
+
+
+def resummarize(out: str | Path, *, target_fraction: float | None = None, target: float | None = None,
+                metric: str | None = None, command: str = "", log=print) -> dict:
+    """Summarise a finished benchmark's cells again (``diffgrpo bench quality --from DIR``): another target fraction,
+    target or metric, without training anything. Rewrites ``table.md``, ``summary.json`` and ``curves.png``;
+    ``command.txt`` keeps the command that trained the cells and gains this one."""
+    out = Path(out)
+    path = out / "summary.json"
+    if not (out / MARKER).is_file() or path.is_symlink() or not path.is_file():
+        raise ConfigError(f"--from: {str(out)!r} is not a finished bench quality output (no {MARKER} or summary.json)")
+    try:
+        old = json.loads(path.read_text(encoding="utf-8"))
+        cells = load_cells(old)
+        th = guards.Thresholds(**old["thresholds"])
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"--from: {str(path)!r} cannot be read as a bench quality summary ({e})") from None
+    metric = metric or old["metric"]
+    frac = old["target_fraction"] if target_fraction is None else target_fraction
+    if not 0 < frac <= 1:
+        raise ConfigError("bench quality: --target-fraction must be in (0, 1]")
+    s = summarize(cells, old["reference"], metric=metric, target_fraction=frac, th=th, target=target,
+                  budget=float(old["meta"]["budget_cost"]))
+    cells_json = [{k: v for k, v in c.items()} for c in old["cells"]]
+    first = (out / "command.txt").read_text(encoding="utf-8").splitlines()[:1] if (out / "command.txt").is_file() else []
+    md = _write(out, old["meta"], s, cells_json, "\n".join([*first, *([command] if command else [])]))
+    log(md)
+    return {"meta": old["meta"], **s, "cells": cells_json}
+
+
 def from_args(base: RunConfig, args) -> dict:
     """``diffgrpo bench quality`` (``cli.build_parser``'s options) on the resolved base config."""
+    frac = 0.95 if args.target_fraction is None else args.target_fraction
+    metric = args.metric or METRIC
+    if not args.variant:
+        raise ConfigError("bench quality: give the variants (--variant NAME=key=value,...), or --from DIR to "
+                          "summarise a finished benchmark again")
     variants: dict[str, list[str]] = {}
     for spec in args.variant:
         name, ov = parse_variant(spec)
@@ -518,7 +582,7 @@ def from_args(base: RunConfig, args) -> dict:
     words = (["--config", args.config] if args.config else []) + [w for v in args.variant for w in ("--variant", v)]
     words += ["--seeds", *map(str, args.seeds), "--evals", str(args.evals), "--eval-spacing", args.eval_spacing,
               "--target-fraction",
-              str(args.target_fraction), "--metric", args.metric, "--out", args.out]
+              str(frac), "--metric", metric, "--out", args.out]
     words += (["--iterations", str(args.iterations)] if args.iterations else []) + (
         ["--budget-cost", str(args.budget_cost)] if args.budget_cost else [])
     words += (["--reference", args.reference] if args.reference else []) + (
@@ -526,8 +590,24 @@ def from_args(base: RunConfig, args) -> dict:
     command = "diffgrpo bench quality " + " ".join(shlex.quote(w) for w in words)
     return run(base, variants, args.seeds, out=args.out, reference=args.reference, iterations=args.iterations,
                budget_cost=args.budget_cost, evals=args.evals, eval_spacing=args.eval_spacing,
-               target_fraction=args.target_fraction,
-               target=args.target, metric=args.metric, command=command)
+               target_fraction=frac, target=args.target, metric=metric, command=command)
 
 
-__all__ = ["Cell", "bootstrap_ci", "eval_marks", "first_reach", "from_args", "interleave", "parse_variant", "plateau", "run", "summarize"]
+def again_from_args(args) -> dict:
+    """``diffgrpo bench quality --from DIR [--target-fraction F | --target T] [--metric M]``: :func:`resummarize`."""
+    given = [f for f, v in (("--variant", args.variant), ("--iterations", args.iterations),
+                            ("--budget-cost", args.budget_cost), ("--reference", args.reference),
+                            ("--config", args.config), ("key=value overrides", args.overrides)) if v]
+    if given:
+        raise ConfigError(f"--from: {', '.join(given)} cannot change a finished benchmark's cells; only "
+                          "--target-fraction, --target and --metric apply")
+    words = ["--from", args.from_dir] + (["--target-fraction", str(args.target_fraction)]
+                                         if args.target_fraction is not None else []) + (
+        ["--target", str(args.target)] if args.target is not None else []) + (
+        ["--metric", args.metric] if args.metric else [])
+    return resummarize(args.from_dir, target_fraction=args.target_fraction, target=args.target, metric=args.metric,
+                       command="summarised again: diffgrpo bench quality " + " ".join(shlex.quote(w) for w in words))
+
+
+__all__ = ["Cell", "again_from_args", "bootstrap_ci", "eval_marks", "first_reach", "from_args", "interleave",
+           "load_cells", "parse_variant", "plateau", "resummarize", "run", "summarize"]

@@ -279,6 +279,9 @@ def cmd_bench(args) -> int:
 def cmd_bench_quality(args) -> int:
     from . import bench_quality
 
+    if args.from_dir:
+        bench_quality.again_from_args(args)
+        return 0
     cfg = _load_cfg(args)
     _threads(cfg)
     bench_quality.from_args(cfg, args)
@@ -392,7 +395,7 @@ def build_parser() -> argparse.ArgumentParser:
     bq = bsub.add_parser("quality", help="time to quality of config variants × seeds against a reference, inside "
                                          "start-anchored guards (see docs/guards.md)")
     common(bq)
-    bq.add_argument("--variant", action="append", required=True, metavar="NAME[=key=value,...]",
+    bq.add_argument("--variant", action="append", default=[], metavar="NAME[=key=value,...]",
                     help="a variant: overrides on the base config (repeatable; the first is the reference unless "
                          "--reference names another)")
     bq.add_argument("--reference", default="", help="the reference variant (default: the first)")
@@ -402,9 +405,14 @@ def build_parser() -> argparse.ArgumentParser:
     bq.add_argument("--evals", type=int, default=6, help="evaluations per cell after the start one")
     bq.add_argument("--eval-spacing", default="linear", choices=["linear", "quadratic"],
                     help="evaluation marks budget·j/evals (linear) or budget·(j/evals)² (quadratic: denser early)")
-    bq.add_argument("--target-fraction", type=float, default=0.95, help="of the reference's gain at its plateau")
+    bq.add_argument("--target-fraction", type=float, default=None,
+                    help="of the reference's gain at its plateau (default 0.95)")
     bq.add_argument("--target", type=float, default=None, help="an explicit target value of --metric instead")
-    bq.add_argument("--metric", default="eval/reward", help="the held-out metric to reach (higher is better)")
+    bq.add_argument("--metric", default="", help="the held-out metric to reach, higher is better (default "
+                                                 "eval/reward)")
+    bq.add_argument("--from", dest="from_dir", default="", metavar="DIR",
+                    help="summarise a finished benchmark's cells again (another --target-fraction, --target or "
+                         "--metric), training nothing")
     bq.add_argument("--out", default=str(Path("runs") / "bench_quality"), help="output directory")
     bq.set_defaults(func=cmd_bench_quality)
     sp = sub.add_parser("report", help="write a self-contained HTML report of a run")
