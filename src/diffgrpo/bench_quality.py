@@ -275,6 +275,7 @@ def summarize(cells: list[Cell], reference: str, *, metric: str, target_fraction
         target = start + target_fraction * (plat["level"] - start)
     reach = {v: [first_reach(c.curve, target, metric, th) for c in cs] for v, cs in by.items()}
     ref_t = np.array([r["seconds"] for r in reach[reference]])
+    ref_k = np.array([r["cost"] for r in reach[reference]])
     budget = budget or _mean([c.cost for c in by[reference]])
     rows = []
     for v, cs in by.items():
@@ -284,6 +285,7 @@ def summarize(cells: list[Cell], reference: str, *, metric: str, target_fraction
         finals = [c.curve[-1]["metrics"] for c in ok]
         last = curves[v][-1]["metrics"]
         paired = np.stack([ref_t, t], 1) if len(t) == len(ref_t) else None
+        paired_k = np.stack([ref_k, k], 1) if len(k) == len(ref_k) else None
         rows.append({
             "variant": v, "overrides": cs[0].overrides,
             "seeds": [c.seed for c in cs], "iterations": _mean([c.iterations for c in cs]),
@@ -300,6 +302,9 @@ def summarize(cells: list[Cell], reference: str, *, metric: str, target_fraction
             "time_to_target_ignoring_guards": float(np.mean([r["raw_seconds"] for r in reach[v]])),
             "speedup": _speedup(paired) if paired is not None else float("nan"),
             "speedup_ci": bootstrap_ci(paired, _speedup) if paired is not None else (float("nan"), float("nan")),
+            "cost_speedup": _speedup(paired_k) if paired_k is not None else float("nan"),
+            "cost_speedup_ci": bootstrap_ci(paired_k, _speedup) if paired_k is not None else (float("nan"),
+                                                                                             float("nan")),
             "first_out_of_guards": [first_out(c.curve, th, budget, metric) for c in cs],
             "time_shares": _shares(ok),
             "hacks": any(r["hacks"] for r in reach[v]), "per_seed": reach[v], "curve": curves[v]})
@@ -383,16 +388,18 @@ def to_markdown(meta: dict, s: dict) -> str:
         f"eval/guard/drift ≤ {th['max_drift']:g}, diversity ≥ {th['min_diversity_ratio']:g}×, guard rewards ≥ start − "
         f"{th['max_reward_drop']:g}×|start| (0 = off)."), "",
         ("| variant | s / it | cost / it | iterations | reached | time to target (s) [95% CI] | cost to target | "
-        "speed-up vs reference (time) [95% CI] | final reward | guards at end | out of guards at end | first out of "
+        "speed-up vs reference (time) [95% CI] | speed-up in cost [95% CI] | final reward | guards at end | out of guards at end | first out of "
         "guards | hacks |"),
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in s["rows"]:
         failed = f" ({len(r['failed'])} failed)" if r.get("failed") else ""
         lines.append(
             f"| {r['variant']} | {r['seconds_per_iteration']:.2f} | {r['cost_per_iteration']:.0f} | "
             f"{r['iterations']:.1f} | {r['reached']}/{len(r['seeds'])}{failed} | {_fmt(r['time_to_target'])}"
             f"{_ci(r['time_to_target_ci'])} | {_fmt(r['cost_to_target'], '{:.0f}')} | {_fmt(r['speedup'], '{:.2f}×')}"
-            f"{_ci(r['speedup_ci'], '{:.2f}')} | {r['final_reward']:.4f} ± {r['final_reward_std']:.4f} | "
+            f"{_ci(r['speedup_ci'], '{:.2f}')} | {_fmt(r.get('cost_speedup'), '{:.2f}×')}"
+            f"{_ci(r.get('cost_speedup_ci', (math.nan, math.nan)), '{:.2f}')} | "
+            f"{r['final_reward']:.4f} ± {r['final_reward_std']:.4f} | "
             f"{_guard_words(r['final_guards'], s['start_guards'])} | "
             f"{', '.join(r['final_out_of_guards']) or 'none'} | {_first_out_words(r['first_out_of_guards'])} | "
             f"{'yes' if r['hacks'] else 'no'} |")
