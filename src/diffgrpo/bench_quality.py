@@ -51,7 +51,6 @@ from .fileio import atomic_write, claim_folder, run_root
 from .trainer import Trainer
 
 METRIC = "eval/reward"
-GUARD_PLOTS = ("eval/fid", "eval/guard/drift", "eval/guard/diversity", "eval/diversity")
 SPACINGS = ("linear", "quadratic")
 PHASES = ("sample", "reward", "train")  # the trainer's time/<phase> keys; the rest of a step is "other"
 MARKER = ".diffgrpo-bench-quality"
@@ -419,37 +418,62 @@ def to_markdown(meta: dict, s: dict) -> str:
 
 
 def plot(s: dict, path: Path) -> None:
+    """Top: the seed-mean reward against training wall-clock and against counted cost (band: ± std over seeds when
+    few variants are drawn). Bottom: the reward against each guard, FID and diversity as ratios to the start, with
+    the guard's limit dashed."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    metric = s["metric"]
-    gkeys = [k for k in GUARD_PLOTS if any(k in p["metrics"] for r in s["rows"] for p in r["curve"])][:2]
-    fig, axes = plt.subplots(1, 2 + len(gkeys), figsize=(5.2 * (2 + len(gkeys)), 4.4), squeeze=False)
-    axes = axes[0]
+    metric, th, start = s["metric"], s["thresholds"], s.get("start_guards") or {}
+    limits = {"eval/fid": (True, th["max_fid_ratio"]), "eval/guard/drift": (False, th["max_drift"]),
+              "eval/guard/diversity": (True, th["min_diversity_ratio"])}
+    gkeys = [k for k in limits if any(k in p["metrics"] for r in s["rows"] for p in r["curve"])]
+    many = len(s["rows"]) > 10
+    cmap = plt.get_cmap("tab20" if many else "tab10")
+    ncol = max(2, len(gkeys))
+    fig, axes = plt.subplots(2 if gkeys else 1, ncol, figsize=(5.4 * ncol, 4.2 * (2 if gkeys else 1) + 0.9),
+                             squeeze=False)
     for i, row in enumerate(s["rows"]):
-        c, col = row["curve"], f"C{i % 10}"
+        c, col, ls = row["curve"], cmap(i % cmap.N), ("-" if i % 2 == 0 or not many else "--")
         ys = [p["metrics"].get(metric, float("nan")) for p in c]
         sd = [p["reward_std"] for p in c]
-        for ax, x in ((axes[0], "seconds"), (axes[1], "cost")):
+        for ax, x in ((axes[0][0], "seconds"), (axes[0][1], "cost")):
             xs = [p[x] for p in c]
-            ax.plot(xs, ys, marker="o", ms=3, color=col, label=row["variant"])
-            ax.fill_between(xs, [y - d for y, d in zip(ys, sd)], [y + d for y, d in zip(ys, sd)], color=col, alpha=0.12)
-        for ax, k in zip(axes[2:], gkeys):
-            ax.plot([p["metrics"].get(k, float("nan")) for p in c], ys, marker="o", ms=3, color=col, label=row["variant"])
-    for ax in axes:
+            ax.plot(xs, ys, marker="o", ms=2.5, lw=1.2, ls=ls, color=col, label=row["variant"])
+            if len(s["rows"]) <= 6:
+                ax.fill_between(xs, [y - d for y, d in zip(ys, sd)], [y + d for y, d in zip(ys, sd)], color=col,
+                                alpha=0.12)
+        for ax, k in zip(axes[1] if gkeys else [], gkeys):
+            ratio, v0 = limits[k][0], start.get(k)
+            gx = [p["metrics"].get(k, float("nan")) / (v0 if ratio and v0 else 1.0) for p in c]
+            ax.plot(gx, ys, marker="o", ms=2.5, lw=1.0, ls=ls, color=col)
+    spare = list(axes[0][2:])  # top-row panels without a curve: the legend goes there
+    for ax in axes.flat:
+        if ax in spare:
+            ax.axis("off")
+            continue
         ax.axhline(s["target"], color="k", ls="--", lw=0.8)
         ax.grid(alpha=0.3)
         ax.set_ylabel(f"{metric} (seed mean)")
-    axes[0].set_xlabel("training wall-clock, s (band: ± std over seeds)")
-    axes[1].set_xlabel("counted cost (sample-forwards + 2 × sample-backwards)")
-    for ax, k in zip(axes[2:], gkeys):
-        ax.set_xlabel(f"{k} (guard)")
-    axes[0].legend(fontsize=7)
-    fig.suptitle("Time to quality (dashed: target)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110, format="png")
+    axes[0][0].set_xlabel("training wall-clock, s")
+    axes[0][1].set_xlabel("counted cost (sample-forwards + 2 × sample-backwards)")
+    for ax, k in zip(axes[1] if gkeys else [], gkeys):
+        ratio, lim = limits[k]
+        ax.set_xlabel(f"{k}" + (" ÷ its start value" if ratio and start.get(k) else "") + " (dashed: the limit)")
+        if lim:
+            ax.axvline(lim, color="r", ls="--", lw=0.8)
+    handles = axes[0][0].get_legend_handles_labels()
+    if spare:
+        spare[0].legend(*handles, loc="center", ncol=2 if len(s["rows"]) > 8 else 1, fontsize=8, frameon=False)
+        rect = (0, 0, 1, 1)
+    else:
+        fig.legend(*handles, loc="lower center", ncol=min(len(s["rows"]), 6), fontsize=7, frameon=False)
+        rect = (0, 0.04 + 0.018 * math.ceil(len(s["rows"]) / 6), 1, 1)
+    fig.suptitle("Time to quality (black dashed: the target)")
+    fig.tight_layout(rect=rect)
+    fig.savefig(path, dpi=100, format="png")
     plt.close(fig)
 
 
