@@ -195,3 +195,49 @@ def test_out_must_be_new_empty_or_an_earlier_bench_output(tmp_path, capsys):
     # bench engines' --out follows the same rule, before any model loads
     assert main(["bench", "engines", "--out", str(mine), "--repeats", "1"]) == 2
     assert "--out:" in capsys.readouterr().err and sorted(p.name for p in mine.iterdir()) == ["notes.txt"]
+
+
+def test_an_interrupted_benchmark_reads_as_one_with_the_budget_every_cell_reached():
+    mk = lambda v, s, cost: bench_quality.Cell(v, s, None, _FakeTrainer(cost), overrides=[])
+    cells = [mk("ref", 0, 10), mk("ref", 1, 10), mk("cheap", 0, 5), mk("cheap", 1, 5)]
+    steps = iter(range(10_000))
+    budget = bench_quality.interleave(cells, "ref", iterations=8, evals=4, stop=lambda: next(steps) >= 30,
+                                      log=lambda *a: None)
+    assert budget == 80 and not any(c.done for c in cells)  # stopped before the end: no cell is finished
+    kept, cut = bench_quality.truncate(cells, budget, 4, "linear")
+    assert (kept, cut) == (2, 40.0) and all(len(c.curve) == 3 for c in cells)  # start + the 2 marks all passed
+    assert all(c.curve[-1]["cost"] >= 40 for c in cells)
+    s = bench_quality.summarize(cells, "ref", metric="eval/reward", target_fraction=0.95, th=guards.Thresholds(),
+                                budget=cut)
+    assert s["plateau"]["points"] == 2 and {r["variant"] for r in s["rows"]} == {"ref", "cheap"}
+
+
+def test_sigterm_stops_a_benchmark_from_the_cli_with_its_outputs(tmp_path):
+    """SIGTERM while the cells train: the current step ends, the outputs are written for the evaluation marks every
+    cell passed, the command exits 143 (128 + SIGTERM), and the table says where it stopped."""
+    import signal
+    import subprocess
+    import sys
+
+    out = tmp_path / "bq"
+    tiny = ["model.image_size=8", "model.num_layers=1", "model.num_heads=2", "model.head_dim=8", "model.text_dim=16",
+            "pretrain.steps=20", "pretrain.batch_size=16", "sampler.num_steps=4", "train.prompts_per_batch=2",
+            "train.group_size=2", "eval.seeds_per_prompt=1", "log.progress=false", "log.save_images=false"]
+    p = subprocess.Popen([sys.executable, "-m", "diffgrpo.cli", "bench", "quality", *tiny, "--variant", "a=",
+                          "--variant", "b=engine.name=single_step", "--seeds", "0", "1", "--iterations", "40",
+                          "--evals", "8", "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True)
+    lines = []
+    for line in p.stdout:
+        lines.append(line)
+        if "every cell past mark 2/8" in line:
+            p.send_signal(signal.SIGTERM)
+            break
+    rest = p.communicate(timeout=120)[0]
+    assert p.returncode == 128 + signal.SIGTERM, "".join(lines) + rest
+    assert "summarised at mark 2/8" in rest
+    s = json.loads((out / "summary.json").read_text(), parse_constant=_refuse)
+    assert s["meta"]["interrupted"] == {"signal": int(signal.SIGTERM), "marks": 2}
+    assert {len(c["evaluations"]) for c in s["cells"]} == {3}  # start + the two marks every cell passed
+    assert "Stopped by signal 15: summarised at evaluation mark 2 of 8" in (out / "table.md").read_text()
+    assert all(c["evaluations"][-1]["cost"] >= s["meta"]["budget_cost"] > 0 for c in s["cells"])  # mark 2's cost

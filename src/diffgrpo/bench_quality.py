@@ -32,11 +32,14 @@ resolved config per cell) and ``command.txt``; no per-iteration logs. Cost: the 
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import shlex
+import signal
 import statistics
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -180,10 +183,11 @@ def build_cells(base: RunConfig, variants: dict[str, list[str]], seeds: list[int
 
 
 def interleave(cells: list[Cell], reference: str, *, iterations: int = 0, budget_cost: float = 0.0, evals: int = 4,
-               spacing: str = "linear", max_iterations: int = 0, log=print) -> float:
+               spacing: str = "linear", max_iterations: int = 0, stop=lambda: False, log=print) -> float:
     """Step the unfinished cell with the least cost until every cell has spent the budget (→ the budget in cost):
     ``budget_cost``, or ``iterations`` of the reference (its seeds' mean cost of one iteration × iterations).
-    Each cell is evaluated at the start and when its cost passes each of :func:`eval_marks`."""
+    Each cell is evaluated at the start and when its cost passes each of :func:`eval_marks`. ``stop()`` true
+    ends the stepping before the next step (the cells stay unfinished: see :func:`truncate`)."""
     for c in cells:
         c.evaluate()
     cap = max_iterations or 1_000_000
@@ -204,6 +208,8 @@ def interleave(cells: list[Cell], reference: str, *, iterations: int = 0, budget
         live = [c for c in cells if not c.done]
         if not live:
             return budget_cost
+        if stop():
+            return budget_cost
         c = min(live, key=lambda q: q.cost)  # min keeps the listing order on ties
         passed = sum(1 for m in marks if c.cost >= m)  # every live cell has passed these marks
         if passed > shown:
@@ -212,6 +218,16 @@ def interleave(cells: list[Cell], reference: str, *, iterations: int = 0, budget
                 f"{budget_cost:.0f}), {time.perf_counter() - t0:.0f} s")
         c.step()
         _at_marks(c, marks, cap, log)
+
+
+def truncate(cells: list[Cell], budget: float, evals: int, spacing: str) -> tuple[int, float]:
+    """After an interrupted :func:`interleave`: cut every cell's curve at the last mark all cells (but the failed
+    ones) have passed, so the benchmark reads as one with that smaller budget. → (marks kept, their budget)."""
+    marks = eval_marks(budget, evals, spacing)
+    kept = min(len(c.curve) - 1 for c in (cells if all(c.failed for c in cells) else [c for c in cells if not c.failed]))
+    for c in cells:
+        del c.curve[kept + 1:]
+    return kept, (marks[kept - 1] if kept else 0.0)
 
 
 def _at_marks(c: Cell, marks: list[float], cap: int, log) -> None:
@@ -370,7 +386,8 @@ def to_markdown(meta: dict, s: dict) -> str:
             ("yes" if p["plateaued"] else "**no**") + f" (trend {p['trend']:+.4f} vs noise ±{p['noise']:.4f} over the "
             f"last quarter of its budget, {p['points']} evaluations)")
     th = s["thresholds"]
-    budget_words = f" (= {meta['iterations']} iterations of {s['reference']})" if meta["iterations"] else ""
+    budget_words = (f" (= {meta['iterations']} iterations of {s['reference']})"
+                    if meta["iterations"] and not meta.get("interrupted") else "")
     lines = [
         f"# Time to quality: {meta['title']}", "", f"Command: `{meta['command']}`", "",
         (f"Cells: {len(meta['variants'])} variants × seeds {meta['seeds']}, stepped interleaved in one process (least "
@@ -378,7 +395,10 @@ def to_markdown(meta: dict, s: dict) -> str:
         f"{budget_words}"
         f"; {meta['evals']} evaluations per cell after the start one, {meta.get('eval_spacing', 'linear')} in cost "
         f"({meta['eval_samples']} held-out samples each). "
-        f"Total benchmark time {meta['total_seconds']:.0f} s; machine load at start {meta['load']}."), "",
+        f"Total benchmark time {meta['total_seconds']:.0f} s; machine load at start {meta['load']}."
+        + (f" **Stopped by signal {meta['interrupted']['signal']}: summarised at evaluation mark "
+           f"{meta['interrupted']['marks']} of {meta['evals']}, so the budget above is that mark's cost.**"
+           if meta.get("interrupted") else "")), "",
         f"Target: {s['metric']} ≥ {s['target']:.4f} = start {s['start']:.4f} + {s['target_fraction']:g} × the "
         f"reference's gain at its plateau (level {p['level']:.4f}). Reference plateaued: {plat}."
         + (" **The reference gained nothing within the budget: the target is not a gain; raise the budget.**"
@@ -514,15 +534,24 @@ def run(base: RunConfig, variants: dict[str, list[str]], seeds: list[int], *, ou
     with run_root(out):
         for c in cells:
             atomic_write(out / "configs" / f"{c.variant}_seed{c.seed}.yaml", c.cfg.to_yaml())
-    cost = interleave(cells, reference, iterations=iterations, budget_cost=budget_cost, evals=evals,
-                      spacing=eval_spacing, max_iterations=max_iterations, log=log)
+    with _signals_stop(log) as stopped:
+        cost = interleave(cells, reference, iterations=iterations, budget_cost=budget_cost, evals=evals,
+                          spacing=eval_spacing, max_iterations=max_iterations, stop=lambda: bool(stopped), log=log)
+    interrupted = None
+    if stopped:
+        kept, cost = truncate(cells, cost, evals, eval_spacing)
+        if kept < 1:
+            raise TrainingError(f"bench quality: stopped by signal {stopped[0]} before every cell reached its first "
+                                "evaluation mark; nothing to summarise")
+        interrupted = {"signal": stopped[0], "marks": kept}
+        log(f"bench quality: stopped by signal {stopped[0]}; summarised at mark {kept}/{evals} (cost {cost:.0f})")
     th = guards.Thresholds(base.train.guard_max_fid_ratio, base.train.guard_max_drift,
                            base.train.guard_min_diversity_ratio, base.train.guard_max_reward_drop)
     s = summarize(cells, reference, metric=metric, target_fraction=target_fraction, th=th, target=target,
                   budget=cost)
     meta = {"title": title or f"{base.model.name} model, rewards {sorted(base.reward.weights)}", "command": command,
             "variants": variants, "seeds": seeds, "iterations": iterations, "budget_cost": cost, "evals": evals,
-            "eval_spacing": eval_spacing,
+            "eval_spacing": eval_spacing, "interrupted": interrupted,
             "eval_samples": _eval_samples(cells[0]),
             "total_seconds": time.perf_counter() - t0, "load": f"{load:.2f}", "torch_threads": torch.get_num_threads()}
     cells_json = [{"variant": c.variant, "seed": c.seed, "iterations": c.iterations, "seconds": c.seconds,
@@ -531,6 +560,31 @@ def run(base: RunConfig, variants: dict[str, list[str]], seeds: list[int], *, ou
     md = _write(out, meta, s, cells_json, command)
     log(md)
     return {"meta": meta, **s, "cells": cells_json}
+
+
+@contextlib.contextmanager
+def _signals_stop(log):
+    """Inside the block the first SIGINT / SIGTERM is noted in the yielded list (the benchmark finishes its current
+    step, then writes the outputs for the marks every cell has passed); a second one interrupts at once. Outside the
+    main thread nothing is installed."""
+    stopped: list[int] = []
+
+    def on_signal(signum, frame):
+        if stopped:
+            raise KeyboardInterrupt
+        stopped.append(signum)
+        log(f"received signal {signum}: finishing the current step, then writing the outputs for the evaluation marks "
+            "every cell has passed (a second signal stops at once)")
+
+    if threading.current_thread() is not threading.main_thread():
+        yield stopped
+        return
+    old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield stopped
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)
 
 
 def _strict(x):

@@ -284,8 +284,8 @@ def cmd_bench_quality(args) -> int:
         return 0
     cfg = _load_cfg(args)
     _threads(cfg)
-    bench_quality.from_args(cfg, args)
-    return 0
+    stopped = bench_quality.from_args(cfg, args)["meta"].get("interrupted")
+    return 128 + stopped["signal"] if stopped else 0  # a stopped benchmark exits as the signal would, its outputs written
 
 
 def cmd_report(args) -> int:
