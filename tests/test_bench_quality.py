@@ -192,6 +192,11 @@ def test_out_must_be_new_empty_or_an_earlier_bench_output(tmp_path, capsys):
     bench_quality.claim_out(earlier)  # an earlier output (its marker) may be written into again
     (earlier / "table.md").write_text("old")
     bench_quality.claim_out(earlier)
+    older = tmp_path / "older"  # an output from before the marker: nothing but the command's own files
+    (older / "configs").mkdir(parents=True)
+    (older / "summary.json").write_text("{}")
+    bench_quality.claim_out(older)
+    assert (older / bench_quality.MARKER).is_file()
     # bench engines' --out follows the same rule, before any model loads
     assert main(["bench", "engines", "--out", str(mine), "--repeats", "1"]) == 2
     assert "--out:" in capsys.readouterr().err and sorted(p.name for p in mine.iterdir()) == ["notes.txt"]

@@ -509,7 +509,8 @@ def plot(s: dict, path: Path) -> None:
 def claim_out(out: Path) -> None:
     """``--out`` must be new, empty, or an earlier ``bench quality`` output (its marker file): any other folder is
     refused before any model loads, so the benchmark never overwrites files it did not write."""
-    claim_folder(out, MARKER, "--out", "bench quality")
+    claim_folder(out, MARKER, "--out", "bench quality",
+                 outputs=("summary.json", "table.md", "curves.png", "command.txt", "configs"))
 
 
 def _eval_samples(c: Cell) -> int:

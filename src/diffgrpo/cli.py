@@ -270,7 +270,7 @@ def cmd_bench(args) -> int:
     if "recompute" not in variants:  # the baseline every ratio refers to
         variants = ["recompute"] + variants
     out = args.out or str(Path("runs") / "bench")
-    claim_folder(out, ".diffgrpo-bench-engines", "--out", "bench engines")
+    claim_folder(out, ".diffgrpo-bench-engines", "--out", "bench engines", outputs=("engines.json", "engines.md"))
     bench_engines(cfg, variants, repeats=args.repeats, out_dir=out)
     print(f"report in {out}/engines.json and {out}/engines.md")
     return 0

@@ -213,14 +213,16 @@ __all__ = ["append_line", "atomic_write", "check_below", "current_umask", "dir_m
            "read_utf8", "run_root", "share_tree", "temp_dir"]
 
 
-def claim_folder(out: str | Path, marker: str, option: str, what: str) -> None:
-    """Refuse ``out`` unless it is new, empty, or an earlier output of the same command (it holds ``marker``); then
-    write the marker (guarded: never through a link below ``out``). ``what`` names the command in the error."""
+def claim_folder(out: str | Path, marker: str, option: str, what: str, outputs: tuple[str, ...] = ()) -> None:
+    """Refuse ``out`` unless it is new, empty, or an earlier output of the same command: it holds ``marker``, or
+    (from versions before the marker) nothing but names in ``outputs``. Then write the marker (guarded: never through
+    a link below ``out``). ``what`` names the command in the error."""
     out = Path(out)
     if (out.exists() or out.is_symlink()) and not out.is_dir():  # a file, or a link to nothing
         raise ConfigError(f"{option}: {str(out)!r} exists and is not a directory; choose a new or empty directory")
     mark = out / marker
-    if out.is_dir() and any(out.iterdir()) and (mark.is_symlink() or not mark.is_file()):
+    ours = mark.is_file() and not mark.is_symlink()
+    if out.is_dir() and not ours and any(p.name not in outputs for p in out.iterdir()):
         raise ConfigError(f"{option}: {str(out)!r} is not empty and is not a {what} output (no {marker}); choose a "
                           "new or empty directory, so that no file of yours is overwritten")
     with run_root(out):
