@@ -53,16 +53,46 @@ def _fake_dist(root: Path, name: str, version: str) -> None:
     (d / "RECORD").write_text("")
 
 
-@pytest.mark.parametrize("installed", ["present", "2.4.1"])
-def test_installing_the_wheel_keeps_the_installed_torch(wheel, tmp_path, installed):
-    """pip's plan for the wheel installs no torch, both with this environment's torch and with another torch 2.x
-    in front of it on the path (an environment whose GPU torch is 2.4.1). --no-index: nothing can be fetched, so
-    a requirement the installed torch does not meet fails the plan."""
+def _older_torch_every_installed_package_accepts() -> str:
+    """The oldest of a few torch 2.x releases (2.4.1 first) that the torch requirement of every installed
+    distribution admits: an environment with that GPU torch and these packages is one pip could have made."""
+    from importlib.metadata import distributions
+
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    reqs = [q for d in distributions() for q in map(Requirement, d.requires or [])
+            if q.name.lower() == "torch" and (q.marker is None or q.marker.evaluate({"extra": ""}))]
+    for v in ("2.4.1", "2.5.1", "2.6.0", "2.7.1", "2.8.0", "2.9.1", "2.10.0", "2.11.0", "2.12.0"):
+        if all(q.specifier.contains(v) for q in reqs) and Version(v) < Version(_torch_version()):
+            return v
+    pytest.skip("no torch older than the installed one meets every installed package's requirement")
+
+
+def _torch_version() -> str:
     import torch
 
-    env = dict(os.environ, PIP_DISABLE_PIP_VERSION_CHECK="1")
-    if installed != "present":
-        _fake_dist(tmp_path / "site", "torch", installed)
+    return torch.__version__.split("+")[0]
+
+
+def _pip_env(**extra: str) -> dict[str, str]:
+    """pip without the machine's or the user's configuration (no find-links, extra indexes or constraints of
+    theirs): only what the command line names can be installed."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    return dict(env, PIP_CONFIG_FILE=os.devnull, PIP_DISABLE_PIP_VERSION_CHECK="1", **extra)
+
+
+@pytest.mark.parametrize("installed", ["present", "older"])
+def test_installing_the_wheel_keeps_the_installed_torch(wheel, tmp_path, installed):
+    """pip's plan for the wheel installs no torch, both with this environment's torch and with an older torch 2.x
+    in front of it on the path (an environment whose GPU torch is older, 2.4.1 where every installed package
+    accepts it). --no-index and no pip configuration: nothing can be fetched, so a requirement the installed torch
+    does not meet fails the plan."""
+    env = _pip_env()
+    expected = _torch_version()
+    if installed == "older":
+        expected = _older_torch_every_installed_package_accepts()
+        _fake_dist(tmp_path / "site", "torch", expected)
         env["PYTHONPATH"] = str(tmp_path / "site")
     report = tmp_path / "plan.json"
     r = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--no-index", "--find-links",
@@ -70,9 +100,8 @@ def test_installing_the_wheel_keeps_the_installed_torch(wheel, tmp_path, install
                        capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     plan = [item["metadata"]["name"].lower() for item in json.loads(report.read_text())["install"]]
-    assert "torch" not in plan, plan
+    assert plan == ["diffgrpo"], plan
     seen = subprocess.run([sys.executable, "-m", "pip", "show", "torch"], capture_output=True, text=True, env=env)
-    expected = torch.__version__.split("+")[0] if installed == "present" else installed
     assert f"Version: {expected}" in seen.stdout  # the torch pip judged the plan against
 
 
