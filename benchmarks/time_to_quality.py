@@ -61,7 +61,10 @@ def main(argv=None):
     p.add_argument("overrides", nargs="*", help="extra key=value config overrides for every variant")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
-    variants = {v: VARIANTS[v] for v in dict.fromkeys([a.reference, *a.variants]) if v in VARIANTS}
+    unknown = [v for v in [a.reference, *a.variants] if v not in VARIANTS]
+    if unknown:
+        p.error(f"--variants/--reference: unknown {', '.join(unknown)}; allowed: {', '.join(VARIANTS)}")
+    variants = {v: VARIANTS[v] for v in dict.fromkeys([a.reference, *a.variants])}
     variants.update(dict(bench_quality.parse_variant(s) for s in a.variant))
     base = RunConfig.from_overrides([*BASE, *a.overrides])
     command = "OMP_NUM_THREADS=1 python benchmarks/time_to_quality.py " + " ".join(
