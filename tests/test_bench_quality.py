@@ -108,6 +108,12 @@ def test_bench_quality_on_a_tiny_diffusers_pipeline(sd3_dir, tmp_path, capsys): 
     assert [c["evaluations"] for c in again["cells"]] == [c["evaluations"] for c in s["cells"]]
     lines = (out / "command.txt").read_text().splitlines()
     assert lines[0].startswith("diffgrpo bench quality") and lines[1].endswith("--from " + str(out) + " --target-fraction 0.5")
+    assert not again["target_given"] and "= start" in (out / "table.md").read_text()
+    # an explicit target is said to be one, not derived from the reference's gain
+    assert main(["bench", "quality", "--from", str(out), "--target", "0.5"]) == 0
+    given = json.loads((out / "summary.json").read_text(), parse_constant=_refuse)
+    assert given["target"] == 0.5 and given["target_given"]
+    assert "Target: eval/reward ≥ 0.5000, given with --target" in (out / "table.md").read_text()
     capsys.readouterr()
     assert main(["bench", "quality", "--from", str(out), "--variant", "x"]) == 2
     assert "--from: --variant cannot change a finished benchmark's cells" in capsys.readouterr().err

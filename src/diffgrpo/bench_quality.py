@@ -286,6 +286,7 @@ def summarize(cells: list[Cell], reference: str, *, metric: str, target_fraction
     start = ref[0]["metrics"].get(metric, float("nan"))
     plat = plateau([p["cost"] for p in ref], [p["metrics"].get(metric, float("nan")) for p in ref],
                    [p["reward_std"] for p in ref], len(by[reference]))
+    given = target is not None
     if target is None:
         target = start + target_fraction * (plat["level"] - start)
     reach = {v: [first_reach(c.curve, target, metric, th) for c in cs] for v, cs in by.items()}
@@ -328,7 +329,7 @@ def summarize(cells: list[Cell], reference: str, *, metric: str, target_fraction
     start_guards = {k: v for k, v in ref[0]["metrics"].items() if k.startswith(("eval/guard/", "eval/fid",
                                                                                    "eval/diversity"))}
     return {"metric": metric, "reference": reference, "start": start, "start_guards": start_guards, "target": target,
-            "reference_gain": plat["level"] - start,
+            "target_given": given, "reference_gain": plat["level"] - start,
             "target_fraction": target_fraction, "plateau": plat, "thresholds": th.__dict__, "rows": rows}
 
 
@@ -401,8 +402,11 @@ def to_markdown(meta: dict, s: dict) -> str:
         + (f" **Stopped by signal {meta['interrupted']['signal']}: summarised at evaluation mark "
            f"{meta['interrupted']['marks']} of {meta['evals']}, so the budget above is that mark's cost.**"
            if meta.get("interrupted") else "")), "",
-        f"Target: {s['metric']} ≥ {s['target']:.4f} = start {s['start']:.4f} + {s['target_fraction']:g} × the "
-        f"reference's gain at its plateau (level {p['level']:.4f}). Reference plateaued: {plat}."
+        (f"Target: {s['metric']} ≥ {s['target']:.4f}, given with --target (start {s['start']:.4f}; the reference's "
+         f"level over the last quarter of its budget {p['level']:.4f}). Reference plateaued: {plat}."
+         if s.get("target_given") else
+         f"Target: {s['metric']} ≥ {s['target']:.4f} = start {s['start']:.4f} + {s['target_fraction']:g} × the "
+         f"reference's gain at its plateau (level {p['level']:.4f}). Reference plateaued: {plat}.")
         + (" **The reference gained nothing within the budget: the target is not a gain; raise the budget.**"
            if s["reference_gain"] <= 0 else ""), "",
         (f"Guards, each relative to the cell's own start: eval/fid ≤ {th['max_fid_ratio']:g}× (built-in task), "
