@@ -75,11 +75,11 @@ def _torch_version() -> str:
     return torch.__version__.split("+")[0]
 
 
-def _pip_env(**extra: str) -> dict[str, str]:
+def _pip_env() -> dict[str, str]:
     """pip without the machine's or the user's configuration (no find-links, extra indexes or constraints of
     theirs): only what the command line names can be installed."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
-    return dict(env, PIP_CONFIG_FILE=os.devnull, PIP_DISABLE_PIP_VERSION_CHECK="1", **extra)
+    return dict(env, PIP_CONFIG_FILE=os.devnull, PIP_DISABLE_PIP_VERSION_CHECK="1")
 
 
 @pytest.mark.parametrize("installed", ["present", "older"])

@@ -402,11 +402,12 @@ def to_markdown(meta: dict, s: dict) -> str:
         + (f" **Stopped by signal {meta['interrupted']['signal']}: summarised at evaluation mark "
            f"{meta['interrupted']['marks']} of {meta['evals']}, so the budget above is that mark's cost.**"
            if meta.get("interrupted") else "")), "",
-        (f"Target: {s['metric']} ≥ {s['target']:.4f}, given with --target (start {s['start']:.4f}; the reference's "
-         f"level over the last quarter of its budget {p['level']:.4f}). Reference plateaued: {plat}."
-         if s.get("target_given") else
-         f"Target: {s['metric']} ≥ {s['target']:.4f} = start {s['start']:.4f} + {s['target_fraction']:g} × the "
-         f"reference's gain at its plateau (level {p['level']:.4f}). Reference plateaued: {plat}.")
+        f"Target: {s['metric']} ≥ {s['target']:.4f}"
+        + (f", given with --target (start {s['start']:.4f}; the reference's level over the last quarter of its budget "
+           f"{p['level']:.4f})" if s.get("target_given") else
+           f" = start {s['start']:.4f} + {s['target_fraction']:g} × the reference's gain at its plateau (level "
+           f"{p['level']:.4f})")
+        + f". Reference plateaued: {plat}."
         + (" **The reference gained nothing within the budget: the target is not a gain; raise the budget.**"
            if s["reference_gain"] <= 0 else ""), "",
         (f"Guards, each relative to the cell's own start: eval/fid ≤ {th['max_fid_ratio']:g}× (built-in task), "
