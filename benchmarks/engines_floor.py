@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from diffgrpo import RunConfig
-from diffgrpo.bench import bench_engines
+from diffgrpo.studies.engines import bench_engines
 from diffgrpo.engines import _per_sample
 
 

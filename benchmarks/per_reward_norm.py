@@ -6,7 +6,7 @@ Normalising the weighted sum lets the reward with the larger spread decide every
 reward's weight is nominal; normalising each reward in its group first gives each its weight. The question measured:
 how much each reward moves (held-out, start → end, seeds paired) with each normalisation, inside the guards.
 
-Runs through :mod:`diffgrpo.bench_quality` (both variants × seeds interleaved in one process, budget in counted
+Runs through :mod:`diffgrpo.studies.quality` (both variants × seeds interleaved in one process, budget in counted
 cost), with the study's base config and KL term (benchmarks/time_to_quality.py), then tabulates each reward's gain
 with a percentile-bootstrap 95 % interval over seeds:
 

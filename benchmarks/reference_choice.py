@@ -18,7 +18,8 @@ from pathlib import Path
 
 import yaml
 
-from diffgrpo import bench_quality, guards
+from diffgrpo import guards
+from diffgrpo.studies import quality as bench_quality
 from diffgrpo.fileio import atomic_write
 
 

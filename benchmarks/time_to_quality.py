@@ -1,6 +1,6 @@
 """Time to quality on the built-in task: the study's variants through ``diffgrpo bench quality``.
 
-A thin wrapper around :mod:`diffgrpo.bench_quality` (interleaved cells, budget in iterations of the reference as
+A thin wrapper around :mod:`diffgrpo.studies.quality` (interleaved cells, budget in iterations of the reference as
 counted cost, target = 95 % of the reference's gain at its plateau, guards anchored to each cell's start, bootstrap
 intervals over seeds): it holds the built-in study's base config and variant list. ``--variants`` picks some of them,
 ``--variant NAME=key=value,...`` adds one.

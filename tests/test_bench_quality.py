@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 import yaml
 
-from diffgrpo import bench_quality, guards
-from diffgrpo.cli import main
+from diffgrpo import guards
+from diffgrpo.studies import quality as bench_quality
+from diffgrpo.cli.app import main
 from tests._tiny_rewards import save_tiny_clip
 from tests.test_diffusers_models import sd3_dir  # noqa: F401 - the tiny pipeline fixture
 

@@ -6,7 +6,7 @@ import torch
 import yaml
 
 from diffgrpo import RunConfig
-from diffgrpo.checkpoint import is_complete, latest_complete, list_checkpoints
+from diffgrpo.run.checkpoint import is_complete, latest_complete, list_checkpoints
 from diffgrpo.models.tiny import build_tiny_policy
 from tests.conftest import TINY
 

@@ -12,12 +12,12 @@ import torch
 import yaml
 
 from diffgrpo import RunConfig
-from diffgrpo.cli import main, parse_args
-from diffgrpo.configdoc import reference_markdown
+from diffgrpo.cli.app import main, parse_args
+from diffgrpo.cli.configdoc import reference_markdown
 from diffgrpo.errors import ConfigError
-from diffgrpo.flags import accelerate_overrides
-from diffgrpo.hub import check_hub, needed
-from diffgrpo.runtime import apply_cpu_threads, cpu_threads
+from diffgrpo.cli.flags import accelerate_overrides
+from diffgrpo.cli.hub import check_hub, needed
+from diffgrpo.cli.runtime import apply_cpu_threads, cpu_threads
 
 ROOT = Path(__file__).resolve().parents[1]
 

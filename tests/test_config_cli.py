@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from diffgrpo import ConfigError, RunConfig
-from diffgrpo.cli import main
+from diffgrpo.cli.app import main
 
 
 def test_defaults_and_overrides():

@@ -9,7 +9,7 @@ import yaml
 
 from diffgrpo import ConfigError, RunConfig
 from diffgrpo import validation as config_mod
-from diffgrpo.cli import main
+from diffgrpo.cli.app import main
 from diffgrpo.config import MAX_SAMPLES_PER_ITERATION
 from diffgrpo.validation import validate
 

@@ -17,8 +17,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from diffgrpo import RunConfig, distributed
-from diffgrpo.checkpoint import is_complete, latest_complete, list_checkpoints
-from diffgrpo.job import resume
+from diffgrpo.run.checkpoint import is_complete, latest_complete, list_checkpoints
+from diffgrpo.run.job import resume
 from tests.conftest import TINY
 
 COMMON = [*TINY, "seed=0", "engine.name=recompute", "train.group_size=4", "train.prompts_per_batch=2",

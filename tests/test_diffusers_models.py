@@ -362,7 +362,7 @@ CONFIGS = sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "configs
 def test_real_model_configs_validate(name, tmp_path, monkeypatch, capsys):
     """Every shipped config resolves on a fresh checkout: registry rewards, shipped prompt sets, no PYTHONPATH;
     its header names the one command that trains it."""
-    from diffgrpo.cli import main
+    from diffgrpo.cli.app import main
     from diffgrpo.rewards import REWARDS
 
     path = Path(__file__).resolve().parents[1] / "configs" / f"{name}.yaml"
@@ -380,7 +380,7 @@ def test_real_model_configs_validate(name, tmp_path, monkeypatch, capsys):
 def test_print_config_checks_data_only_when_asked(tmp_path, capsys):
     """print-config resolves a config whose prompt files are elsewhere; --check-data and train check them, and
     train refuses before any model loads (the hub id below is never fetched)."""
-    from diffgrpo.cli import main
+    from diffgrpo.cli.app import main
 
     args = ["--config", str(Path(__file__).resolve().parents[1] / "configs" / "sd35_medium_ocr.yaml"),
             f"train.prompts_file={tmp_path / 'missing.jsonl'}", f"log.output_dir={tmp_path / 'run'}"]

@@ -353,7 +353,7 @@ def test_cli_edit_run_exports_what_diffusers_reloads_and_samples(pipe_dirs, sour
     from PIL import Image
     from safetensors.torch import load_file
 
-    from diffgrpo.cli import main
+    from diffgrpo.cli.app import main
     from diffgrpo.models.diffusers_adapter import build_diffusers_policy
     from tests._tiny_rewards import save_tiny_clip
 
@@ -400,7 +400,7 @@ def test_cli_sample_edits_the_given_source_image(pipe_dirs, tmp_path, capsys):
     ``--image`` it is refused in one line naming it, and a link is refused as a prompt file's image is."""
     from PIL import Image
 
-    from diffgrpo.cli import main
+    from diffgrpo.cli.app import main
 
     d = pipe_dirs["kontext"]
     recs = _records(d)
@@ -432,7 +432,7 @@ def test_every_engine_trains_an_editing_model(pipe_dirs, tmp_path, engine):
     objectives with their reference / old-policy forwards): a LoRA run trains (its adapter leaves zero)."""
     from safetensors.torch import load_file
 
-    from diffgrpo.cli import main
+    from diffgrpo.cli.app import main
 
     d, run = pipe_dirs["kontext"], tmp_path / "run"
     args = [a for a in _cli_args("kontext", d, None, run, 4) if not a.startswith("reward.")]

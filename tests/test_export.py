@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from diffgrpo import RunConfig
-from diffgrpo.cli import main
+from diffgrpo.cli.app import main
 from tests.test_diffusers_models import PROMPTS, QUIET, sd3_dir  # noqa: F401  (a fixture)
 
 T = 3  # sampler.num_steps in QUIET

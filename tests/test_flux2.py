@@ -220,7 +220,7 @@ def test_cli_run_exports_what_diffusers_reloads_and_samples(pipe_dirs, tmp_path,
     from diffusers import Flux2Transformer2DModel
     from safetensors.torch import load_file
 
-    from diffgrpo.cli import main
+    from diffgrpo.cli.app import main
 
     d, run, g = pipe_dirs[variant], tmp_path / "run", 4.0
     assert main(["train", *COMMON, f"model.pretrained={d}", f"model.guidance_scale={g}", f"model.lora_rank={lora}",

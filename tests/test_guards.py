@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from scipy.spatial.distance import pdist
 
 from diffgrpo import RunConfig, guards, quality
-from diffgrpo.cli import main
+from diffgrpo.cli.app import main
 from diffgrpo.config import ConfigError
 from diffgrpo.rewards import image as image_rewards
 from diffgrpo.rewards import verifiers

@@ -122,7 +122,7 @@ def test_auto_under_torchrun_trains_as_ddp():
 def test_resume_and_sample_pick_the_device_again():
     """The saved config records the device used (rank 0's cuda:0 under torchrun): a resume or sample chooses
     this machine's and this rank's device again, unless the command line names one."""
-    from diffgrpo.saved_config import fresh_device
+    from diffgrpo.run.saved_config import fresh_device
 
     assert fresh_device({"model": {"device": "cuda:0"}}, ["train.num_iterations=9"])["model"]["device"] == "auto"
     assert fresh_device({"model": {"device": "cuda:0"}}, ["model.device=cpu"])["model"]["device"] == "cuda:0"

@@ -52,7 +52,7 @@ def test_constant_schedule_is_todays_adamw(make_trainer):
 
 
 def test_scheduler_state_in_checkpoint_and_resume_with_new_lr(make_trainer, tmp_path):
-    from diffgrpo.checkpoint import load_checkpoint, save_checkpoint, set_base_lr
+    from diffgrpo.run.checkpoint import load_checkpoint, save_checkpoint, set_base_lr
     tr = make_trainer("train.lr_schedule=linear", "train.num_iterations=4", "train.lr=0.01")
     tr.step()
     tr.step()

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from diffgrpo import RunConfig, Trainer
-from diffgrpo.checkpoint import latest_complete, load_checkpoint
+from diffgrpo.run.checkpoint import latest_complete, load_checkpoint
 from diffgrpo.config import ConfigError
 from diffgrpo.engines import ENGINES
 from diffgrpo.engines.base import MemoryMeter

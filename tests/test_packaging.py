@@ -160,7 +160,7 @@ def test_checkpoint_folder_honours_the_umask(tmp_path):
     """A checkpoint written under umask 002 is group-readable and -writable, folder and files."""
     import torch
 
-    from diffgrpo.checkpoint import save_checkpoint
+    from diffgrpo.run.checkpoint import save_checkpoint
 
     old = os.umask(0o002)
     try:

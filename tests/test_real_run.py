@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from diffgrpo.cli import main
+from diffgrpo.cli.app import main
 from tests._tiny_rewards import save_tiny_clip
 from tests.test_diffusers_models import sd3_dir  # noqa: F401 - the tiny pipeline fixture
 

@@ -13,13 +13,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from diffgrpo.checkpoint import (
+from diffgrpo.run.checkpoint import (
     latest_complete,
     list_checkpoints,
     load_checkpoint,
     save_checkpoint,
 )
-from diffgrpo.cli import main
+from diffgrpo.cli.app import main
 from diffgrpo.rewards import REWARDS, RewardError
 from diffgrpo.trainer import TrainingError
 

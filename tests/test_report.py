@@ -12,8 +12,8 @@ import yaml
 from PIL import Image
 
 from diffgrpo import RunConfig, __version__
-from diffgrpo.cli import main
-from diffgrpo.report import changed_keys, family_keys
+from diffgrpo.cli.app import main
+from diffgrpo.cli.report import changed_keys, family_keys
 from tests.test_reliability import browser
 
 

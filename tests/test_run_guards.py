@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from diffgrpo import distributed
-from diffgrpo.checkpoint import latest_complete, list_checkpoints, load_checkpoint
-from diffgrpo.cli import main
+from diffgrpo.run.checkpoint import latest_complete, list_checkpoints, load_checkpoint
+from diffgrpo.cli.app import main
 from diffgrpo.errors import TrainingError
 from diffgrpo.fileio import append_line, atomic_write, read_jsonl
 from diffgrpo.rewards import REWARDS
@@ -296,7 +296,7 @@ def test_a_full_disk_ends_the_run_in_one_line_and_it_resumes(tmp_path, capsys):
 
 
 def test_a_checkpoint_with_non_finite_weights_is_refused_on_resume(tmp_path, capsys):
-    from diffgrpo.checkpoint import save_checkpoint
+    from diffgrpo.run.checkpoint import save_checkpoint
 
     run = _run(tmp_path, "r", "train.num_iterations=1", "train.save_every=1")
     ck = load_checkpoint(latest_complete(run))
@@ -307,7 +307,7 @@ def test_a_checkpoint_with_non_finite_weights_is_refused_on_resume(tmp_path, cap
 
 
 def test_saved_remote_code_and_code_engines_are_not_trusted(tmp_path, capsys):
-    from diffgrpo.saved_config import distrust
+    from diffgrpo.run.saved_config import distrust
 
     data = {"model": {"name": "hf_masked_lm"}, "dllm": {"model_path": "x", "trust_remote_code": True},
             "engine": {"name": "evil:Engine"}}

@@ -7,7 +7,7 @@ from diffgrpo.engines._per_sample import PerSampleGrads
 from diffgrpo.engines.jagg import JaggEngine
 from diffgrpo.engines.recompute import RecomputeEngine
 from diffgrpo.engines.single_step import SingleStepEngine
-from diffgrpo.job import resume
+from diffgrpo.run.job import resume
 from tests.conftest import flat_grad, rel_err
 
 TOL = 1e-5
@@ -144,7 +144,7 @@ def test_checkpoint_round_trip_restores_the_adapter(make_trainer, tmp_path):
     tr = make_trainer(*common)
     tr.step()
     ckpt = tr.save_checkpoint()
-    from diffgrpo.checkpoint import load_checkpoint
+    from diffgrpo.run.checkpoint import load_checkpoint
 
     saved = load_checkpoint(ckpt).trainable
     assert set(saved) == set(tr.policy.state_dict()) and all("lora_" in k for k in saved)

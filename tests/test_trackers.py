@@ -8,8 +8,8 @@ import struct
 import pytest
 import torch
 
-from diffgrpo import job as job_mod
-from diffgrpo.runlog import MetricsWriter
+from diffgrpo.run import job as job_mod
+from diffgrpo.run.runlog import MetricsWriter
 
 RUN = ("train.num_iterations=2", "eval.every=1", "eval.seeds_per_prompt=1")
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from diffgrpo.cli import main
+from diffgrpo.cli.app import main
 from diffgrpo.errors import RewardError, TrainingError
 from tests.test_reliability import TINY_CLI
 
@@ -270,7 +270,7 @@ def test_a_reward_editing_its_input_cannot_change_other_rewards_or_the_samples()
 
 
 def test_model_card_with_a_null_evaluation_reward():  # M-5
-    from diffgrpo.export import last_held_out, model_card
+    from diffgrpo.cli.export import last_held_out, model_card
 
     rows = [{"iteration": 0, "eval/reward": 0.5}, {"iteration": 1, "eval/reward": None, "eval/rewards/x": None}]
     held = last_held_out(rows, 1)
@@ -289,7 +289,7 @@ def test_export_into_the_current_empty_folder_keeps_it(small_run, tmp_path, monk
 
 
 def test_a_checkpoint_of_another_model_size_is_a_one_line_error(make_trainer, tmp_path):  # M-8
-    from diffgrpo.checkpoint import latest_complete, load_checkpoint
+    from diffgrpo.run.checkpoint import latest_complete, load_checkpoint
 
     run = tmp_path / "r"
     make_trainer(f"log.output_dir={run}", "train.num_iterations=1", "train.save_every=1",
@@ -303,7 +303,7 @@ def test_a_checkpoint_of_another_model_size_is_a_one_line_error(make_trainer, tm
 def test_report_survives_odd_rows_and_never_follows_links(small_run, tmp_path):  # M-16, M-17
     import shutil
 
-    from diffgrpo.report import write_report
+    from diffgrpo.cli.report import write_report
 
     run = tmp_path / "run"
     shutil.copytree(small_run, run, symlinks=True)
@@ -401,7 +401,7 @@ def test_spg_batch_token_mean_against_the_released_per_group_normalisation():
 
 
 def test_a_signal_delivered_twice_still_checkpoints(tmp_path):  # M-10
-    from diffgrpo.checkpoint import latest_complete
+    from diffgrpo.run.checkpoint import latest_complete
 
     out = tmp_path / "run"
     p = subprocess.Popen([sys.executable, "-m", "diffgrpo.cli", "train", *FAST, "train.num_iterations=200",
@@ -444,7 +444,7 @@ def test_short_masked_lm_pretraining_runs():  # found by the user-path matrix: p
     (["download", "seed=1", "--dry-run", "train.lr=1"], ["seed=1", "train.lr=1"]),
     (["pretrain", "seed=1", "--task", "sudoku", "train.lr=1"], ["seed=1", "train.lr=1"])])
 def test_overrides_anywhere_on_every_subcommand(argv, overrides):  # M-6
-    from diffgrpo.cli import parse_args
+    from diffgrpo.cli.app import parse_args
 
     args = parse_args(argv)
     assert args.overrides == overrides
@@ -483,13 +483,13 @@ def test_tracker_setup_problems_are_one_line_before_the_model_loads(tmp_path, ca
 
 
 def test_a_tracker_that_fails_to_start_is_one_line(tmp_path):  # M-11: whatever else a tracker raises
-    from diffgrpo.runlog import MetricsWriter, WandBTracker
+    from diffgrpo.run.runlog import MetricsWriter, WandBTracker
 
     class Broken(WandBTracker):
         def __init__(self, *a):
             raise RuntimeError("api_key not configured (no-tty)\ncall wandb.login()")
 
-    from diffgrpo import runlog
+    from diffgrpo.run import runlog
 
     orig = runlog.WandBTracker
     runlog.WandBTracker = Broken
@@ -624,7 +624,7 @@ def test_sigterm_on_one_rank_stops_every_rank_at_the_same_iteration(tmp_path):
     import json
     import socket
 
-    from diffgrpo.checkpoint import latest_complete
+    from diffgrpo.run.checkpoint import latest_complete
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -701,7 +701,7 @@ def _edit_state(ckpt: Path, edit) -> None:
 
 
 def test_stale_temporary_files_are_removed_at_the_next_start(tmp_path):
-    from diffgrpo.rundir import sweep
+    from diffgrpo.run.rundir import sweep
 
     run = tmp_path / "run"
     (run / "checkpoints" / ".tmp_iter_000002.ab_cd123").mkdir(parents=True)

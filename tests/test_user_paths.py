@@ -27,8 +27,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from diffgrpo.checkpoint import latest_complete
-from diffgrpo.cli import main
+from diffgrpo.run.checkpoint import latest_complete
+from diffgrpo.cli.app import main
 from tests.dllm_remote_models import build_remote_model
 from tests.test_diffusers_models import (  # noqa: F401
     PROMPTS,

@@ -18,7 +18,7 @@ import torch
 from PIL import Image
 
 from diffgrpo import RunConfig, Trainer
-from diffgrpo.cli import main
+from diffgrpo.cli.app import main
 from diffgrpo.errors import ConfigError, RewardError
 from diffgrpo.models.tiny import build_tiny_policy
 from diffgrpo.rewards import SUPPLIED, calling, make_rewards

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from diffgrpo.cli import main
+from diffgrpo.cli.app import main
 from diffgrpo.config import PretrainConfig
 from diffgrpo.rewards import REWARDS, RewardError, compute_rewards
 from diffgrpo.tasks import TASKS, Example, get_task, safe_eval

@@ -186,7 +186,7 @@ def test_cli_run_exports_what_diffusers_reloads_and_samples(wan_dirs, tmp_path, 
     from diffusers import WanPipeline, WanTransformer3DModel
     from safetensors.torch import load_file
 
-    from diffgrpo.cli import main
+    from diffgrpo.cli.app import main
 
     d, run = wan_dirs["a14b"], tmp_path / "run"
     ov = [*COMMON, *CROSS, f"model.pretrained={d}", "model.guidance_scale_low=2.0", f"model.lora_rank={lora}",
@@ -231,7 +231,7 @@ def test_ti2v_cli_run_full_and_reload(wan_dirs, tmp_path):
     from diffusers import WanPipeline, WanTransformer3DModel
     from safetensors.torch import load_file
 
-    from diffgrpo.cli import main
+    from diffgrpo.cli.app import main
 
     d, run = wan_dirs["ti2v"], tmp_path / "run"
     assert main(["train", *COMMON, f"model.pretrained={d}", "train.lr=0.002", "train.num_iterations=1",

@@ -135,7 +135,7 @@ def test_cli_run_exports_what_diffusers_reloads_and_samples(zimage_dir, tmp_path
     from diffusers import ZImagePipeline, ZImageTransformer2DModel
     from safetensors.torch import load_file
 
-    from diffgrpo.cli import main
+    from diffgrpo.cli.app import main
 
     d, run = zimage_dir, tmp_path / "run"
     assert main(["train", *COMMON, f"model.pretrained={d}", "model.guidance_scale=4.0", f"model.lora_rank={lora}",

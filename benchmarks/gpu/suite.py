@@ -1,5 +1,5 @@
 """The GPU suite: every gradient engine against ``recompute`` on transformers at real sizes (random weights, no
-download), with and without LoRA and activation checkpointing, through ``diffgrpo.bench.bench_engines`` (what
+download), with and without LoRA and activation checkpointing, through ``diffgrpo.studies.engines.bench_engines`` (what
 ``diffgrpo bench engines`` runs). Run it with ``bash benchmarks/gpu/suite.sh`` (one H200: at most 8 minutes);
 ``--size toy`` runs the same cells on the CPU at toy sizes (CI), ``--size small`` gives the CPU memory table.
 
@@ -37,7 +37,7 @@ from benchmarks.gpu import mlm  # noqa: E402
 from benchmarks.gpu.models import MODELS, build_policy, build_transformer, parameter_count  # noqa: E402
 from benchmarks.gpu.throughput import annotate, flow_forward_flops, fraction, peak_bf16  # noqa: E402
 from diffgrpo import RunConfig  # noqa: E402
-from diffgrpo.bench import bench_engines  # noqa: E402
+from diffgrpo.studies.engines import bench_engines  # noqa: E402
 from diffgrpo.distributed import resolve_device  # noqa: E402
 from diffgrpo.engines import ENGINES, FORWARD_ENGINES  # noqa: E402
 from diffgrpo.models.regional_compile import repeated_blocks  # noqa: E402

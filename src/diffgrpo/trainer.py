@@ -21,8 +21,9 @@ from pathlib import Path
 
 import torch
 
-from . import checkpoint, distributed, job, rundir
-from .checkpoint import RunState
+from .run import checkpoint, job, rundir
+from . import distributed
+from .run.checkpoint import RunState
 from .config import MODEL_FAMILIES, RunConfig
 from .console import emit
 from .ema import EMA

@@ -47,11 +47,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import guards
-from .config import MODEL_FAMILIES, RunConfig
-from .errors import ConfigError, TrainingError
-from .fileio import atomic_write, claim_folder, run_root
-from .trainer import Trainer
+from .. import guards
+from ..config import MODEL_FAMILIES, RunConfig
+from ..errors import ConfigError, TrainingError
+from ..fileio import atomic_write, claim_folder, run_root
+from ..trainer import Trainer
 
 METRIC = "eval/reward"
 SPACINGS = ("linear", "quadratic")

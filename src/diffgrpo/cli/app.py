@@ -1,7 +1,7 @@
 """Command line: ``diffgrpo {train, pretrain, sample, bench, report, export, print-config, configs, download}``.
 
 Every command that builds a run takes ``[--config FILE|NAME] [key=value ...]``, the overrides anywhere on the line
-(also as ``--key value``, and under the TRL / flow_grpo names of ``diffgrpo.flags``); ``diffgrpo train`` with no
+(also as ``--key value``, and under the TRL / flow_grpo names of ``diffgrpo.cli.flags``); ``diffgrpo train`` with no
 arguments runs the embedded default (the built-in digits model, pretrained on first use).
 """
 from __future__ import annotations
@@ -16,15 +16,16 @@ from pathlib import Path
 
 import yaml
 
-from . import flags, recipes, rundir
-from ._version import __version__
-from .config import MODEL_FAMILIES, RunConfig, from_dict
-from .console import end_summary
-from .errors import ConfigError, RewardError, TrainingError
-from .fileio import atomic_write, claim_folder, read_jsonl
+from . import flags, recipes
+from ..run import rundir
+from .._version import __version__
+from ..config import MODEL_FAMILIES, RunConfig, from_dict
+from ..console import end_summary
+from ..errors import ConfigError, RewardError, TrainingError
+from ..fileio import atomic_write, claim_folder, read_jsonl
 from .hub import check_hub
 from .runtime import apply_cpu_threads
-from .saved_config import RESUMABLE, distrust, flat, fresh_device, saved_data
+from ..run.saved_config import RESUMABLE, distrust, flat, fresh_device, saved_data
 
 
 def _load_cfg(args) -> RunConfig:
@@ -65,7 +66,7 @@ def _resume_dir(args) -> Path | None:
 
 
 def cmd_train(args) -> int:
-    from .trainer import Trainer
+    from ..trainer import Trainer
 
     t0 = time.perf_counter()
 
@@ -119,15 +120,15 @@ def cmd_train(args) -> int:
 
 
 def cmd_pretrain(args) -> int:
-    from .cache import cache_root
-    from .models.tiny import load_or_pretrain
-    from .rewards.image import load_classifier
+    from ..cache import cache_root
+    from ..models.tiny import load_or_pretrain
+    from ..rewards.image import load_classifier
 
     cfg = _load_cfg(args)
     _threads(cfg)
     if getattr(args, "task", None) or cfg.model.name == "tiny_mlm":  # the built-in masked diffusion LM
-        from .models.hf_masked_lm import load_or_pretrain_mlm
-        from .tasks import get_task
+        from ..models.hf_masked_lm import load_or_pretrain_mlm
+        from ..tasks import get_task
 
         task = get_task(args.task or cfg.dllm.task)
         load_or_pretrain_mlm(task, cfg.pretrain, cache_dir=cfg.model.cache_dir, progress=cfg.log.progress)
@@ -141,7 +142,7 @@ def cmd_pretrain(args) -> int:
 
 
 def cmd_sample(args) -> int:
-    from .models.editing import sampling_only
+    from ..models.editing import sampling_only
 
     with sampling_only():  # an editing model's source comes from --image, not from prompt files
         return _cmd_sample(args)
@@ -151,11 +152,11 @@ def _cmd_sample(args) -> int:
     import torch
     from safetensors.torch import load_file
 
-    from .data import digit_prompt
-    from .runlog import save_grid
-    from .samplers import flow_sde
-    from .samplers.rollout import sample_trajectories
-    from .trainer import Trainer
+    from ..data import digit_prompt
+    from ..run.runlog import save_grid
+    from ..samplers import flow_sde
+    from ..samplers.rollout import sample_trajectories
+    from ..trainer import Trainer
 
     if args.num < 1:
         raise ConfigError(f"--num: value {args.num} is out of range; must be >= 1")
@@ -211,14 +212,14 @@ def _cmd_sample(args) -> int:
 def _sample_sources(paths: list[str]) -> tuple[str, ...]:
     """``--image`` (repeatable): the source image(s) an editing model edits under every ``--prompt``, each checked
     as a prompt file's ``image`` field is (a regular image file, no link, within the pixel cap) → absolute paths."""
-    from . import sources
+    from .. import sources
 
     return tuple(sources.resolve([{"prompt": "-", "image": Path(path).name}], base=Path(path).absolute().parent,
                                  spec=path, key="--image")[0]["image"] for path in paths)
 
 
 def _check_editing(images: tuple[str, ...], trainer) -> None:
-    from .models.editing import is_edit
+    from ..models.editing import is_edit
 
     family = getattr(getattr(trainer.policy, "family", None), "name", "")
     if images and not is_edit(family):
@@ -230,7 +231,7 @@ def _sample_text(trainer, args) -> int:
     """Completions of a masked diffusion LM for ``--prompt`` (default: the task's first test prompts)."""
     import torch
 
-    from .tasks import Example
+    from ..tasks import Example
 
     fam = trainer.family
     for p in args.prompt or []:
@@ -259,8 +260,8 @@ def _sample_text(trainer, args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .bench import bench_engines
-    from .engines import ENGINES
+    from ..studies.engines import bench_engines
+    from ..engines import ENGINES
 
     if args.repeats < 1:
         raise ConfigError(f"--repeats: value {args.repeats} is out of range; must be >= 1 (timed runs per variant)")
@@ -277,7 +278,7 @@ def cmd_bench(args) -> int:
 
 
 def cmd_bench_quality(args) -> int:
-    from . import bench_quality
+    from ..studies import quality as bench_quality
 
     if args.from_dir:
         bench_quality.again_from_args(args)
@@ -313,7 +314,7 @@ def cmd_print_config(args) -> int:
     import contextlib
 
     from .configdoc import changed, reference_markdown
-    from .data_sources import skip_data_checks
+    from ..data_sources import skip_data_checks
 
     if args.docs:
         print(reference_markdown(), end="")

@@ -28,11 +28,11 @@ import shutil
 import time
 from pathlib import Path
 
-from . import distributed
-from .config import RunConfig
-from .distributed import WorldInfo
-from .errors import ConfigError
-from .fileio import atomic_write
+from .. import distributed
+from ..config import RunConfig
+from ..distributed import WorldInfo
+from ..errors import ConfigError
+from ..fileio import atomic_write
 from .runlog import check_trackers
 
 MARKER = ".diffgrpo-run"

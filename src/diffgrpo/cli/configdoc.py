@@ -10,7 +10,7 @@ import typing
 
 import yaml
 
-from .config import RunConfig
+from ..config import RunConfig
 
 HEADER = ("# Config reference\n\n"
           "Every key of a run, by section: `diffgrpo train section.key=value`, or the same nesting in a YAML file "

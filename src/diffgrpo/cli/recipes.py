@@ -10,8 +10,8 @@ from __future__ import annotations
 from importlib import resources
 from pathlib import Path
 
-from .errors import ConfigError, suggest
-from .fileio import atomic_write
+from ..errors import ConfigError, suggest
+from ..fileio import atomic_write
 
 
 def _root():

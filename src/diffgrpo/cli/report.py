@@ -29,11 +29,11 @@ from pathlib import Path
 
 import yaml
 
-from ._version import __version__
-from .config import RunConfig
-from .fileio import atomic_write
-from .guards import PREFIX as GUARD_PREFIX
-from .runlog import read_metrics
+from .._version import __version__
+from ..config import RunConfig
+from ..fileio import atomic_write
+from ..guards import PREFIX as GUARD_PREFIX
+from ..run.runlog import read_metrics
 
 # metric family → (title, caption, keys or key prefixes); a key belongs to the first family that claims it
 FAMILIES = (

@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from .distributed import launched_local_rank, resolve_device
+from ..distributed import launched_local_rank, resolve_device
 
 # built-in models small enough that one CPU thread is fastest
 TINY_MODELS = ("tiny", "tiny_mlm")

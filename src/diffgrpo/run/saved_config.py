@@ -8,9 +8,9 @@ from pathlib import Path
 
 import yaml
 
-from . import yamlio
-from .config import RunConfig
-from .errors import ConfigError
+from .. import yamlio
+from ..config import RunConfig
+from ..errors import ConfigError
 
 # Keys a resume may change: how long, how fast and how the run is logged, and where it runs. Anything else would
 # change the model, the data or the objective of a run half-way.

@@ -18,8 +18,8 @@ import difflib
 import os
 from collections.abc import Callable, Mapping
 
-from .config import RunConfig
-from .errors import ConfigError
+from ..config import RunConfig
+from ..errors import ConfigError
 
 # alias → dotted key: names from TRL's GRPOConfig / transformers' TrainingArguments, flow_grpo's and DanceGRPO's
 # configs that mean the same thing here

@@ -23,13 +23,13 @@ from pathlib import Path
 
 import torch
 
-from .config import MODEL_FAMILIES, RunConfig
-from .engines.base import MemoryMeter
-from .engines.recompute import RecomputeEngine
-from .errors import ConfigError
-from .fileio import atomic_write
-from .models.reference import needs_reference
-from .trainer import Trainer
+from ..config import MODEL_FAMILIES, RunConfig
+from ..engines.base import MemoryMeter
+from ..engines.recompute import RecomputeEngine
+from ..errors import ConfigError
+from ..fileio import atomic_write
+from ..models.reference import needs_reference
+from ..trainer import Trainer
 
 
 def parse_variant(spec: str) -> tuple[str, list[str]]:

@@ -27,17 +27,17 @@ import sys
 import tempfile
 from pathlib import Path
 
-from . import distributed
-from .cache import save_dir_atomic
-from .checkpoint import RunState, is_complete, latest_complete, list_checkpoints, load_checkpoint
-from .config import RunConfig, from_dict
-from .data_sources import skip_data_checks
-from .errors import ConfigError
-from .models import POLICIES
-from .models.hf_masked_lm import build_tiny_mlm_policy
-from .models.tiny import build_tiny_policy
-from .runlog import read_metrics
-from .saved_config import distrust, fresh_device
+from .. import distributed
+from ..cache import save_dir_atomic
+from ..run.checkpoint import RunState, is_complete, latest_complete, list_checkpoints, load_checkpoint
+from ..config import RunConfig, from_dict
+from ..data_sources import skip_data_checks
+from ..errors import ConfigError
+from ..models import POLICIES
+from ..models.hf_masked_lm import build_tiny_mlm_policy
+from ..models.tiny import build_tiny_policy
+from ..run.runlog import read_metrics
+from ..run.saved_config import distrust, fresh_device
 
 BUILT_IN = {"tiny": build_tiny_policy, "tiny_mlm": build_tiny_mlm_policy}
 

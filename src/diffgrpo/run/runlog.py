@@ -22,9 +22,9 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from .errors import ConfigError, TrainingError
-from .fileio import append_line, atomic_write, check_below, read_jsonl
-from .media import captioned_grid, grid_frames, table_columns
+from ..errors import ConfigError, TrainingError
+from ..fileio import append_line, atomic_write, check_below, read_jsonl
+from ..media import captioned_grid, grid_frames, table_columns
 
 
 class Tracker(Protocol):

@@ -18,8 +18,8 @@ import inspect
 import os
 from pathlib import Path
 
-from .errors import ConfigError
-from .rewards import MODEL_REWARDS
+from ..errors import ConfigError
+from ..rewards import MODEL_REWARDS
 
 # options of the model rewards that name a model: hub id (or ``repo:file`` for a head), or a local path
 _MODEL_OPTIONS = ("model", "processor", "head", "detector", "clip")

@@ -39,10 +39,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.api import CheckpointException
 
-from . import distributed
-from .config import RunConfig
-from .errors import TrainingError
-from .fileio import atomic_write, check_below, share_tree, temp_dir
+from .. import distributed
+from ..config import RunConfig
+from ..errors import TrainingError
+from ..fileio import atomic_write, check_below, share_tree, temp_dir
 
 _DIR_RE = re.compile(r"^iter_(\d{6,})$")
 
