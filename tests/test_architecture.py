@@ -207,8 +207,9 @@ def test_the_import_graph_has_no_cycles_cli_included():
 # module or package, or a module inside a wing (``run.job``): the wings gather modules by purpose, not by floor.
 FLOORS = [
     {"errors", "types", "fileio", "config", "cache", "data", "data_sources", "media", "losses", "advantages",
-     "prompts", "tasks", "_version", "console", "yamlio", "configvalues", "threads", "sources", "sandbox"},
-    {"distributed", "ema", "samplers", "loss_weights", "run.runlog", "models", "rewards", "quality", "run.rundir",
+     "prompts", "tasks", "_version", "console", "yamlio", "configvalues", "threads", "sources", "sandbox",
+     "feature_stats"},
+    {"distributed", "ema", "samplers", "loss_weights", "run.runlog", "models", "rewards", "run.rundir",
      "guards"},
     {"engines", "family", "run.checkpoint", "run.saved_config"},
     {"flow", "dllm"},

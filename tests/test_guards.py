@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 from scipy.spatial.distance import pdist
 
-from diffgrpo import RunConfig, guards, quality
+from diffgrpo import RunConfig, feature_stats, guards
 from diffgrpo.cli.app import main
 from diffgrpo.config import ConfigError
 from diffgrpo.rewards import image as image_rewards
@@ -34,22 +34,6 @@ def falling(images, prompts, metadata):
 
 
 # ---------------------------------------------------------------------------------------------- pure parts
-def test_moments_in_chunks_match_whole_set_statistics():
-    g = torch.Generator().manual_seed(0)
-    feats = torch.randn(12, 5, generator=g)
-    m = guards.Moments(group=3)
-    order = [7, 0, 11, 3, 4, 1, 9, 2, 5, 10, 6, 8]  # records complete out of order, across chunks
-    for lo in range(0, 12, 5):
-        idx = order[lo:lo + 5]
-        m.add(idx, feats[idx])
-    mu, cov = guards.gaussian_from_sums(m.n, m.s1, m.s2)
-    x = feats.double().numpy()
-    np.testing.assert_allclose(mu.numpy(), x.mean(0), rtol=1e-12, atol=1e-12)
-    np.testing.assert_allclose(cov.numpy(), np.cov(x, rowvar=False), rtol=1e-10, atol=1e-12)
-    assert m.diversity() == pytest.approx(np.mean([pdist(x[i:i + 3]).mean() for i in range(0, 12, 3)]), rel=1e-10)
-    assert not m.open  # every record closed: nothing kept but the sums
-
-
 def test_text_features_are_unit_hashed_trigram_counts():
     f = guards.text_features(["abcabc", "abcabc", "xy", "12+3=15"])
     assert f.shape == (4, guards.TEXT_BUCKETS)
@@ -100,11 +84,83 @@ def test_guard_config_errors_name_the_key():
     assert guards.feature_kind(cfg) == "digits"
 
 
+# ------------------------------------------------------------------------------------------ the built-in task's digits
+def test_penultimate_features_feed_the_logits():
+    torch.manual_seed(0)
+    clf = image_rewards.DigitClassifier().eval()
+    x = torch.rand(5, 1, 8, 8, generator=torch.Generator().manual_seed(2))
+    f = guards.penultimate_features(clf, x)
+    assert f.shape == (5, 64) and bool((f >= 0).all())  # after the ReLU
+    torch.testing.assert_close(clf.fc[-1](f), clf(x).detach())
+
+
+def test_evaluation_logs_fid_and_diversity(make_trainer, monkeypatch):
+    """The flow family's evaluation reports eval/fid and eval/diversity of its own images on the built-in task."""
+    torch.manual_seed(0)
+    clf = image_rewards.DigitClassifier().eval().requires_grad_(False)  # untrained: the pipeline, not the numbers
+    monkeypatch.setattr(image_rewards, "load_classifier", lambda image_size=16, *a, **k: (clf, 0.0))
+    tr = make_trainer()
+    row, images = tr.evaluate()
+    prompts, _, _ = tr.family.eval_prompts()
+    assert len(images) == len(prompts)
+    from diffgrpo.data import digits_split
+
+    _, (x_te, _) = digits_split(images.shape[-1])
+    mu_r, cov_r = feature_stats.gaussian_stats(guards.penultimate_features(clf, x_te))
+    mu, cov = feature_stats.gaussian_stats(guards.penultimate_features(clf, images))
+    assert row["eval/fid"] == pytest.approx(feature_stats.frechet_distance(mu, cov, mu_r, cov_r), rel=1e-9)
+    assert row["eval/diversity"] == pytest.approx(
+        feature_stats.per_prompt_diversity(guards.penultimate_features(clf, images), prompts), rel=1e-9)
+    assert row["eval/fid"] > 0 and row["eval/diversity"] > 0
+
+
+def test_guards_are_the_same_when_evaluation_is_chunked(make_trainer, monkeypatch):
+    """eval.batch_size samples in chunks; the built-in task keeps its (tiny) images, so the guards cover every
+    sample and equal the unchunked evaluation's (each sample starts from its own seed's noise)."""
+    torch.manual_seed(0)
+    clf = image_rewards.DigitClassifier().eval().requires_grad_(False)
+    monkeypatch.setattr(image_rewards, "load_classifier", lambda image_size=16, *a, **k: (clf, 0.0))
+    whole, _ = make_trainer("eval.seeds_per_prompt=8").evaluate()  # 80 images
+    chunked, _ = make_trainer("eval.batch_size=7", "eval.seeds_per_prompt=8").evaluate()
+    for key in ("eval/fid", "eval/diversity", "eval/reward"):
+        assert chunked[key] == pytest.approx(whole[key], rel=1e-4, abs=1e-5), key
+
+
+def test_one_sample_per_prompt_logs_fid_only(make_trainer, monkeypatch):
+    """eval.seeds_per_prompt=1: no pair of samples shares a prompt, so no diversity (and no NaN in the metrics)."""
+    torch.manual_seed(0)
+    clf = image_rewards.DigitClassifier().eval().requires_grad_(False)
+    monkeypatch.setattr(image_rewards, "load_classifier", lambda image_size=16, *a, **k: (clf, 0.0))
+    row, _ = make_trainer("eval.seeds_per_prompt=1").evaluate()
+    assert "eval/diversity" not in row and np.isfinite(row["eval/fid"])
+
+
+def test_streamed_guards_equal_the_whole_set_computation(monkeypatch):
+    """GuardStats (fixed memory, chunk by chunk, chunks out of order) equals the whole-set computation (Fréchet
+    distance of the Gaussian fit, per-prompt diversity) when every record's prompt is distinct."""
+    torch.manual_seed(0)
+    clf = image_rewards.DigitClassifier().eval().requires_grad_(False)
+    monkeypatch.setattr(image_rewards, "load_classifier", lambda image_size=16, *a, **k: (clf, 0.0))
+    feats = torch.randn(30, 64).relu()
+    prompts = [f"p{i // 3}" for i in range(30)]  # 10 records × 3 seeds
+    mu, cov = feature_stats.gaussian_stats(feats)
+    whole = {"eval/fid": feature_stats.frechet_distance(mu, cov, *guards.reference_stats(16)),
+             "eval/diversity": feature_stats.per_prompt_diversity(feats, prompts)}
+    g = guards.GuardStats(16, 3)
+    for lo in (16, 0, 8, 24):  # chunks of 8 (the last 6), records split across chunks
+        idx = list(range(lo, min(lo + 8, 30)))
+        g.add(idx, feats[idx])
+    got = g.result()
+    assert got.keys() == whole.keys() == {"eval/fid", "eval/diversity"}
+    for k in got:
+        assert got[k] == pytest.approx(whole[k], rel=1e-9), k
+
+
 # ---------------------------------------------------------------------------------------------- flow evaluation
 @pytest.mark.parametrize("batch_size", [0, 7])
 def test_flow_guards_against_independent_statistics(make_trainer, batch_size):
     """Start: the distance to the base samples is 0; after the weights move it is the Fréchet distance of the
-    features of the two sets of samples (numpy statistics, quality.frechet_distance), the guard reward is the
+    features of the two sets of samples (numpy statistics, feature_stats.frechet_distance), the guard reward is the
     reward called on the samples, and the diversity is pdist's per prompt; chunked evaluation changes nothing."""
     tr = make_trainer("eval.seeds_per_prompt=3", "eval.guard_rewards=[jpeg_compressibility]",
                       "eval.guard_features=tests.test_guards:pixel_features", f"eval.batch_size={batch_size}")
@@ -114,7 +170,7 @@ def test_flow_guards_against_independent_statistics(make_trainer, batch_size):
     perturb(tr, scale=0.05)
     row1, grid1 = tr.evaluate()
     f0, f1 = (pixel_features(g).double().numpy() for g in (grid0, grid1))
-    want = quality.frechet_distance(*(torch.from_numpy(t) for t in (f1.mean(0), np.cov(f1, rowvar=False),
+    want = feature_stats.frechet_distance(*(torch.from_numpy(t) for t in (f1.mean(0), np.cov(f1, rowvar=False),
                                                                      f0.mean(0), np.cov(f0, rowvar=False))))
     assert want > 1e-4 and row1["eval/guard/fd_base"] == pytest.approx(want, rel=1e-6)
     assert row1["eval/guard/drift"] == pytest.approx(want / np.trace(np.cov(f0, rowvar=False)), rel=1e-6)

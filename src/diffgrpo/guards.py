@@ -1,5 +1,13 @@
 """Guards on every evaluation, for any model: is a reward gain real, or is the reward being gamed?
 
+The statistics of a feature space (Fréchet distance, diversity, their fixed-memory accumulation) live in
+:mod:`diffgrpo.feature_stats`; this module computes the features, the guard values and the policy.
+
+On the built-in task (``model.name=tiny``) the flow evaluation reports ``eval/fid`` and ``eval/diversity``: the
+Fréchet distance between Gaussians fitted to the digit classifier's penultimate features (the 64-d ReLU layer before
+the logits of ``rewards.image.DigitClassifier``) of the generated samples and of the digits *test* split, and their
+per-prompt diversity (:class:`GuardStats`; the test split's statistics are computed once per image size).
+
 Each evaluation (fixed prompts and seeds) reports, beside its rewards, under ``eval/guard/``:
 
 - ``rewards/<name>/mean``: held-out *guard rewards* (``eval.guard_rewards``), scored on the evaluation samples and
@@ -7,23 +15,22 @@ Each evaluation (fixed prompts and seeds) reports, beside its rewards, under ``e
   ocr; text verifiers or ``d1_format`` for masked diffusion LMs).
 - ``fd_base``: the Fréchet distance between Gaussians fitted to features of the current evaluation samples and of
   the **base model's own samples on the same prompts and seeds** (the first evaluation of the run, kept as a mean
-  and a covariance), d² = ‖μ − μ_b‖² + tr(Σ + Σ_b − 2 (Σ_b^{1/2} Σ Σ_b^{1/2})^{1/2}) (``quality.frechet_distance``,
-  float64 eigendecompositions: exact up to round-off); 0 at the start by construction.
+  and a covariance; ``feature_stats.frechet_distance``); 0 at the start by construction.
 - ``drift``: ``fd_base / tr(Σ_b)``, the same distance in units of the base samples' total variance (scale-free:
   a policy that collapses every sample onto the base mean scores 1; comparable across feature spaces).
 - ``diversity``: per prompt (``eval.seeds_per_prompt`` / ``dllm.eval_samples`` consecutive samples), the mean
   pairwise L2 distance of the features, averaged over prompts (0 when every seed of a prompt gives one image).
 
 Feature spaces (``eval.guard_features``), all available offline: ``digits`` (the built-in task's classifier, 64-d
-penultimate features, ``quality.digit_features``), ``clip`` (unit-norm image embeddings of the CLIP model of the
+penultimate features, :func:`digit_features`), ``clip`` (unit-norm image embeddings of the CLIP model of the
 run's first CLIP-class reward, pickscore / clip_score / aesthetic, loaded once and shared with that reward; video:
 the mean over frames), a plug-in ``module:function`` (images → (B, D)), ``none``; ``auto`` picks digits for the
 built-in model, else clip when a CLIP-class reward is configured, else none. Text: L2-normalised counts of the
 completion's character trigrams hashed into 64 buckets (crc32; a fixed, model-free feature).
 
-Everything accumulates in fixed memory (:class:`Moments`: float64 Σf and Σffᵀ, and a prompt's features only until its
-seeds are complete), whatever the number of evaluation samples. Cost: one feature forward per evaluation sample and
-one call of each guard reward; no training cost. The base statistics live in the run directory
+Everything accumulates in fixed memory (``feature_stats.Moments``: float64 Σf and Σffᵀ, and a prompt's features
+only until its seeds are complete), whatever the number of evaluation samples. Cost: one feature forward per
+evaluation sample and one call of each guard reward; no training cost. The base statistics live in the run directory
 (``guard_base.safetensors``, written atomically after the start evaluation) and are read back on resume.
 
 The policy (``train.on_hacking=off|warn|stop``) compares each evaluation with the run's start: :func:`tripped`
@@ -44,11 +51,12 @@ from typing import Callable
 import torch
 from safetensors.torch import load_file, save, save_file
 
-from . import quality
+from .data import digits_split
 from .errors import ConfigError, TrainingError
+from .feature_stats import Moments, frechet_distance, gaussian_from_sums, gaussian_stats
 from .fileio import atomic_write
-from .quality import Moments, gaussian_from_sums
 from .rewards import REWARDS, TEXT_REWARDS, clip_models, compute_rewards, make_rewards, time_limited
+from .rewards import image as image_rewards
 
 PREFIX = "eval/guard/"
 BASE_FILE = "guard_base.safetensors"
@@ -110,6 +118,62 @@ def improves(value, best) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value) and (best is None or value > best)
 
 
+# ---------------------------------------------------------------------- the built-in task's digit guards
+_REFERENCE: dict[int, tuple] = {}  # image size → (classifier, μ, Σ)
+
+
+def penultimate_features(clf, images: torch.Tensor) -> torch.Tensor:
+    """images (B, 1, S, S) in [0, 1] → (B, 64): the classifier's last hidden layer (after ReLU)."""
+    with torch.no_grad():
+        return clf.fc[:-1](clf.conv(images.float().cpu()))
+
+
+def reference_stats(image_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(μ (64,), Σ (64, 64)) of the penultimate features of the digits test split at ``image_size`` (cached)."""
+    clf, _ = image_rewards.load_classifier(image_size)
+    cached = _REFERENCE.get(image_size)
+    if cached is None or cached[0] is not clf:  # computed with this very classifier
+        _, (x_te, _) = digits_split(image_size)
+        cached = _REFERENCE[image_size] = (clf, *gaussian_stats(penultimate_features(clf, x_te)))
+    return cached[1], cached[2]
+
+
+def digit_features(images: torch.Tensor) -> torch.Tensor:
+    """Evaluation images (B, 1, S, S) in [0, 1] → (B, 64) penultimate features of the digit classifier; an
+    evaluation in chunks keeps these (256 bytes a sample) instead of its images."""
+    clf, _ = image_rewards.load_classifier(images.shape[-1])
+    return penultimate_features(clf, images)
+
+
+def guards_apply(cfg, images: torch.Tensor) -> bool:
+    """Whether a flow evaluation's images get the digit guards: the built-in task's one-channel digit images."""
+    return cfg.model.name == "tiny" and images.dim() == 4 and images.shape[1] == 1
+
+
+class GuardStats:
+    """``eval/fid`` and ``eval/diversity`` of one evaluation's digit images, accumulated chunk by chunk in fixed
+    memory (``Moments``). With distinct prompts it equals ``frechet_distance`` of ``gaussian_stats`` against
+    :func:`reference_stats` and ``per_prompt_diversity`` on the whole feature set (up to float64 round-off)."""
+
+    def __init__(self, image_size: int, group_size: int):
+        self.image_size, self.moments = image_size, Moments(group_size)
+
+    def add(self, index: list[int], feats: torch.Tensor) -> None:
+        """Samples ``index`` (their evaluation order) with features (n, 64)."""
+        self.moments.add(index, feats)
+
+    def result(self) -> dict[str, float]:
+        """{"eval/fid", "eval/diversity"} (diversity when some record has two samples); {} below two samples."""
+        m = self.moments
+        if m.n < 2:
+            return {}
+        mu, cov = gaussian_from_sums(m.n, m.s1, m.s2)
+        out = {"eval/fid": frechet_distance(mu, cov, *reference_stats(self.image_size))}
+        if m.spreads:
+            out["eval/diversity"] = m.diversity()
+        return out
+
+
 # ---------------------------------------------------------------------- accumulation in fixed memory
 class Base:
     """The base model's feature statistics: mean (D,), covariance (D, D) float64, sample count."""
@@ -156,7 +220,7 @@ class EvalGuards:
         return Evaluation(self)
 
     def chunk(self, samples, prompts: list[str], metadata: list[dict]) -> dict:
-        """One chunk's guard values (on the rank that sampled it): {"rewards": {name: (n,)}, "feats": (n, D) or None}."""
+        """One chunk's guard values (on the rank that sampled it): {"rewards": {name: (n,)}, "feats": (n, D) | None}."""
         rewards = {}
         if not len(prompts):  # a rank's padding-only chunk
             return {"rewards": {}, "feats": None}
@@ -225,7 +289,7 @@ class Evaluation:
                 self.g.set_base(Base(mu, cov, m.n))
             base = self.g.base
             if base is not None and base.mean.shape == mu.shape:
-                fd = quality.frechet_distance(mu, cov, base.mean, base.cov)
+                fd = frechet_distance(mu, cov, base.mean, base.cov)
                 row[PREFIX + "fd_base"] = fd
                 row[PREFIX + "drift"] = fd / max(float(torch.trace(base.cov)), 1e-12)
             if m.spreads:
@@ -241,7 +305,7 @@ def image_feature_fn(cfg, device) -> Callable | None:
     if kind == "none":
         return None
     if kind == "digits":
-        return quality.digit_features
+        return digit_features
     if kind == "clip":
         name = clip_reward(cfg)
         model, processor = CLIP_REWARDS[name]
@@ -253,7 +317,8 @@ def image_feature_fn(cfg, device) -> Callable | None:
 
 
 @torch.no_grad()
-def clip_features(images: torch.Tensor, model: str, processor: str, device, dtype: str, batch_size: int) -> torch.Tensor:
+def clip_features(images: torch.Tensor, model: str, processor: str, device, dtype: str,
+                  batch_size: int) -> torch.Tensor:
     """Unit-norm CLIP image embeddings (B, D) float32 (video: the mean over its F frames), in chunks."""
     proc, net = clip_models.load_clip(model, processor, device, dtype)
     B, F = images.shape[0], images.shape[2] if images.dim() == 5 else 1
@@ -387,6 +452,6 @@ def check_config(cfg, family: str) -> dict[str, float]:
     return dict.fromkeys(names, 1.0)
 
 
-__all__ = ["PREFIX", "BASE_FILE", "BEST_DIR", "Thresholds", "tripped", "improves", "text_features", "Moments", "Base",
+__all__ = ["PREFIX", "BASE_FILE", "BEST_DIR", "Thresholds", "tripped", "improves", "text_features", "Base",
            "EvalGuards", "Evaluation", "Watch", "check_config", "image_feature_fn", "clip_features", "feature_kind",
-           "plugin"]
+           "plugin", "penultimate_features", "reference_stats", "digit_features", "guards_apply", "GuardStats"]
