@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 
 from diffgrpo import RunConfig, Trainer
-from diffgrpo.engines.base import MemoryMeter
+from diffgrpo.metering import MemoryMeter
 
 
 def measure(trainer: Trainer, state: dict, seed: int) -> tuple[int, float]:

@@ -14,7 +14,7 @@ from diffgrpo import RunConfig, Trainer
 from diffgrpo.run.checkpoint import latest_complete, load_checkpoint
 from diffgrpo.config import ConfigError
 from diffgrpo.engines import ENGINES
-from diffgrpo.engines.base import MemoryMeter
+from diffgrpo.metering import MemoryMeter
 from diffgrpo.models.diffusers_adapter import DiffusersFlowPolicy
 from diffgrpo.models.tiny import build_tiny_policy
 from tests.conftest import TINY, flat_grad, rel_err

@@ -12,11 +12,11 @@ from diffgrpo.engines import ENGINES
 from diffgrpo.engines._graph import recompute_pairs
 from diffgrpo.engines.base import (
     StatsAccumulator,
-    engine_run,
     no_rollout_hooks,
     plain_sampling,
     unit_sample_weights,
 )
+from diffgrpo.metering import engine_run
 from tests.conftest import TINY, flat_grad
 
 

@@ -26,7 +26,6 @@ import torch
 
 from .. import distributed, guards
 from ..config import RunConfig
-from ..engines.base import EngineContext
 from ..errors import ConfigError
 from ..family import Sync
 from ..loss_weights import apply, grpo_loss_weights
@@ -39,7 +38,7 @@ from ..tasks import Example, examples_from_file, get_task
 from ..tasks.code import attach_sandbox
 from ..types import EngineStats, Rollout, TokenTrajectory
 from . import credit, decoding, rules
-from .grpo import METHODS, TokenGRPO
+from .grpo import METHODS, TokenContext, TokenGRPO
 from .likelihood import completion_mask
 
 SAMPLER_RECORDS = ("commit_step", "confidence", "entropy", "margin", "block_rank", "order", "step_log_prob")
@@ -83,8 +82,8 @@ class DLLMFamily:
         self.gen_prompts = torch.Generator().manual_seed(cfg.seed if self.spread else distributed.seed_for(cfg.seed, rank))
         self.gen_sample = torch.Generator(device=self.device).manual_seed(distributed.seed_for(cfg.seed + 11, rank))
         gen_masks = torch.Generator(device=self.device).manual_seed(distributed.seed_for(cfg.seed + 12, rank))
-        self.ctx = EngineContext(policy=policy, kernel={}, clip_range=self.d.clip_range, beta=cfg.loss.beta,
-                                 micro_batch_size=cfg.engine.micro_batch_size)
+        self.ctx = TokenContext(policy=policy, clip_range=self.d.clip_range, beta=cfg.loss.beta,
+                                micro_batch_size=cfg.engine.micro_batch_size)
         self.method = TokenGRPO(self.d, self.daca, self.ctx, generator=gen_masks)
         self.guards = guards.EvalGuards.for_text(cfg, log=lambda *a: self.log(*a))  # eval/guard/*
         # reward.weights: rewards added to the task's verifier, whose own weight is reward.weights.task (default 1)
@@ -107,7 +106,7 @@ class DLLMFamily:
         return self.policy.model
 
     def connect(self, sync: Sync) -> None:
-        self.ctx.params, self.ctx.no_sync, self.ctx.all_reduce = sync.params, sync.no_sync, sync.all_reduce
+        self.ctx.no_sync = sync.no_sync  # the method syncs gradients at its last backward only
 
     def collect(self) -> tuple[Rollout, EngineStats | None]:
         return self.rollout(), None

@@ -43,11 +43,13 @@ wd1) and B·M for ℓ_ref when β > 0.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 
-from ..engines.base import EngineContext, chunks, engine_run
 from ..losses import aggregate, ppo_clip_loss
+from ..metering import chunks, engine_run, record_backward
 from ..types import EngineStats, Rollout, TokenTrajectory
 from . import likelihood, spg, wd1
 
@@ -58,6 +60,18 @@ METHODS = {
     "spg": dict(estimator="spg_blocks", baseline="mean", std_mode="none", objective="spg"),
     "wd1": dict(estimator="mean_field", baseline="mean", std_mode="none", objective="wd1"),
 }
+
+
+@dataclass
+class TokenContext:
+    """What :class:`TokenGRPO` uses besides the rollout and its config sections. Built by the family once per run;
+    ``no_sync`` is set when the trainer connects the family."""
+
+    policy: Any  # adapter: called on ids (n, N) → logits (n, N, V); reference(), vocab, device, counters
+    clip_range: float = 0.2  # ε of the per-token ratio clip (dllm.clip_range)
+    beta: float = 0.0  # weight of the k3 KL to the reference (loss.beta)
+    micro_batch_size: int = 0  # rows per forward; 0: the whole batch in one
+    no_sync: Callable[[], contextlib.AbstractContextManager] = field(default=contextlib.nullcontext)  # no all-reduce
 
 
 def forwards_per_estimate(d, daca) -> int:
@@ -96,11 +110,11 @@ def grpo_token_loss(log_prob, old_log_prob, advantages, clip_range, *, ref_log_p
 class TokenGRPO:
     """The masked-LM likelihood method (``dllm.method`` + ``daca.likelihood``): masks, ℓ estimates, backward.
 
-    ``ctx``: the policy and the loss constants (clip range ε, β, micro-batch size, ``no_sync``); its flow-only
-    fields (kernel, σ grid) are unused. ``generator`` draws the masks and SML strata (checkpointed by the family).
+    ``ctx``: the policy and the loss constants (:class:`TokenContext`). ``generator`` draws the masks and SML
+    strata (checkpointed by the family).
     """
 
-    def __init__(self, d, daca, ctx: EngineContext, *, generator: torch.Generator):
+    def __init__(self, d, daca, ctx: TokenContext, *, generator: torch.Generator):
         self.d, self.daca, self.ctx, self.gen_masks = d, daca, ctx, generator
         self.method = METHODS[d.method]
         self.name = f"dllm/{d.method}"
@@ -233,8 +247,7 @@ class TokenGRPO:
                         in_k = group[idx] == k  # (n, L)
                         lw, sel = torch.where(in_k, lw, torch.zeros_like(lw)), sel & in_k
                     aggregate(loss, lw).backward()
-                stats.backward_calls += 1
-                stats.sample_backwards += len(idx) * Mg
+                record_backward(stats, len(idx) * Mg)
                 n_tok += float(sel.sum())
                 n_clip += float((terms["clipped"] & sel).sum())
                 kl_sum += float((terms["kl"] * sel).sum())
@@ -247,4 +260,4 @@ class TokenGRPO:
         return stats
 
 
-__all__ = ["METHODS", "TokenGRPO", "forwards_per_estimate", "grpo_token_loss", "k3_kl"]
+__all__ = ["METHODS", "TokenContext", "TokenGRPO", "forwards_per_estimate", "grpo_token_loss", "k3_kl"]

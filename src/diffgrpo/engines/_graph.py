@@ -10,13 +10,12 @@ import time
 
 import torch
 
+from ..metering import chunks, engine_run
 from ..types import EngineStats, Rollout, RolloutHooks
 from .base import (
     EngineContext,
     StatsAccumulator,
-    chunks,
     count_backward,
-    engine_run,
     reference_velocity,
     step_loss,
     take_cond,

@@ -36,6 +36,7 @@ import torch
 
 from ..config import EngineConfig
 from ..losses import aggregate, ppo_clip_loss
+from ..metering import engine_run
 from ..types import BatchPlan, EngineStats, Rollout
 from ._forward import (
     ForwardState,
@@ -52,7 +53,6 @@ from ._forward import (
 )
 from .base import (
     EngineContext,
-    engine_run,
     no_rollout_hooks,
     plain_sampling,
     unit_sample_weights,

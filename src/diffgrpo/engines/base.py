@@ -1,14 +1,13 @@
-"""What every gradient engine shares: the context it runs in, the per-step GRPO loss, counters, memory.
+"""What every flow gradient engine shares: its context, its protocol, the per-step GRPO loss, its metrics.
 
 An engine turns a finished :class:`~diffgrpo.types.Rollout` (rewards and advantages filled) into ``.grad``
 of the policy's trainable parameters. It decides which forwards run with grad, how graphs are kept and when
 ``backward()`` runs; it never steps the optimizer and never rescales the loss (the aggregation weights in
-``rollout.loss_weights`` own all normalisation).
+``rollout.loss_weights`` own all normalisation). What an engine costs is metered by :mod:`diffgrpo.metering`.
 """
 from __future__ import annotations
 
 import contextlib
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
@@ -16,6 +15,7 @@ import torch
 
 from ..config import RunConfig
 from ..losses import aggregate, gaussian_step_kl, policy_loss
+from ..metering import record_backward
 from ..samplers import flow_sde
 from ..types import BatchPlan, EngineStats, FlowTrajectory, Rollout, RolloutHooks
 
@@ -119,20 +119,12 @@ def unit_sample_weights(engine, ctx: EngineContext, traj: FlowTrajectory,
 
 def count_backward(ctx: EngineContext, stats: EngineStats, samples: int, calls: int = 1) -> None:
     """Count ``calls`` backward calls through ``samples`` samples (×2 network inputs each under true CFG)."""
-    stats.backward_calls += calls
-    stats.sample_backwards += samples * ctx.forward_mult
+    record_backward(stats, samples * ctx.forward_mult, calls)
 
 
 def take_cond(cond: dict[str, torch.Tensor], idx: torch.Tensor) -> dict[str, torch.Tensor]:
     """Rows ``idx`` of every conditioning tensor."""
     return {k: v[idx] for k, v in cond.items()}
-
-
-def chunks(idx: torch.Tensor, size: int) -> list[torch.Tensor]:
-    """Split a 1-D index tensor into pieces of at most ``size`` (0: one piece)."""
-    if idx.numel() == 0:
-        return []
-    return [idx] if size <= 0 else list(idx.split(size))
 
 
 def reference_velocity(ctx: EngineContext, rollout: Rollout, idx: torch.Tensor, k: int) -> torch.Tensor | None:
@@ -212,82 +204,3 @@ class StatsAccumulator:
         if self.has_loss and self.n:
             out["loss"] = self.loss
         return out
-
-
-class MemoryMeter:
-    """Peak memory during a block.
-
-    CUDA: ``torch.cuda.max_memory_allocated`` (reset at entry). CPU: peak bytes of tensors saved for
-    backward and still alive (the activation memory that engines trade), tracked with saved-tensor hooks;
-    parameters saved by layers are not counted.
-    """
-
-    def __init__(self, device: torch.device | str = "cpu"):
-        self.device = torch.device(device)
-        self.live = 0
-        self.peak = 0
-        self._ctx = None
-
-    def __enter__(self):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            return self
-        meter = self
-        refs: dict[int, list[int]] = {}  # storage pointer -> [holders, bytes]; views of one storage count once
-
-        class _Held:
-            __slots__ = ("t", "key")
-
-            def __init__(self, t, key):
-                self.t, self.key = t, key
-
-            def __del__(self):
-                if self.key is not None:
-                    ent = refs[self.key]
-                    ent[0] -= 1
-                    if ent[0] == 0:
-                        meter.live -= ent[1]
-                        del refs[self.key]
-
-        def pack(t):
-            base = t._base if t._base is not None else t
-            if isinstance(base, torch.nn.Parameter) or t.device.type != "cpu":
-                return _Held(t, None)
-            key = t.untyped_storage().data_ptr()
-            if key in refs:
-                refs[key][0] += 1
-            else:
-                refs[key] = [1, t.untyped_storage().nbytes()]
-                meter.live += refs[key][1]
-                meter.peak = max(meter.peak, meter.live)
-            return _Held(t, key)
-
-        self._ctx = torch.autograd.graph.saved_tensors_hooks(pack, lambda h: h.t)
-        self._ctx.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            self.peak = int(torch.cuda.max_memory_allocated(self.device))
-        elif self._ctx is not None:
-            self._ctx.__exit__(*exc)
-        return False
-
-
-@contextlib.contextmanager
-def engine_run(ctx: EngineContext, name: str, phase: str = "train"):
-    """Times the block, measures peak memory and converts the policy's forward counters into EngineStats."""
-    stats = EngineStats(engine=name)
-    before = dict(ctx.policy.counters)
-    device = ctx.policy.device
-    t0 = time.perf_counter()
-    with MemoryMeter(device) as mem:
-        yield stats
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    stats.seconds[phase] = stats.seconds.get(phase, 0.0) + time.perf_counter() - t0
-    stats.peak_memory_bytes = max(stats.peak_memory_bytes, mem.peak)
-    stats.forwards_grad += ctx.policy.counters["forwards_grad"] - before["forwards_grad"]
-    stats.forwards_nograd += ctx.policy.counters["forwards_nograd"] - before["forwards_nograd"]

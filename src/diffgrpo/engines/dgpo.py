@@ -51,6 +51,7 @@ import torch.nn.functional as F
 from ..config import EngineConfig, RunConfig
 from ..errors import ConfigError
 from ..losses import aggregate
+from ..metering import engine_run
 from ..types import BatchPlan, EngineStats, Rollout
 from ._forward import (
     ForwardState,
@@ -64,7 +65,6 @@ from ._forward import (
 )
 from .base import (
     EngineContext,
-    engine_run,
     no_rollout_hooks,
     plain_sampling,
     unit_sample_weights,

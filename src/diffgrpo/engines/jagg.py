@@ -64,15 +64,14 @@ import torch
 
 from ..config import EngineConfig, RunConfig
 from ..errors import ConfigError
+from ..metering import chunks, engine_run
 from ..types import BatchPlan, EngineStats, Rollout, RolloutHooks
 from ._graph import RetainedSteps, recompute_pairs, retain_hooks, usable_store
 from ._steps import selected_per_trajectory
 from .base import (
     EngineContext,
     StatsAccumulator,
-    chunks,
     count_backward,
-    engine_run,
     keep_plan,
     plain_sampling,
     step_loss,

@@ -49,6 +49,7 @@ import torch
 
 from ..config import EngineConfig
 from ..losses import aggregate
+from ..metering import engine_run
 from ..types import BatchPlan, EngineStats, Rollout
 from ._forward import (
     ForwardState,
@@ -66,7 +67,6 @@ from ._forward import (
 )
 from .base import (
     EngineContext,
-    engine_run,
     no_rollout_hooks,
     trainable_params,
     unit_sample_weights,

@@ -12,12 +12,12 @@ on top of the rollout's T no-grad forwards. Steps are processed one at a time, i
 from __future__ import annotations
 
 from ..config import EngineConfig
+from ..metering import engine_run
 from ..types import EngineStats, Rollout
 from ._graph import recompute_pairs
 from .base import (
     EngineContext,
     StatsAccumulator,
-    engine_run,
     keep_plan,
     no_config_rules,
     no_rollout_hooks,

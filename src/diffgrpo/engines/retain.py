@@ -22,13 +22,13 @@ import torch
 
 from ..config import EngineConfig, RunConfig
 from ..errors import ConfigError
+from ..metering import engine_run
 from ..types import BatchPlan, EngineStats, Rollout, RolloutHooks
 from ._graph import RetainedSteps, recompute_fallback, recompute_pairs, retain_hooks
 from .base import (
     EngineContext,
     StatsAccumulator,
     count_backward,
-    engine_run,
     keep_plan,
     plain_sampling,
     step_loss,

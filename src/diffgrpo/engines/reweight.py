@@ -39,6 +39,7 @@ import torch
 from .. import distributed
 from ..config import EngineConfig, RunConfig
 from ..errors import ConfigError
+from ..metering import engine_run
 from ..samplers import flow_sde
 from ..types import BatchPlan, EngineStats, Rollout, RolloutHooks
 from ._graph import recompute_fallback, recompute_pairs
@@ -46,7 +47,6 @@ from ._per_sample import PerSampleGrads, per_sample_grads_loop
 from .base import (
     EngineContext,
     StatsAccumulator,
-    engine_run,
     keep_plan,
     plain_sampling,
     take_cond,

@@ -37,15 +37,14 @@ import torch
 
 from ..config import EngineConfig, RunConfig
 from ..errors import ConfigError
+from ..metering import chunks, engine_run
 from ..samplers import flow_sde
 from ..types import BatchPlan, EngineStats, FlowTrajectory, Rollout, RolloutHooks
 from ._graph import RetainedSteps, retain_hooks, usable_store
 from .base import (
     EngineContext,
     StatsAccumulator,
-    chunks,
     count_backward,
-    engine_run,
     plain_sampling,
     reference_velocity,
     step_loss,

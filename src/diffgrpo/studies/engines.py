@@ -24,10 +24,10 @@ from pathlib import Path
 import torch
 
 from ..config import MODEL_FAMILIES, RunConfig
-from ..engines.base import MemoryMeter
 from ..engines.recompute import RecomputeEngine
 from ..errors import ConfigError
 from ..fileio import atomic_write
+from ..metering import MemoryMeter
 from ..models.reference import needs_reference
 from ..trainer import Trainer
 
