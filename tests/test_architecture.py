@@ -237,6 +237,43 @@ def test_no_upward_imports():
                                         "diffgrpo.configvalues"}  # yamlio, configvalues: leaves of the parser
 
 
+DOC = SRC.parents[1] / "docs" / "architecture.md"
+WINGS = ("cli", "run", "studies")  # folders gathering modules by purpose; each of their modules has its own floor
+
+
+def floor_table(floors: list[set[str]] = FLOORS) -> str:
+    """The floors as docs/architecture.md's Markdown table (a package as ``name/``, a wing module as ``run/job``)."""
+    def shown(name):
+        return name.replace(".", "/") if "." in name else f"{name}/" if (SRC / name).is_dir() else name
+
+    rows = [" ".join(f"`{n}`" for n in sorted(shown(n) for n in group)) for group in floors]
+    return "\n".join(["| floor | modules |", "|---|---|", *(f"| {i} | {r} |" for i, r in enumerate(rows))])
+
+
+def test_the_documented_floors_are_the_tested_floors():
+    """docs/architecture.md's floor table is FLOORS rendered; regenerate it with
+    ``python -c "from tests.test_architecture import floor_table; print(floor_table())"``."""
+    text = DOC.read_text()
+    assert floor_table() in text, ("docs/architecture.md's floor table differs from FLOORS; replace it with the output "
+                                   "of: python -c \"from tests.test_architecture import floor_table; print(floor_table())\"")
+    assert floor_table([{"errors"}, {"rewards"}]) not in text  # the comparison sees a different table
+
+
+def _undocumented(text: str) -> list[str]:
+    """The package's top-level modules (``name.py``), packages (``name/``) and wing modules (``run/job.py``) that
+    ``text`` does not name."""
+    names = [f"{p.name}/" if p.is_dir() else p.name for p in sorted(SRC.iterdir())
+             if (p.is_dir() and any(p.glob("*.py"))) or (p.suffix == ".py" and p.name != "__init__.py")]
+    names += [f"{w}/{p.name}" for w in WINGS for p in sorted((SRC / w).glob("*.py")) if not p.name.startswith("__")]
+    return [n for n in names if not re.search(rf"(?<![\w./]){re.escape(n)}(?!\w)", text)]
+
+
+def test_every_module_is_named_in_the_architecture_doc():
+    assert _undocumented(DOC.read_text()) == []
+    assert "guards.py" in _undocumented("`trainer.py` `run/job.py`")  # the scan sees a missing name
+    assert "run/job.py" in _undocumented("`job.py`") and "trainer.py" not in _undocumented("`trainer.py`")
+
+
 def test_no_engine_name_in_the_schema_or_the_generic_validation():
     """Adding an engine needs no edit in config.py or validation.py: neither names a registered engine in code
     (the field docs aside). The exceptions are data: the default of engine.name, engine.evaluation's choices, which
@@ -280,6 +317,7 @@ LONG_MODULES = {
     "cli/app.py": (527, "the command line's parser and dispatch, being split into commands"),
     "models/diffusers_adapter.py": (831, "every diffusers pipeline's adapter, being split into models/pipelines/"),
     "models/hf_masked_lm.py": (506, "the transformers masked-LM adapter and the built-in tiny dLLM"),
+    "studies/quality.py": (713, "the quality study's runs, statistics and report, being split into modules"),
 }
 LONG_FUNCTIONS = {
     "cli/app.py:build_parser": (94, "one add_argument per flag of every command"),
