@@ -44,9 +44,9 @@ import json
 import math
 import re
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 from safetensors.torch import load_file, save, save_file
@@ -186,7 +186,7 @@ class Base:
         atomic_write(path, save(tensors))  # bytes: a full disk is a one-line TrainingError, no partial file
 
     @classmethod
-    def load(cls, path: Path) -> "Base":
+    def load(cls, path: Path) -> Base:
         t = load_file(str(path))
         return cls(t["mean"].double(), t["cov"].double(), int(t["n"][0]))
 
@@ -202,21 +202,21 @@ class EvalGuards:
 
     # construction per family
     @classmethod
-    def for_flow(cls, cfg, device, log=print) -> "EvalGuards":
+    def for_flow(cls, cfg, device, log=print) -> EvalGuards:
         names = list(cfg.eval.guard_rewards)
         fns = make_rewards(dict.fromkeys(names, 1.0), cfg.reward.options, device, timeout=cfg.reward.timeout) \
             if names else {}
         return cls(cfg.eval.seeds_per_prompt, reward_fns=fns, features=image_feature_fn(cfg, device), log=log)
 
     @classmethod
-    def for_text(cls, cfg, log=print) -> "EvalGuards":
+    def for_text(cls, cfg, log=print) -> EvalGuards:
         fns = {n: plugin(n, "eval.guard_rewards") for n in cfg.eval.guard_rewards}
         if cfg.reward.timeout:  # a plug-in may hang as an image reward may
             fns = {n: time_limited(n, fn, cfg.reward.timeout) for n, fn in fns.items()}
         return cls(cfg.dllm.eval_samples, reward_fns=fns, features=text_features, log=log)
 
     # one evaluation
-    def begin(self) -> "Evaluation":
+    def begin(self) -> Evaluation:
         return Evaluation(self)
 
     def chunk(self, samples, prompts: list[str], metadata: list[dict]) -> dict:
