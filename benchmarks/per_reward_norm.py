@@ -23,8 +23,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from diffgrpo import RunConfig, bench_quality
+from diffgrpo import RunConfig
 from diffgrpo.fileio import atomic_write, run_root
+from diffgrpo.studies import quality as bench_quality
+from diffgrpo.studies.quality_report import guard_words
+from diffgrpo.studies.quality_stats import bootstrap_ci
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from time_to_quality import BASE, KL
@@ -61,15 +64,15 @@ def table(summary: dict, command: str) -> str:
         cells = []
         for r in REWARDS:
             x = np.array([g[v][r][s] for s in seeds])
-            lo, hi = bench_quality.bootstrap_ci(x, np.mean)
+            lo, hi = bootstrap_ci(x, np.mean)
             cells.append(f"{x.mean():+.4f} [{lo:+.4f}, {hi:+.4f}]")
         row = rows[v]
-        lines.append(f"| {v} | " + " | ".join(cells) + f" | {bench_quality._guard_words(row['final_guards'], summary['start_guards'])} "
+        lines.append(f"| {v} | " + " | ".join(cells) + f" | {guard_words(row['final_guards'], summary['start_guards'])} "
                      f"| {', '.join(row['final_out_of_guards']) or 'none'} |")
     lines += ["", "Difference per_reward − summed, seeds paired:", ""]
     for r in REWARDS:
         d = np.array([g["per_reward"][r][s] - g["summed"][r][s] for s in seeds])
-        lo, hi = bench_quality.bootstrap_ci(d, np.mean)
+        lo, hi = bootstrap_ci(d, np.mean)
         lines.append(f"- {r}: {d.mean():+.4f} [{lo:+.4f}, {hi:+.4f}]")
     return "\n".join(lines) + "\n"
 

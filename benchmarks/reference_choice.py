@@ -19,24 +19,25 @@ from pathlib import Path
 import yaml
 
 from diffgrpo import guards
-from diffgrpo.studies import quality as bench_quality
 from diffgrpo.fileio import atomic_write
+from diffgrpo.studies import quality as bench_quality
+from diffgrpo.studies.quality_stats import first_out, mean_curve, plateau
 
 
 def rows(folder: Path) -> list[dict]:
     s = json.loads((folder / "summary.json").read_text(encoding="utf-8"))
     cells = bench_quality.load_cells(s)
-    th = guards.Thresholds(**s["thresholds"])
+    check = bench_quality.guard_check(guards.Thresholds(**s["thresholds"]))
     budget = float(s["meta"]["budget_cost"])
     out = []
     for v in dict.fromkeys(c.variant for c in cells):
         cs = [c for c in cells if c.variant == v]
         cfg = yaml.safe_load((folder / "configs" / f"{v}_seed{cs[0].seed}.yaml").read_text(encoding="utf-8"))
-        curve = bench_quality.mean_curve(cs, "eval/reward")
-        plat = bench_quality.plateau([p["cost"] for p in curve], [p["metrics"]["eval/reward"] for p in curve],
-                                     [p["reward_std"] for p in curve], len(cs))
+        curve = mean_curve(cs, "eval/reward")
+        plat = plateau([p["cost"] for p in curve], [p["metrics"]["eval/reward"] for p in curve],
+                       [p["reward_std"] for p in curve], len(cs))
         start, end = curve[0]["metrics"], curve[-1]["metrics"]
-        outs = [bench_quality.first_out(c.curve, th, budget) for c in cs]
+        outs = [first_out(c.curve, check, budget) for c in cs]
         hit = [o for o in outs if o]
         out.append({
             "folder": folder.name, "variant": v, "lr": cfg["train"]["lr"], "beta": cfg["loss"]["beta"],

@@ -21,7 +21,8 @@ import sys
 
 import torch
 
-from diffgrpo import RunConfig, bench_quality
+from diffgrpo import RunConfig
+from diffgrpo.studies import quality as bench_quality
 
 KL = "loss.beta=0.3"
 _WINDOW = ["engine.name=recompute", "steps.mode=window", "steps.window_start=0", "steps.window_size=3",

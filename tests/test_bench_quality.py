@@ -3,17 +3,16 @@ start-anchored guards, bootstrap intervals; end to end on a tiny diffusers pipel
 from __future__ import annotations
 
 import json
-import math
 
-import numpy as np
 import pytest
 import yaml
 
 from diffgrpo import guards
-from diffgrpo.studies import quality as bench_quality
 from diffgrpo.cli.app import main
-from tests._tiny_rewards import save_tiny_clip
-from tests.test_diffusers_models import sd3_dir  # noqa: F401 - the tiny pipeline fixture
+from diffgrpo.studies import quality as bench_quality
+from diffgrpo.studies.quality_report import to_markdown
+from diffgrpo.studies.quality_stats import plateau, summarize
+from tests.helpers.rewards import save_tiny_clip
 
 
 def _refuse(name):
@@ -25,35 +24,7 @@ def mean_brightness(images, prompts, metadata):
     return images.float().flatten(1).mean(1)
 
 
-def test_bootstrap_interval_and_plateau_check():
-    x = np.array([1.0, 2.0, 3.0, 4.0, 5.0])
-    lo, hi = bench_quality.bootstrap_ci(x, np.mean, n=4000, seed=1)
-    assert lo < 3.0 < hi and 1.0 <= lo and hi <= 5.0
-    assert math.isnan(bench_quality.bootstrap_ci(x[:1], np.mean)[0])  # one seed: no interval
-    # speed-up with paired seeds: a seed the variant never reaches makes the ratio 0 in the resamples that draw it
-    paired = np.array([[10.0, 5.0], [12.0, 6.0], [8.0, math.inf]])
-    assert bench_quality._speedup(paired) == 0.0 and bench_quality._speedup(paired[:2]) == pytest.approx(2.0)
-    flat = bench_quality.plateau([1, 2, 3, 4, 5, 6, 7, 8], [0, .5, .8, .9, .91, .90, .91, .905], [.02] * 8, seeds=4)
-    assert flat["plateaued"] and flat["points"] == 2 and flat["level"] == pytest.approx(0.9075)
-    rising = bench_quality.plateau([1, 2, 3, 4, 5, 6, 7, 8], [.1 * i for i in range(8)], [.02] * 8, seeds=4)
-    assert rising["plateaued"] is False and rising["trend"] == pytest.approx(0.1)
-    assert bench_quality.plateau([1, 2], [0, 1], [0, 0], seeds=1)["plateaued"] is None
-
-
-def test_first_reach_needs_the_guards_inside():
-    th = guards.Thresholds(max_reward_drop=0.1, max_drift=0.5)
-    mk = lambda it, r, g, d: {"iteration": it, "seconds": it * 2.0, "cost": it * 10.0,
-                              "metrics": {"eval/reward": r, "eval/guard/rewards/a/mean": g, "eval/guard/drift": d}}
-    curve = [mk(0, 0.1, 1.0, 0.0), mk(1, 0.6, 0.5, 0.1), mk(2, 0.7, 0.95, 0.2), mk(3, 0.9, 0.95, 0.9)]
-    low = bench_quality.first_reach(curve, 0.05, "eval/reward", th)  # the start is above it, but never counts
-    assert low["raw_seconds"] == 2.0 and low["iteration"] == 2
-    r = bench_quality.first_reach(curve, 0.55, "eval/reward", th)
-    assert r["iteration"] == 2 and r["seconds"] == 4.0 and r["raw_seconds"] == 2.0 and r["hacks"]
-    never = bench_quality.first_reach(curve, 0.95, "eval/reward", th)
-    assert never["seconds"] == math.inf and never["iteration"] is None and not never["hacks"]
-
-
-def test_bench_quality_on_a_tiny_diffusers_pipeline(sd3_dir, tmp_path, capsys):  # noqa: F811
+def test_bench_quality_on_a_tiny_diffusers_pipeline(sd3_dir, tmp_path, capsys):
     """Two variants × two seeds end to end: a plug-in training reward and a CLIP guard reward (a tiny CLIP saved
     locally, whose image features also give the distance to the base samples), the budget in reference
     iterations as counted cost, every cell evaluated at the same cost marks, one resolved config per cell."""
@@ -129,7 +100,7 @@ def test_evaluation_marks_and_the_plateau_window():
         bench_quality.eval_marks(1.0, 4, "log")
     # the plateau is judged over the last quarter of the budget, however the marks are spaced
     xs = [0.0, *q]
-    p = bench_quality.plateau(xs, [0.0, 0.5, 0.8, 0.9, 0.9], [0.01] * 5, seeds=5)
+    p = plateau(xs, [0.0, 0.5, 0.8, 0.9, 0.9], [0.01] * 5, seeds=5)
     assert p["points"] == 2 and p["level"] == pytest.approx(0.9) and p["plateaued"]
 
 
@@ -152,9 +123,13 @@ class _FakeTrainer:
         return {"eval/reward": 0.1 * self.it, "eval/guard/drift": 0.0}, None
 
 
+def _fake_cell(variant: str, seed: int, cost: int, fail: int = 0):
+    return bench_quality.Cell(variant, seed, None, _FakeTrainer(cost, fail), overrides=[])
+
+
 def test_a_failing_cell_is_reported_and_the_other_cells_go_on():
-    mk = lambda v, s, cost, fail=0: bench_quality.Cell(v, s, None, _FakeTrainer(cost, fail), overrides=[])
-    cells = [mk("ref", 0, 10), mk("ref", 1, 10), mk("cheap", 0, 5), mk("cheap", 1, 5, fail=3)]
+    cells = [_fake_cell("ref", 0, 10), _fake_cell("ref", 1, 10), _fake_cell("cheap", 0, 5),
+             _fake_cell("cheap", 1, 5, fail=3)]
     logged = []
     budget = bench_quality.interleave(cells, "ref", iterations=8, evals=4, log=logged.append)
     assert budget == 80 and all(c.done for c in cells)
@@ -164,15 +139,15 @@ def test_a_failing_cell_is_reported_and_the_other_cells_go_on():
     assert any("cheap" in line and "failed at iteration 3" in line for line in logged)
     progress = [line for line in logged if line.startswith("bench quality: every cell past mark")]
     assert [line.split("mark ")[1].split(" ")[0] for line in progress] == ["1/4", "2/4", "3/4"]  # a line per mark
-    th = guards.Thresholds()
-    s = bench_quality.summarize(cells, "ref", metric="eval/reward", target_fraction=0.95, th=th)
+    check = bench_quality.guard_check(guards.Thresholds())
+    s = summarize(cells, "ref", metric="eval/reward", target_fraction=0.95, check=check)
     rows = {r["variant"]: r for r in s["rows"]}
     assert rows["cheap"]["failed"] == {"1": bad.failed} and rows["cheap"]["reached"] == 1
     assert rows["cheap"]["final_reward"] == pytest.approx(1.6)  # the failed cell's last evaluation is not an end
     assert len(rows["cheap"]["curve"]) == 5  # the mean curve is the surviving seed's, not cut at the failure
     meta = {"title": "t", "command": "c", "variants": {"ref": [], "cheap": []}, "seeds": [0, 1], "iterations": 8,
             "budget_cost": budget, "evals": 4, "eval_samples": 1, "total_seconds": 1.0, "load": "0"}
-    assert "| cheap |" in bench_quality.to_markdown(meta, s) and "1/2 (1 failed)" in bench_quality.to_markdown(meta, s)
+    assert "| cheap |" in to_markdown(meta, s) and "1/2 (1 failed)" in to_markdown(meta, s)
 
 
 def test_out_must_be_new_empty_or_an_earlier_bench_output(tmp_path, capsys):
@@ -210,8 +185,7 @@ def test_out_must_be_new_empty_or_an_earlier_bench_output(tmp_path, capsys):
 
 
 def test_an_interrupted_benchmark_reads_as_one_with_the_budget_every_cell_reached():
-    mk = lambda v, s, cost: bench_quality.Cell(v, s, None, _FakeTrainer(cost), overrides=[])
-    cells = [mk("ref", 0, 10), mk("ref", 1, 10), mk("cheap", 0, 5), mk("cheap", 1, 5)]
+    cells = [_fake_cell("ref", 0, 10), _fake_cell("ref", 1, 10), _fake_cell("cheap", 0, 5), _fake_cell("cheap", 1, 5)]
     steps = iter(range(10_000))
     budget = bench_quality.interleave(cells, "ref", iterations=8, evals=4, stop=lambda: next(steps) >= 30,
                                       log=lambda *a: None)
@@ -219,8 +193,8 @@ def test_an_interrupted_benchmark_reads_as_one_with_the_budget_every_cell_reache
     kept, cut = bench_quality.truncate(cells, budget, 4, "linear")
     assert (kept, cut) == (2, 40.0) and all(len(c.curve) == 3 for c in cells)  # start + the 2 marks all passed
     assert all(c.curve[-1]["cost"] >= 40 for c in cells)
-    s = bench_quality.summarize(cells, "ref", metric="eval/reward", target_fraction=0.95, th=guards.Thresholds(),
-                                budget=cut)
+    s = summarize(cells, "ref", metric="eval/reward", target_fraction=0.95,
+                  check=bench_quality.guard_check(guards.Thresholds()), budget=cut)
     assert s["plateau"]["points"] == 2 and {r["variant"] for r in s["rows"]} == {"ref", "cheap"}
 
 
