@@ -15,7 +15,7 @@ import torch
 
 from diffgrpo import RunConfig, sources
 from diffgrpo.data_sources import load_prompts
-from diffgrpo.errors import ConfigError
+from diffgrpo.errors import ConfigError, RewardError
 from diffgrpo.models.diffusers_adapter import (
     DiffusersFlowPolicy,
     pack_2x2,
@@ -147,8 +147,12 @@ def test_rewards_receive_the_source_in_both_conventions(tmp_path):
         got["trl"] = torch.stack([s[0] for s in source_images])
         return [float(x) for x in (completions - got["trl"]).abs().mean((1, 2, 3))]
 
-    _, comps = compute_rewards({"a": 1.0, "b": 1.0}, images, [r["prompt"] for r in recs], meta,
-                                   rewards={"a": positional, "b": __import__("diffgrpo").rewards.calling.bind(trl)})
+    fns = {"a": positional, "b": __import__("diffgrpo").rewards.calling.bind(trl)}
+    with pytest.raises(RewardError, match="reward 'a' raised KeyError"):  # the generic call attaches nothing
+        compute_rewards({"a": 1.0}, images, [r["prompt"] for r in recs], meta, rewards=fns, log=lambda *a: None)
+    # the flow family scores its decoded images with the sources attached
+    _, comps = compute_rewards({"a": 1.0, "b": 1.0}, images, [r["prompt"] for r in recs], sources.attach(meta),
+                               rewards=fns)
     torch.testing.assert_close(got["pos"], src)
     torch.testing.assert_close(got["trl"], src)
     torch.testing.assert_close(comps["a"], (images - src).abs().mean((1, 2, 3)))
@@ -169,7 +173,7 @@ def test_clip_direction_is_the_cosine_of_the_embedding_differences(tmp_path):
     images = torch.rand(len(prompts), 3, RES, RES, generator=torch.Generator().manual_seed(2))
     clear_cache()
     fns = make_rewards({"clip_direction": 1.0}, {"clip_direction": {"model": str(clip), "batch_size": 2}}, "cpu")
-    score, _ = compute_rewards({"clip_direction": 1.0}, images, prompts, meta, rewards=fns)
+    score, _ = compute_rewards({"clip_direction": 1.0}, images, prompts, sources.attach(meta), rewards=fns)
     clear_cache()
     model, proc = CLIPModel.from_pretrained(str(clip)).eval(), CLIPProcessor.from_pretrained(str(clip))
     with torch.no_grad():

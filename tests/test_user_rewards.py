@@ -128,7 +128,7 @@ def test_notebook_function_through_main(monkeypatch):
 
 def test_trainer_takes_rewards_as_callables(monkeypatch):
     """Trainer(cfg, rewards={name: fn}) trains on exactly those callables; a name may not shadow the registry."""
-    monkeypatch.setattr("diffgrpo.rewards.SUPPLIED", dict(SUPPLIED))
+    monkeypatch.setattr("diffgrpo.rewards.registry.SUPPLIED", dict(SUPPLIED))
     seen = []
 
     def darkness(completions, prompts, digit, **kw):
@@ -166,7 +166,7 @@ def test_masked_lm_rewards_are_added_to_the_task_verifier(monkeypatch):
     """reward.weights on a masked LM: reward = weights.task × the task's verifier + Σ weight × reward, each reward
     a component under its name; a TRL-style function gets the completions, the prompts and the reference
     (``answer``) by name; a registry text verifier scores as called directly."""
-    monkeypatch.setattr("diffgrpo.rewards.SUPPLIED", dict(SUPPLIED))
+    monkeypatch.setattr("diffgrpo.rewards.registry.SUPPLIED", dict(SUPPLIED))
     seen = []
 
     def shortness(completions, prompts, answer, **kw):

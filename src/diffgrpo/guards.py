@@ -39,7 +39,6 @@ by ``train.keep_best`` among evaluations inside the guards, and tells the loop t
 """
 from __future__ import annotations
 
-import importlib
 import json
 import math
 import re
@@ -51,6 +50,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save, save_file
 
+from . import plugins
 from .data import digits_split
 from .errors import ConfigError, TrainingError
 from .feature_stats import Moments, frechet_distance, gaussian_from_sums, gaussian_stats
@@ -350,12 +350,7 @@ def plugin(spec: str, key: str) -> Callable:
         return REWARDS[spec]
     if ":" not in spec:
         raise ConfigError(f"{key}: unknown reward {spec!r}; choose one of {sorted(REWARDS)} or package.module:function")
-    mod, _, attr = spec.partition(":")
-    try:
-        fn = getattr(importlib.import_module(mod), attr)
-    except Exception as e:  # noqa: BLE001 - anything the user's module raises on import
-        raise ConfigError(f"{key}: cannot import {spec!r} ({type(e).__name__}: {' '.join(str(e).split())[:200]}); "
-                          "give a registry reward or package.module:function") from None
+    fn = plugins.resolve(spec, key=key, hint="; give a registry reward or package.module:function")
     if not callable(fn):
         raise ConfigError(f"{key}: {spec!r} is not callable")
     return fn

@@ -173,8 +173,9 @@ def as_tensor(ref: str) -> torch.Tensor:
 
 
 def attach(metadata: list[dict]) -> list[dict]:
-    """The metadata rewards receive: a sample with sources also gets ``source_images`` (its sources as (3, H, W)
-    tensors in [0, 1]); ``metadata`` itself is not changed. Without any source, ``metadata`` as is."""
+    """The metadata an image reward receives (the flow family scores its decoded images with it): a sample with
+    sources also gets ``source_images`` (its sources as (3, H, W) tensors in [0, 1]); ``metadata`` itself is not
+    changed. Without any source, ``metadata`` as is."""
     if not any(of_record(m) for m in metadata):
         return metadata
     return [{**m, REWARD_FIELD: [as_tensor(r) for r in of_record(m)]} if of_record(m) else m for m in metadata]

@@ -5,8 +5,7 @@ A config value may also be ``module:Class`` for user engines.
 """
 from __future__ import annotations
 
-import importlib
-
+from .. import plugins
 from ..config import EngineConfig
 from ._steps import SELECTION_MODES, select_steps
 from .awm import AWMEngine
@@ -39,8 +38,7 @@ def build_engine(cfg: EngineConfig) -> Engine:
     name = cfg.name
     if name in ENGINES:
         return ENGINES[name](cfg)
-    mod, _, attr = name.partition(":")
-    return getattr(importlib.import_module(mod), attr)(cfg)
+    return plugins.resolve(name, key="engine.name")(cfg)
 
 
 __all__ = ["ENGINES", "FORWARD_ENGINES", "Engine", "EngineContext", "build_engine", "select_steps", "SELECTION_MODES"]

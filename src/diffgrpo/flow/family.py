@@ -236,8 +236,8 @@ class FlowFamily:
             t_sample = time.perf_counter() - t0
             t1 = time.perf_counter()
             images = self.policy.decode(out["xs"][:, -1])
-            rewards, comps = compute_rewards(self.cfg.reward.weights, images, plan.prompts, plan.metadata,
-                                             log=self.log, rewards=self.reward_fns)
+            rewards, comps = compute_rewards(self.cfg.reward.weights, images, plan.prompts,
+                                             sources.attach(plan.metadata), log=self.log, rewards=self.reward_fns)
             t_reward = time.perf_counter() - t1
         rollout_options.count_saved(self.policy, out["saved_forwards"])
         traj = FlowTrajectory(cond=cond, sigmas=self.sigmas, xs=out["xs"], velocities=out["velocities"],
@@ -277,7 +277,7 @@ class FlowFamily:
                                         sde_mask=None if plan.sde_mask is None else plan.sde_mask[rows], **part)
                 im = self.policy.decode(o["xs"][:, -1])
                 futures.append(pool.submit(compute_rewards, self.cfg.reward.weights, im, plan.prompts[rows],
-                                           plan.metadata[rows], log=self.log, rewards=self.reward_fns))
+                                           sources.attach(plan.metadata[rows]), log=self.log, rewards=self.reward_fns))
                 outs.append(o)
                 images.append(im)
             t_wait = time.perf_counter()
@@ -346,7 +346,7 @@ class FlowFamily:
                     "sources": [None if src[j] is None else to_uint8(src[j]) for j in real] if save_media else None,
                     "feats": guards.digit_features(im[real]) if guards.guards_apply(self.cfg, im) else None,
                     "guard": self.guards.chunk(im[real], [prompts[idx[j]] for j in real],
-                                               [metadata[idx[j]] for j in real])}
+                                               sources.attach([metadata[idx[j]] for j in real]))}
             del im
             for got in distributed.all_gather_object(part):
                 index = torch.tensor(got["index"], dtype=torch.long)
@@ -383,7 +383,8 @@ class FlowFamily:
         self.policy.counters.update(saved)
         images = self.policy.decode(out["xs"][:, -1])
         del out
-        rewards, comps = compute_rewards(self.cfg.reward.weights, images, prompts, metadata, rewards=self.reward_fns)
+        rewards, comps = compute_rewards(self.cfg.reward.weights, images, prompts, sources.attach(metadata),
+                                         rewards=self.reward_fns)
         return images, rewards, comps
 
 

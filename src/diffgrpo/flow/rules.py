@@ -3,18 +3,16 @@ the loss options, and the chosen engine (its keys and its own ``check_config``).
 :func:`diffgrpo.validation.validate` before any model loads; every message names the key and what is allowed."""
 from __future__ import annotations
 
-import importlib
 import inspect
 from pathlib import Path
 
-from .. import guards
+from .. import guards, plugins
 from ..config import EngineConfig, LossConfig, RunConfig
-from ..configvalues import one_line
 from ..engines import ENGINES, FORWARD_ENGINES
 from ..errors import ConfigError, suggest
 from ..models.editing import check_config as check_editing
 from ..models.regional_compile import check_config as check_compile
-from ..rewards import REWARDS, check_rewards, resolve_reward
+from ..rewards import check_rewards, resolve_reward
 
 
 def check(cfg: RunConfig) -> None:
@@ -33,18 +31,6 @@ def _exists(p: Path) -> bool:
         return False
 
 
-def _split_plugin(name: str) -> tuple[str, str, str]:
-    """``package.module:attr`` → (module, attr, problem); problem is empty when the form is well made."""
-    mod, _, attr = name.partition(":")
-    if not mod:
-        return mod, attr, "the module name is empty"
-    if not all(part.isidentifier() for part in mod.split(".")):
-        return mod, attr, f"{mod!r} is not a dotted module name"
-    if not attr.isidentifier():
-        return mod, attr, f"{attr!r} is not a Python name"
-    return mod, attr, ""
-
-
 def _validate_engine_name(name: str) -> None:
     allowed = f"choose one of {sorted(ENGINES)} or an importable module:Class"
     if name in ENGINES:
@@ -52,31 +38,15 @@ def _validate_engine_name(name: str) -> None:
     if ":" not in name:
         raise ConfigError(f"engine.name: value {name!r} is not a registered engine{suggest(name, list(ENGINES))}; "
                           f"{allowed}")
-    mod, attr, problem = _split_plugin(name)
-    if problem:
-        raise ConfigError(f"engine.name: value {name!r} is not a valid module:Class ({problem}); {allowed}")
-    try:
-        obj = getattr(importlib.import_module(mod), attr)
-    except Exception as e:  # noqa: BLE001 - anything the user's module raises on import
-        raise ConfigError(f"engine.name: value {name!r} cannot be imported ({type(e).__name__}: {one_line(e)}); "
-                          f"{allowed}") from None
+    obj = plugins.resolve(name, key="engine.name", hint=f"; {allowed}",
+                          malformed="{key}: value {spec!r} is not a valid module:Class ({problem})",
+                          failed="{key}: value {spec!r} cannot be imported ({error})")
     if not inspect.isclass(obj):
         raise ConfigError(f"engine.name: value {name!r} is not a class (it is a {type(obj).__name__}); {allowed}")
 
 
 def _validate_reward_name(name: str) -> None:
-    if name not in REWARDS and ":" in name:
-        _, _, problem = _split_plugin(name)
-        if problem:
-            raise ConfigError(f"reward.weights: reward {name!r} is not a valid module:function ({problem}); choose "
-                              f"one of {sorted(REWARDS)} or package.module:function")
-    try:
-        resolve_reward(name)  # raises ConfigError for unknown names and failed imports
-    except ConfigError:
-        raise
-    except Exception as e:  # noqa: BLE001 - anything the user's module raises on import
-        raise ConfigError(f"reward.weights: cannot import reward {name!r} ({type(e).__name__}: {one_line(e)})"
-                          ) from None
+    resolve_reward(name)  # raises ConfigError for unknown names, malformed module:function specs, failed imports
 
 
 def _validate_flow(cfg: RunConfig) -> None:
@@ -136,8 +106,7 @@ def engine_class(name: str) -> type:
     """The engine class ``engine.name`` names (registry key or an importable ``module:Class``, checked first)."""
     if name in ENGINES:
         return ENGINES[name]
-    mod, _, attr = name.partition(":")
-    return getattr(importlib.import_module(mod), attr)
+    return plugins.resolve(name, key="engine.name")
 
 
 def engine_users() -> dict[str, list[str]]:
