@@ -18,8 +18,9 @@ from diffgrpo import RunConfig, Trainer
 from diffgrpo.config import ConfigError
 from diffgrpo.models.diffusers_adapter import (
     DiffusersFlowPolicy,
+    PolicyOptions,
     cfg_combine,
-    detect_family,
+    detect_pipeline,
     pack_2x2,
     unpack_2x2,
 )
@@ -116,8 +117,9 @@ def stub_decoder(z):
 
 
 def adapter_policy(family, **kw):
-    return DiffusersFlowPolicy(tiny_transformer(family), latent_shape=LATENTS[family], encoder=stub_encoder(family),
-                               decoder=stub_decoder, **kw)
+    """A policy of the table row ``family`` over its tiny transformer; ``kw``: its ``PolicyOptions``."""
+    return DiffusersFlowPolicy(tiny_transformer(family), family, PolicyOptions(**kw), latent_shape=LATENTS[family],
+                               encoder=stub_encoder(family), decoder=stub_decoder)
 
 
 @pytest.fixture(scope="module")
@@ -167,7 +169,7 @@ def test_sd3_pipeline_trains_from_its_directory_and_lora_reloads(sd3_dir, tmp_pa
         "eval.seeds_per_prompt=1", f"log.output_dir={tmp_path / 'run'}"])
     tr = Trainer(cfg, log=lambda *a: None)
     pol = tr.policy
-    assert pol.family.name == "sd3" and pol.latent_shape == (4, 8, 8) and pol.uses_cfg
+    assert pol.row.name == "sd3" and pol.latent_shape == (4, 8, 8) and pol.uses_cfg
     assert pol._ref is None  # the LoRA reference is the base model with the adapter disabled, no copy
     assert tr.params and all("lora_" in n for n in pol.named_trainable_parameters())
 
@@ -188,8 +190,8 @@ def test_sd3_pipeline_trains_from_its_directory_and_lora_reloads(sd3_dir, tmp_pa
 
     # the diffusers pipeline + load_lora_weights reproduces the trained policy
     pipe = StableDiffusion3Pipeline.from_pretrained(str(sd3_dir))
-    base = DiffusersFlowPolicy(pipe.transformer, latent_shape=(4, 8, 8), pipeline=pipe, guidance_scale=3.0,
-                               negative_prompt="blurry", max_sequence_length=8)
+    options = PolicyOptions(guidance_scale=3.0, negative_prompt="blurry", max_sequence_length=8)
+    base = DiffusersFlowPolicy(pipe.transformer, options=options, latent_shape=(4, 8, 8), pipeline=pipe)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(3, 4, 8, 8, generator=g)
     sig = torch.tensor([0.9, 0.5, 0.2])
@@ -213,8 +215,7 @@ def test_sd3_pipeline_trains_from_its_directory_and_lora_reloads(sd3_dir, tmp_pa
     torch.testing.assert_close(base.decode(traj["xs"][:, -1]), images, rtol=1e-4, atol=1e-5)
 
     pipe.load_lora_weights(str(out / "lora"))
-    loaded = DiffusersFlowPolicy(pipe.transformer, latent_shape=(4, 8, 8), pipeline=pipe, guidance_scale=3.0,
-                                 negative_prompt="blurry", max_sequence_length=8)
+    loaded = DiffusersFlowPolicy(pipe.transformer, options=options, latent_shape=(4, 8, 8), pipeline=pipe)
     sigmas = tr.family.sigmas
     runs = []
     for p in (pol, loaded):
@@ -238,8 +239,8 @@ def test_config_errors_name_the_field(sd3_dir, tmp_path):
         RunConfig.from_overrides(["model.name=diffusers"])
     with pytest.raises(ConfigError, match="train.prompts_file"):
         RunConfig.from_overrides([f"train.prompts_file={tmp_path / 'missing.txt'}"])
-    with pytest.raises(ConfigError, match="model.family"):
-        RunConfig.from_overrides(["model.family=sdxl"])
+    with pytest.raises(ConfigError, match="model.pipeline"):
+        RunConfig.from_overrides(["model.pipeline=sdxl"])
     with pytest.raises(ConfigError, match="model.pretrained: path .* does not exist"):  # refused on reading
         RunConfig.from_overrides(["model.name=diffusers", f"model.pretrained={tmp_path / 'nope'}"])
     with pytest.raises(ConfigError, match=r"^reward\.weights: 'digit_alignment' scores .* RGB"):  # the default reward
@@ -259,7 +260,7 @@ def test_family_rollout_backward_and_step_through_the_trainer(family, lora, gsca
     cfg = RunConfig.from_overrides([*QUIET, "loss.beta=0.04", "train.lr=0.05",
                                     f"train.prompts_file={tmp_path / 'prompts.txt'}"])
     pol = adapter_policy(family, guidance_scale=gscale, lora_rank=lora, lora_alpha=2 * lora, keep_reference=True)
-    assert detect_family(pol.transformer) == family
+    assert detect_pipeline(pol.transformer) == family
     assert pol.uses_cfg == (family != "flux")  # FLUX: distilled guidance embedding, one forward
     assert (pol._ref is None) == (lora > 0)
     tr = Trainer(cfg, policy=pol, log=lambda *a: None)

@@ -18,6 +18,7 @@ from diffgrpo.data_sources import load_prompts
 from diffgrpo.errors import ConfigError, RewardError
 from diffgrpo.models.diffusers_adapter import (
     DiffusersFlowPolicy,
+    PolicyOptions,
     pack_2x2,
     unpack_2x2,
 )
@@ -122,7 +123,7 @@ def test_an_editing_model_without_sources_is_refused_before_it_loads(tmp_path):
     with pytest.raises(ConfigError, match="takes one"):
         RunConfig.from_overrides([*base, f"train.prompts_file={plus}"])
     RunConfig.from_overrides([*base, f"train.prompts_file={edits}"])  # valid
-    from diffgrpo.models import editing
+    from diffgrpo.models.pipelines import editing
 
     with pytest.raises(ConfigError, match="the prompt 'b' has none"):  # a batch without sources reaching the policy
         editing.keys(["a", "b"], [("x.png",), ()], "qwenimage_edit")
@@ -257,8 +258,8 @@ def _pipeline_latents(kind, pipe, recs, x, guidance):
 
 def _policy(kind, pipe, guidance, **kw):
     fam = {"edit": "qwenimage_edit", "plus": "qwenimage_edit_plus", "kontext": "flux_kontext"}[kind]
-    return DiffusersFlowPolicy(pipe.transformer, latent_shape=LATENT, family=fam, pipeline=pipe,
-                               guidance_scale=guidance, max_sequence_length=16 if kind == "kontext" else 0, **kw)
+    options = PolicyOptions(guidance_scale=guidance, max_sequence_length=16 if kind == "kontext" else 0, **kw)
+    return DiffusersFlowPolicy(pipe.transformer, fam, options, latent_shape=LATENT, pipeline=pipe)
 
 
 def _our_latents(pol, pipe, kind, recs, x, guidance):

@@ -158,8 +158,8 @@ def test_wan_evaluation_writes_mp4_videos(tmp_path):
     def video_decoder(z):  # (B, 4, F, h, w) latents → (B, 3, F, 2h, 2w) videos in [0, 1]
         return torch.sigmoid(z[:, :3].float()).repeat_interleave(2, -1).repeat_interleave(2, -2)
 
-    policy = DiffusersFlowPolicy(tiny_transformer("wan"), latent_shape=LATENTS["wan"], encoder=stub_encoder("wan"),
-                                 decoder=video_decoder)
+    policy = DiffusersFlowPolicy(tiny_transformer("wan"), "wan", latent_shape=LATENTS["wan"],
+                                 encoder=stub_encoder("wan"), decoder=video_decoder)
     prompts = tmp_path / "p.txt"
     prompts.write_text("a red cat\nthe sun\n")
     cfg = RunConfig.from_overrides(["model.name=diffusers", f"model.pretrained={tmp_path}", "model.device=cpu",

@@ -11,11 +11,12 @@ import torch
 
 from diffgrpo import RunConfig
 from diffgrpo.errors import ConfigError
-from diffgrpo.models import flux2
+from diffgrpo.models.pipelines import flux2
 from diffgrpo.models.diffusers_adapter import (
     DiffusersFlowPolicy,
+    PolicyOptions,
     build_diffusers_policy,
-    detect_family,
+    detect_pipeline,
 )
 from diffgrpo.samplers.flow_sde import sigma_grid
 from diffgrpo.samplers.rollout import sample_trajectories
@@ -161,9 +162,9 @@ def test_rollout_reproduces_the_pipeline_sampling(pipe_dirs, variant, g):
     embedded guidance, [klein]'s true CFG with the empty negative prompt) in the adapter: same σ grid and noise →
     the pipeline's latents and decoded images."""
     pipe = _load(pipe_dirs[variant])
-    pol = DiffusersFlowPolicy(pipe.transformer, latent_shape=LATENT, pipeline=pipe, max_sequence_length=SEQ,
-                              guidance_scale=g)
-    assert detect_family(pipe.transformer) == ("flux2" if variant == "dev" else "flux2_klein")
+    pol = DiffusersFlowPolicy(pipe.transformer, options=PolicyOptions(max_sequence_length=SEQ, guidance_scale=g),
+                              latent_shape=LATENT, pipeline=pipe)
+    assert detect_pipeline(pipe.transformer) == ("flux2" if variant == "dev" else "flux2_klein")
     assert pol.uses_cfg == (variant == "klein" and g != 1.0)
     x = _noise()
     z_pipe, images = _pipeline_sample(pipe, x, g, output_type="pt")
@@ -183,8 +184,8 @@ def test_rollout_reproduces_the_pipeline_sampling(pipe_dirs, variant, g):
 def test_lora_gradient_reaches_the_adapter_and_distilled_klein_needs_no_guidance(pipe_dirs, tmp_path,
                                                                                   monkeypatch):
     pipe = _load(pipe_dirs["klein"])
-    pol = DiffusersFlowPolicy(pipe.transformer, latent_shape=LATENT, pipeline=pipe, max_sequence_length=SEQ,
-                              lora_rank=2, guidance_scale=3.0, gradient_checkpointing=True)
+    options = PolicyOptions(max_sequence_length=SEQ, lora_rank=2, guidance_scale=3.0, gradient_checkpointing=True)
+    pol = DiffusersFlowPolicy(pipe.transformer, options=options, latent_shape=LATENT, pipeline=pipe)
     names = list(pol.named_trainable_parameters())
     assert names and all("lora_" in n for n in names)
     assert any("single_transformer_blocks" in n for n in names)  # the single-stream blocks are adapted too
@@ -208,8 +209,8 @@ def test_lora_gradient_reaches_the_adapter_and_distilled_klein_needs_no_guidance
     with pytest.raises(ConfigError, match="model.guidance_scale"):  # a loaded pipeline (a hub id)
         flux2.check_guidance(_load(d).config, 4.0)
     flux2.check_guidance(_load(d).config, 1.0)
-    wrong = RunConfig.from_overrides([*COMMON, f"model.pretrained={pipe_dirs['klein']}", "model.family=flux2"])
-    with pytest.raises(ConfigError, match="model.family: value 'flux2' does not match"):  # would drop [klein]'s CFG
+    wrong = RunConfig.from_overrides([*COMMON, f"model.pretrained={pipe_dirs['klein']}", "model.pipeline=flux2"])
+    with pytest.raises(ConfigError, match="model.pipeline: value 'flux2' does not match"):  # would drop [klein]'s CFG
         build_diffusers_policy(wrong, progress=False, log=lambda *a: None)
 
 
@@ -230,7 +231,7 @@ def test_cli_run_exports_what_diffusers_reloads_and_samples(pipe_dirs, tmp_path,
     out = tmp_path / "export"
     assert main(["export", str(run), "--out", str(out)]) == 0
     cfg = RunConfig.from_yaml(str(run / "config.yaml"), [])
-    assert cfg.model.family == "auto"
+    assert cfg.model.pipeline == "auto"
     trained = build_diffusers_policy(cfg, progress=False, log=lambda *a: None)
     trained.load_state_dict(load_file(str(run / "weights.safetensors")))
     x = _noise()
@@ -253,9 +254,9 @@ def test_cli_run_exports_what_diffusers_reloads_and_samples(pipe_dirs, tmp_path,
 @pytest.mark.parametrize("family,ok", [("flux2", False), ("flux2_klein", True)])
 def test_negative_prompt_is_refused_for_the_guidance_distilled_dev_only(family, ok):
     """[dev] has no negative branch (a one-line ConfigError before anything loads); [klein] guides with one."""
-    args = [*COMMON, "model.pretrained=org/flux2", f"model.family={family}", "model.negative_prompt=blurry"]
+    args = [*COMMON, "model.pretrained=org/flux2", f"model.pipeline={family}", "model.negative_prompt=blurry"]
     if ok:
-        assert RunConfig.from_overrides(args).model.family == family
+        assert RunConfig.from_overrides(args).model.pipeline == family
     else:
         with pytest.raises(ConfigError, match="model.negative_prompt: FLUX is guidance-distilled"):
             RunConfig.from_overrides(args)

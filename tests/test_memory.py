@@ -15,7 +15,7 @@ from diffgrpo.run.checkpoint import latest_complete, load_checkpoint
 from diffgrpo.config import ConfigError
 from diffgrpo.engines import ENGINES
 from diffgrpo.metering import MemoryMeter
-from diffgrpo.models.diffusers_adapter import DiffusersFlowPolicy
+from diffgrpo.models.diffusers_adapter import DiffusersFlowPolicy, PolicyOptions
 from diffgrpo.models.tiny import build_tiny_policy
 from tests.conftest import TINY, flat_grad, rel_err
 from tests.test_diffusers_models import (
@@ -67,8 +67,9 @@ def test_text_encoders_are_offloaded_between_encodings_and_embeddings_are_unchan
     conds, pols = [], []
     for offload in (False, True):
         pipe = _sd3_pipeline()
-        pol = DiffusersFlowPolicy(pipe.transformer, latent_shape=(4, 8, 8), pipeline=pipe, device=device,
-                                  guidance_scale=2.0, max_sequence_length=8, offload_text_encoders=offload)
+        pol = DiffusersFlowPolicy(pipe.transformer, options=PolicyOptions(
+            device=device, guidance_scale=2.0, max_sequence_length=8, offload_text_encoders=offload),
+            latent_shape=(4, 8, 8), pipeline=pipe)
         seen = []
         inner = pol._encoder
 
@@ -198,9 +199,9 @@ def test_fp16_loss_scale_is_checkpointed_and_resumed(tmp_path):
 # ------------------------------------------------------------------------------------------- checkpointing
 def _adapter_trainer(engine: str, ckpt: bool, lora: int = 0) -> Trainer:
     cfg = RunConfig.from_overrides([*QUIET, f"engine.name={engine}", "loss.beta=0.05", "seed=3"])
-    pol = DiffusersFlowPolicy(_deep_sd3(), latent_shape=LATENTS["sd3"], encoder=stub_encoder("sd3"),
-                              decoder=stub_decoder, gradient_checkpointing=ckpt, keep_reference=lora == 0,
-                              lora_rank=lora)
+    options = PolicyOptions(gradient_checkpointing=ckpt, keep_reference=lora == 0, lora_rank=lora)
+    pol = DiffusersFlowPolicy(_deep_sd3(), "sd3", options, latent_shape=LATENTS["sd3"], encoder=stub_encoder("sd3"),
+                              decoder=stub_decoder)
     return Trainer(cfg, policy=pol, log=lambda *a: None)
 
 

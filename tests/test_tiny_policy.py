@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from diffgrpo import RunConfig
-from diffgrpo.models.diffusers_adapter import DiffusersFlowPolicy
+from diffgrpo.models.diffusers_adapter import DiffusersFlowPolicy, PolicyOptions
 from diffgrpo.models.tiny import (
     PromptEncoder,
     _recipe_key,
@@ -43,7 +43,7 @@ def _inputs(pol, n=3):
 def test_tiny_policy_is_the_diffusers_policy_and_matches_the_net(cache_dir, guidance):
     cfg = _cfg(cache_dir, f"model.guidance_scale={guidance}")
     pol = build_tiny_policy(cfg, progress=False, log=quiet)
-    assert isinstance(pol, DiffusersFlowPolicy) and pol.family.name == "sd3"
+    assert isinstance(pol, DiffusersFlowPolicy) and pol.row.name == "sd3"
     assert pol.latent_shape == (1, 8, 8) and pol.device == torch.device("cpu")
     assert pol.uses_cfg == (guidance != 1.0) and pol.negative_prompt == ""
     assert pol.forward_module is pol.transformer and pol._ref is None  # loss.beta = 0: no frozen copy
@@ -125,8 +125,9 @@ def test_save_adapter_reloads_with_diffusers(cache_dir, tmp_path, lora):
         loaded = base
     else:
         assert (d / "config.json").is_file()
-        loaded = DiffusersFlowPolicy(SD3Transformer2DModel.from_pretrained(str(d)), latent_shape=pol.latent_shape,
-                                     family="sd3", encoder=pol._encoder, guidance_scale=3.0)
+        loaded = DiffusersFlowPolicy(SD3Transformer2DModel.from_pretrained(str(d)), "sd3",
+                                     PolicyOptions(guidance_scale=3.0), latent_shape=pol.latent_shape,
+                                     encoder=pol._encoder)
     with torch.no_grad():
         v_loaded = loaded.velocity(x, sigma, loaded.encode(PROMPTS))
     assert (v - v_base).abs().max() > 1e-3  # the saved weights matter: the match below is not the base model's

@@ -15,9 +15,11 @@ from diffgrpo import RunConfig, Trainer
 from diffgrpo.config import ConfigError
 from diffgrpo.models.diffusers_adapter import (
     DiffusersFlowPolicy,
-    WanExperts,
+    PolicyOptions,
     build_diffusers_policy,
 )
+from diffgrpo.models.pipelines import wan
+from diffgrpo.models.pipelines.wan import WanExperts
 from diffgrpo.samplers.rollout import sample_trajectories
 from tests.conftest import flat_grad, rel_err
 from tests.test_diffusers_models import PROMPTS, _t5_tokenizer
@@ -70,9 +72,9 @@ def wan_dirs(tmp_path_factory):
 
 
 def _policy(pipe, **kw) -> DiffusersFlowPolicy:
-    return DiffusersFlowPolicy(pipe.transformer, latent_shape=LATENT, pipeline=pipe, max_sequence_length=8,
-                               transformer_2=pipe.transformer_2, boundary_ratio=pipe.config.boundary_ratio,
-                               expand_timesteps=bool(pipe.config.expand_timesteps), **kw)
+    transformer = wan.experts(pipe.transformer, pipe.transformer_2, pipe.config.boundary_ratio)
+    return DiffusersFlowPolicy(transformer, options=PolicyOptions(max_sequence_length=8, **kw), latent_shape=LATENT,
+                               pipeline=pipe)
 
 
 def _pipeline_latents(pipe, x, guidance=3.0, guidance_2=None):
@@ -130,8 +132,8 @@ def test_experts_route_rows_by_their_own_timestep(wan_dirs):
     with torch.no_grad():
         v = pol.velocity(x, sig, cond)
         for i, expert in enumerate([pipe.transformer, pipe.transformer_2, pipe.transformer]):
-            single = DiffusersFlowPolicy(expert, latent_shape=LATENT, pipeline=pipe, max_sequence_length=8,
-                                         guidance_scale=3.0 if expert is pipe.transformer else 1.5)
+            options = PolicyOptions(max_sequence_length=8, guidance_scale=3.0 if expert is pipe.transformer else 1.5)
+            single = DiffusersFlowPolicy(expert, options=options, latent_shape=LATENT, pipeline=pipe)
             v_i = single.velocity(x[i:i + 1], sig[i:i + 1], {k: c[i:i + 1] for k, c in cond.items()})
             torch.testing.assert_close(v[i:i + 1], v_i, rtol=1e-5, atol=1e-6)
 

@@ -11,8 +11,9 @@ import torch
 from diffgrpo import RunConfig
 from diffgrpo.models.diffusers_adapter import (
     DiffusersFlowPolicy,
+    PolicyOptions,
     build_diffusers_policy,
-    detect_family,
+    detect_pipeline,
 )
 from diffgrpo.samplers.rollout import sample_trajectories
 from tests.conftest import flat_grad
@@ -98,9 +99,10 @@ def test_rollout_reproduces_the_pipeline_sampling(zimage_dir, g_pipe):
     from diffusers import ZImagePipeline
 
     pipe = ZImagePipeline.from_pretrained(str(zimage_dir))
-    pol = DiffusersFlowPolicy(pipe.transformer, latent_shape=LATENT, pipeline=pipe, max_sequence_length=64,
-                              guidance_scale=g_pipe + 1.0)
-    assert detect_family(pipe.transformer) == "zimage" and pol.uses_cfg == (g_pipe > 0)
+    pol = DiffusersFlowPolicy(pipe.transformer, options=PolicyOptions(max_sequence_length=64,
+                                                                       guidance_scale=g_pipe + 1.0),
+                              latent_shape=LATENT, pipeline=pipe)
+    assert detect_pipeline(pipe.transformer) == "zimage" and pol.uses_cfg == (g_pipe > 0)
     cond = pol.encode(PROMPTS)
     assert not bool(cond["prompt_mask"].all())  # prompts of different lengths, padded and masked
     x = _noise()
@@ -117,8 +119,8 @@ def test_lora_gradient_reaches_the_adapter(zimage_dir):
     from diffusers import ZImagePipeline
 
     pipe = ZImagePipeline.from_pretrained(str(zimage_dir))
-    pol = DiffusersFlowPolicy(pipe.transformer, latent_shape=LATENT, pipeline=pipe, max_sequence_length=64,
-                              lora_rank=2)
+    pol = DiffusersFlowPolicy(pipe.transformer, options=PolicyOptions(max_sequence_length=64, lora_rank=2),
+                              latent_shape=LATENT, pipeline=pipe)
     names = list(pol.named_trainable_parameters())
     assert names and all("lora_" in n for n in names)
     for n, p in pol.named_trainable_parameters().items():

@@ -36,7 +36,8 @@ import zlib
 
 import torch
 
-from diffgrpo.models.diffusers_adapter import DiffusersFlowPolicy
+from diffgrpo.models.diffusers_adapter import DiffusersFlowPolicy, PolicyOptions
+from diffgrpo.models.pipelines import wan
 
 # per family: class, constructor kwargs per size, latent shape per size (C, H, W) / (C, F, H, W), text tokens,
 # text width, pooled width (0: none), and the resolution the latents stand for
@@ -177,11 +178,12 @@ def build_policy(transformer: torch.nn.Module, family: str, size: str, device: s
         else:
             tr.disable_gradient_checkpointing()
     dtype = next(experts[0].parameters()).dtype
-    two = dict(transformer_2=experts[1], boundary_ratio=spec["boundary_ratio"]) if len(experts) > 1 else {}
-    return DiffusersFlowPolicy(experts[0], latent_shape=spec["latents"][size], family=spec.get("policy_family", family),
-                               encoder=stub_encoder(family, size, device, dtype), decoder=stub_decoder,
-                               device=device, lora_rank=lora_rank, lora_alpha=float(lora_rank),
-                               gradient_checkpointing=gradient_checkpointing, guidance_scale=1.0, **two)
+    transformer = wan.experts(experts[0], experts[1] if len(experts) > 1 else None, spec.get("boundary_ratio"))
+    options = PolicyOptions(device=device, lora_rank=lora_rank, lora_alpha=float(lora_rank),
+                            gradient_checkpointing=gradient_checkpointing, guidance_scale=1.0)
+    return DiffusersFlowPolicy(transformer, spec.get("policy_family", family), options,
+                               latent_shape=spec["latents"][size], encoder=stub_encoder(family, size, device, dtype),
+                               decoder=stub_decoder)
 
 
 def parameter_count(module: torch.nn.Module) -> int:

@@ -41,6 +41,8 @@ def _f(default, *, choices=None, lo=None, hi=None, gt=None, path=False, doc="", 
     return field(default=default, metadata=meta, **kw)
 
 
+# keys that were renamed: the old name is refused with the new one (command line and YAML alike)
+RENAMED = {"model.family": "model.pipeline"}
 # model.name → family (a key of ``families.FAMILIES``): which family trains the policy
 MODEL_FAMILIES = {"tiny": "flow", "diffusers": "flow", "tiny_mlm": "dllm", "hf_masked_lm": "dllm"}
 # what each family trains, as error messages name it
@@ -69,9 +71,10 @@ class ModelConfig:
     text_dim: int = _f(32, lo=4, hi=1024, doc="tiny model: prompt-encoder width")
     # diffusers pipelines (model.name=diffusers); guidance_scale is true CFG, or FLUX's distilled guidance value
     pretrained: str = _f("", path=True, doc="diffusers: local pipeline directory or hub id")
-    family: str = _f("auto", choices=("auto", "sd3", "flux", "wan", "qwenimage", "zimage", "flux2", "flux2_klein",
-                                      "qwenimage_edit", "qwenimage_edit_plus", "flux_kontext"),
-                     doc="diffusers: model family; auto = from the transformer class")
+    pipeline: str = _f("auto", choices=("auto", "sd3", "flux", "wan", "qwenimage", "zimage", "flux2", "flux2_klein",
+                                        "qwenimage_edit", "qwenimage_edit_plus", "flux_kontext"),
+                       doc="diffusers: the pipeline's architecture (a row of models.pipelines.PIPELINES); auto = from "
+                           "the pipeline and transformer classes")
     dtype: str = _f("float32", choices=("float32", "bfloat16", "float16"), doc="diffusers: weight dtype of the pipeline")
     mixed_precision: str = _f("no", choices=("no", "bf16", "fp16"),
                               doc="tiny, diffusers: autocast of the transformer forward")
@@ -534,6 +537,8 @@ def _walk(cfg, dotted: str):
         if part not in names:
             where = ".".join(path) or "the top level"
             full = ".".join(path + [part])
+            if full in RENAMED:
+                raise ConfigError(f"{full} was renamed {RENAMED[full]}; set {RENAMED[full]} instead")
             raise ConfigError(f"unknown config key {full!r}{suggest(part, names)}; keys under {where}: {names}")
         path.append(part)
         fld = next(f for f in dataclasses.fields(obj) if f.name == part)

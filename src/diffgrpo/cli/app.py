@@ -142,7 +142,7 @@ def cmd_pretrain(args) -> int:
 
 
 def cmd_sample(args) -> int:
-    from ..models.editing import sampling_only
+    from ..models.pipelines.editing import sampling_only
 
     with sampling_only():  # an editing model's source comes from --image, not from prompt files
         return _cmd_sample(args)
@@ -219,9 +219,9 @@ def _sample_sources(paths: list[str]) -> tuple[str, ...]:
 
 
 def _check_editing(images: tuple[str, ...], trainer) -> None:
-    from ..models.editing import is_edit
+    from ..models.pipelines.editing import is_edit
 
-    family = getattr(getattr(trainer.policy, "family", None), "name", "")
+    family = getattr(getattr(trainer.policy, "row", None), "name", "")
     if images and not is_edit(family):
         raise ConfigError(f"--image: model family {family or trainer.cfg.model.name} generates from text; --image "
                           "gives the source image of an editing model (Qwen-Image-Edit, FLUX.1 Kontext)")

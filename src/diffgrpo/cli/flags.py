@@ -18,7 +18,7 @@ import difflib
 import os
 from collections.abc import Callable, Mapping
 
-from ..config import RunConfig
+from ..config import RENAMED, RunConfig
 from ..errors import ConfigError
 
 # alias → dotted key: names from TRL's GRPOConfig / transformers' TrainingArguments, flow_grpo's and DanceGRPO's
@@ -69,6 +69,7 @@ AMBIGUOUS: dict[str, str] = {
     "report_to": "log.wandb=true and/or log.tensorboard=true",
     "num_train_epochs": "a run is counted in iterations: train.num_iterations",
 }
+AMBIGUOUS.update({old: f"{old} was renamed {new}" for old, new in RENAMED.items()})  # config.RENAMED
 
 
 def _keys(obj, prefix: str = "") -> list[str]:

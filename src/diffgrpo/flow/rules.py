@@ -10,7 +10,7 @@ from .. import guards, plugins
 from ..config import EngineConfig, LossConfig, RunConfig
 from ..engines import ENGINES, FORWARD_ENGINES
 from ..errors import ConfigError, suggest
-from ..models.editing import check_config as check_editing
+from ..models.pipelines.editing import check_config as check_editing
 from ..models.regional_compile import check_config as check_compile
 from ..rewards import check_rewards, resolve_reward
 
@@ -80,7 +80,7 @@ def _validate_flow(cfg: RunConfig) -> None:
     pre = cfg.model.pretrained
     if pre and pre.startswith(("/", "./", "../", "~")) and not _exists(Path(pre).expanduser()):
         raise ConfigError(f"model.pretrained: path {pre!r} does not exist (give a pipeline directory or a hub id)")
-    if cfg.model.family in ("flux", "flux2") and (cfg.model.negative_prompt or cfg.model.guidance_scale < 1.0):
+    if cfg.model.pipeline in ("flux", "flux2") and (cfg.model.negative_prompt or cfg.model.guidance_scale < 1.0):
         raise ConfigError("model.negative_prompt: FLUX is guidance-distilled (FLUX.1, FLUX.2 [dev]: "
                           "model.guidance_scale feeds its guidance embedding, one forward); negative prompts and true "
                           "CFG do not apply")

@@ -9,13 +9,13 @@ through: the trained module or its data-parallel wrapper), ``uses_cfg``, ``devic
 
 Flow policies (one class for every flow model, :class:`DiffusersFlowPolicy`, the built-in tiny SD3 included):
 ``encode(prompts, sources=None) -> cond`` (dict of tensors batched on dim 0; ``sources``: each prompt's source
-images, read by the editing families of ``editing.py``), ``velocity(x, sigma, cond)`` (CFG inside),
+images, read by the editing pipelines of ``pipelines/editing.py``), ``velocity(x, sigma, cond)`` (CFG inside),
 ``decode(x) -> images in [0, 1]``, ``latent_shape``, ``transformer``. Masked-LM policies
 (:class:`~diffgrpo.models.hf_masked_lm.MaskedLMPolicy`): ``logits(input_ids)``, ``vocab``, ``model``.
 """
 from __future__ import annotations
 
-from .diffusers_adapter import DiffusersFlowPolicy, build_diffusers_policy
+from .diffusers_adapter import DiffusersFlowPolicy, PolicyOptions, build_diffusers_policy
 from .hf_masked_lm import build_hf_masked_lm_policy, build_tiny_mlm_policy
 from .tiny import build_tiny_policy
 
@@ -23,7 +23,7 @@ POLICIES = {
     "tiny": build_tiny_policy,
     "tiny_mlm": build_tiny_mlm_policy,  # masked diffusion LMs: logits(input_ids), see hf_masked_lm.py
     "hf_masked_lm": build_hf_masked_lm_policy,
-    "diffusers": build_diffusers_policy,  # SD3 / FLUX / Wan / Qwen-Image pipelines, see diffusers_adapter.py
+    "diffusers": build_diffusers_policy,  # the architectures of pipelines/, see diffusers_adapter.py
 }
 
-__all__ = ["POLICIES", "build_tiny_policy", "DiffusersFlowPolicy", "build_diffusers_policy"]
+__all__ = ["POLICIES", "build_tiny_policy", "DiffusersFlowPolicy", "PolicyOptions", "build_diffusers_policy"]

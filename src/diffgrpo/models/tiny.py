@@ -7,7 +7,7 @@ AdaLN timestep conditioning, patchified pixels), conditioned by a small word-lev
 on scikit-learn's digits (train split), with the prompt dropped to the null prompt with probability
 ``cond_dropout`` so classifier-free guidance works. Pretrained weights are cached per architecture/recipe
 under the user cache directory and reused. It is served by the diffusers adapter
-(:class:`~.diffusers_adapter.DiffusersFlowPolicy`, family ``sd3``), see :func:`build_tiny_policy`.
+(:class:`~.diffusers_adapter.DiffusersFlowPolicy`, pipeline ``sd3``), see :func:`build_tiny_policy`.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from ..cache import cache_lock, cache_root, save_dir_atomic
 from ..config import ModelConfig, PretrainConfig, RunConfig
 from ..data import NUMBER_WORDS, digits_split
 from ..distributed import launched_local_rank, resolve_device
-from .diffusers_adapter import DiffusersFlowPolicy
+from .diffusers_adapter import DiffusersFlowPolicy, PolicyOptions
 from .pretraining import pretrain_step
 from .reference import needs_reference
 
@@ -172,7 +172,7 @@ def decode_pixels(x: torch.Tensor) -> torch.Tensor:
 def build_tiny_policy(cfg: RunConfig, *, progress=True, log=print, pretrained=True) -> DiffusersFlowPolicy:
     """Adapter factory used by the trainer: cached pretrained network (or random init) → policy.
 
-    The policy is a :class:`DiffusersFlowPolicy` (family ``sd3``) over ``net.transformer``, with the frozen
+    The policy is a :class:`DiffusersFlowPolicy` (pipeline ``sd3``) over ``net.transformer``, with the frozen
     prompt encoder (``net.text.encode``) as its text encoder, the null prompt as the CFG negative prompt and
     :func:`decode_pixels` as its decoder. Trainable: the transformer, or with ``lora_rank`` > 0 only a peft
     LoRA adapter on it (default targets: SD3's joint-attention projections).
@@ -182,12 +182,12 @@ def build_tiny_policy(cfg: RunConfig, *, progress=True, log=print, pretrained=Tr
         TinyFlowNet(**arch_kwargs(m))
     device = resolve_device(m.device, launched_local_rank())  # the Trainer passes it resolved already
     text = net.text.to(device).eval().requires_grad_(False)  # frozen, as text encoders are in SD3 post-training
-    return DiffusersFlowPolicy(
-        net.transformer, latent_shape=(1, net.image_size, net.image_size), family="sd3", encoder=text.encode,
-        decoder=decode_pixels, guidance_scale=m.guidance_scale, negative_prompt="", device=device,
-        lora_rank=m.lora_rank, lora_alpha=m.lora_alpha, lora_target_modules=m.lora_target_modules,
-        keep_reference=needs_reference(cfg), mixed_precision=m.mixed_precision,
-        gradient_checkpointing=m.gradient_checkpointing)
+    options = PolicyOptions(guidance_scale=m.guidance_scale, negative_prompt="", device=device,
+                            lora_rank=m.lora_rank, lora_alpha=m.lora_alpha, lora_target_modules=m.lora_target_modules,
+                            keep_reference=needs_reference(cfg), mixed_precision=m.mixed_precision,
+                            gradient_checkpointing=m.gradient_checkpointing)
+    return DiffusersFlowPolicy(net.transformer, "sd3", options, latent_shape=(1, net.image_size, net.image_size),
+                               encoder=text.encode, decoder=decode_pixels)
 
 
 __all__ = ["TinyFlowNet", "PromptEncoder", "build_tiny_policy", "decode_pixels", "load_or_pretrain", "pretrain",

@@ -1,4 +1,4 @@
-"""FLUX.2 [dev] (``Flux2Pipeline``) and FLUX.2 [klein] (``Flux2KleinPipeline``) for the diffusers policy adapter.
+"""FLUX.2 [dev] (``Flux2Pipeline``) and FLUX.2 [klein] (``Flux2KleinPipeline``): two rows of the pipeline table.
 
 Exact: the transformer call, the text conditioning, the latent layout and the decoding are the pipelines' own
 (diffusers 0.42), so the library's ODE rollout on the pipeline's σ grid reproduces its sampling (tested to < 1e-5
@@ -26,16 +26,16 @@ Cost: a transformer forward per sample per step ([klein] with CFG: two, batched 
 """
 from __future__ import annotations
 
-import json
 import math
-from pathlib import Path
+from collections.abc import Mapping
 
 import torch
 from torch import nn
 
-from ..errors import ConfigError
+from ...config import ModelConfig
+from ...errors import ConfigError
+from .spec import ForwardArgs, PipelineSpec, embedded_guidance
 
-FAMILIES = ("flux2", "flux2_klein")
 LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
                 "to_qkv_mlp_proj")  # double-stream attention (image and text) + the single-stream fused projection
 
@@ -43,6 +43,14 @@ LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", 
 def variant(transformer: nn.Module) -> str:
     """``flux2`` ([dev], guidance-distilled: a guidance embedder) or ``flux2_klein`` (true CFG, none)."""
     return "flux2" if getattr(transformer.config, "guidance_embeds", False) else "flux2_klein"
+
+
+def is_dev(transformer: nn.Module) -> bool:
+    return variant(transformer) == "flux2"
+
+
+def is_klein(transformer: nn.Module) -> bool:
+    return variant(transformer) == "flux2_klein"
 
 
 def empirical_mu(image_seq_len: int, num_steps: int) -> float:
@@ -62,7 +70,7 @@ def empirical_shift(resolution: int, num_steps: int, vae_scale_factor: int = 8) 
 # ------------------------------------------------------------------------------------------- layout
 
 
-def latent_shape(pipe, resolution: int) -> tuple[int, int, int]:
+def latent_shape(pipe, resolution: int, num_frames: int = 1) -> tuple[int, int, int]:
     """(4C, H/(2f), W/(2f)): the patchified, batch-normalised latents the pipelines sample in."""
     f = pipe.vae_scale_factor
     if resolution % (2 * f):
@@ -96,14 +104,14 @@ def text_ids(L: int, device) -> torch.Tensor:
     return torch.stack([z, z, z, torch.arange(L)], dim=1).to(device)
 
 
-def forward(tr: nn.Module, x: torch.Tensor, sigma: torch.Tensor, prompt_embeds: torch.Tensor,
-            guidance: torch.Tensor | None) -> torch.Tensor:
-    """One transformer call: x (N, C, h, w), sigma (N,), prompt_embeds (N, L, D), guidance (N,) or None →
-    velocity (N, C, h, w)."""
+def forward(tr: nn.Module, x: torch.Tensor, sigma: torch.Tensor, cond: dict, args: ForwardArgs) -> torch.Tensor:
+    """One transformer call: x (N, C, h, w), sigma (N,), cond["prompt_embeds"] (N, L, D) → velocity (N, C, h, w);
+    [dev] embeds the guidance value."""
     _, _, h, w = x.shape
-    out = tr(hidden_states=pack(x), encoder_hidden_states=prompt_embeds, timestep=sigma, guidance=guidance,
-             img_ids=image_ids(h, w, x.device), txt_ids=text_ids(prompt_embeds.shape[1], x.device),
-             return_dict=False)[0]  # (N, h·w, C)
+    prompt_embeds = cond["prompt_embeds"]
+    out = tr(hidden_states=pack(x), encoder_hidden_states=prompt_embeds, timestep=sigma,
+             guidance=embedded_guidance(tr, x, args.guidance), img_ids=image_ids(h, w, x.device),
+             txt_ids=text_ids(prompt_embeds.shape[1], x.device), return_dict=False)[0]  # (N, h·w, C)
     return unpack(out, h, w)
 
 
@@ -130,29 +138,35 @@ def decode(vae, z: torch.Tensor) -> torch.Tensor:
     return (out.float() / 2 + 0.5).clamp(0, 1)
 
 
-def check_loaded(pipe, family: str, guidance_scale: float) -> None:
-    """After loading: ``model.family`` names the variant the transformer is (an explicit ``flux2`` on a [klein]
-    transformer would drop its CFG), and :func:`check_guidance` on the pipeline's config."""
-    found = variant(pipe.transformer)
-    if family != found:
-        raise ConfigError(f"model.family: value {family!r} does not match the loaded FLUX.2 transformer, which is "
+def check(name: str, config: Mapping, m: ModelConfig, transformer: nn.Module | None) -> None:
+    """Before loading (``config``: model_index.json) and after (``pipe.config``, the loaded ``transformer``):
+    :func:`check_guidance`; after loading, the row ``name`` (an explicit ``model.pipeline``) must be the variant the
+    transformer is (an explicit ``flux2`` on a [klein] transformer would drop its CFG)."""
+    if transformer is not None and variant(transformer) != name:
+        found = variant(transformer)
+        raise ConfigError(f"model.pipeline: value {name!r} does not match the loaded FLUX.2 transformer, which is "
                           f"{found!r} ({'a' if found == 'flux2' else 'no'} guidance embedder); set {found!r} or auto")
-    check_guidance(getattr(pipe, "config", {}), guidance_scale)
+    check_guidance(config, m.guidance_scale)
 
 
-def check_local(index: Path, guidance_scale: float) -> None:
-    """:func:`check_guidance` from a local pipeline's ``model_index.json``, before anything loads."""
-    try:
-        config = json.loads(index.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return
-    if isinstance(config, dict) and config.get("_class_name") == "Flux2KleinPipeline":
-        check_guidance(config, guidance_scale)
-
-
-def check_guidance(config, guidance_scale: float) -> None:
+def check_guidance(config: Mapping, guidance_scale: float) -> None:
     """A step-distilled [klein] pipeline (config ``is_distilled``) ignores guidance: model.guidance_scale must be 1.
     ``config``: the pipeline's config (``pipe.config``) or its ``model_index.json`` as a dict."""
     if config.get("is_distilled", False) and guidance_scale != 1.0:
         raise ConfigError(f"model.guidance_scale: value {guidance_scale} on a step-distilled FLUX.2 [klein] "
                           "(is_distilled): it samples without guidance; set 1.0")
+
+
+def _row(name: str, pipeline_class: str, true_cfg: bool, accepts) -> PipelineSpec:
+    return PipelineSpec(name, "Flux2Transformer2DModel", pipeline_class, 1.0, packed=False, video=False,
+                        true_cfg=true_cfg, cfg_renorm=False, cond_keys=("prompt_embeds",), lora_targets=LORA_TARGETS,
+                        max_sequence_length=512, encode=encode, forward=forward, decode=decode,
+                        latent_shape=latent_shape, check=check, accepts=accepts)
+
+
+# rollout latents are the patchified (4C, H/16, W/16) grid; [dev] embedded guidance, [klein] true CFG; both
+# transformers are Flux2Transformer2DModel ([dev] has the guidance embedder)
+ROWS = (_row("flux2", "Flux2Pipeline", False, is_dev), _row("flux2_klein", "Flux2KleinPipeline", True, is_klein))
+
+__all__ = ["LORA_TARGETS", "ROWS", "check", "check_guidance", "decode", "empirical_mu", "empirical_shift", "encode",
+           "forward", "image_ids", "latent_shape", "pack", "text_ids", "unpack", "variant"]
