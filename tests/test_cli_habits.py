@@ -18,6 +18,7 @@ from diffgrpo.errors import ConfigError
 from diffgrpo.cli.flags import accelerate_overrides
 from diffgrpo.cli.hub import check_hub, needed
 from diffgrpo.cli.runtime import apply_cpu_threads, cpu_threads
+from diffgrpo.validation import applies
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -90,7 +91,10 @@ def test_accelerate_launch_flags_honoured_or_refused():
     assert accelerate_overrides({"ACCELERATE_MIXED_PRECISION": "bf16"}) == ["model.mixed_precision=bf16"]
     assert accelerate_overrides({"ACCELERATE_USE_FSDP": "true"}) == ["dist.mode=fsdp2"]
     with pytest.raises(ConfigError, match="dllm.dtype=bfloat16"):
-        accelerate_overrides({"ACCELERATE_MIXED_PRECISION": "bf16"}, family="dllm")
+        accelerate_overrides({"ACCELERATE_MIXED_PRECISION": "bf16"},
+                             applies=lambda key: applies(RunConfig.from_overrides(["model.name=tiny_mlm"]), key))
+    assert accelerate_overrides({"ACCELERATE_MIXED_PRECISION": "bf16"}, applies=lambda key: applies(RunConfig(), key)) \
+        == ["model.mixed_precision=bf16"]  # the built-in image model reads it
     with pytest.raises(ConfigError, match="--use_deepspeed true: not supported"):
         accelerate_overrides({"ACCELERATE_USE_DEEPSPEED": "true"})
     with pytest.raises(ConfigError, match="--gradient_accumulation_steps 4"):

@@ -471,8 +471,10 @@ class RunConfig:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_overrides(cls, overrides: list[str] | None = None, base: "RunConfig | None" = None) -> "RunConfig":
-        """Defaults (or ``base``) with ``key=value`` overrides; values are parsed as YAML scalars/lists."""
+    def from_overrides(cls, overrides: list[str] | None = None, base: "RunConfig | None" = None, *,
+                       purpose: str = "train") -> "RunConfig":
+        """Defaults (or ``base``) with ``key=value`` overrides; values are parsed as YAML scalars/lists; validated
+        for ``purpose`` (``validation.PURPOSES``)."""
         cfg = from_dict(cls, to_dict(base)) if base is not None else cls()  # deep copy
         for item in overrides or []:
             if "=" not in item:
@@ -481,11 +483,11 @@ class RunConfig:
             key = key.strip()
             _walk(cfg, key)  # an unknown key is reported before its value is parsed
             set_path(cfg, key, parse_value(key, raw) if raw.strip() else "")
-        _validate(cfg)
+        _validate(cfg, purpose)
         return cfg
 
     @classmethod
-    def from_yaml(cls, path: str | Path, overrides: list[str] | None = None) -> "RunConfig":
+    def from_yaml(cls, path: str | Path, overrides: list[str] | None = None, *, purpose: str = "train") -> "RunConfig":
         p = Path(path)
         if not _is_file(p):
             raise ConfigError(f"--config: file {str(p)!r} does not exist")
@@ -499,7 +501,7 @@ class RunConfig:
                               f"there") from None
         if not isinstance(data, dict):
             raise ConfigError(f"--config: {str(p)!r} must hold a mapping of sections, got {type(data).__name__}")
-        return cls.from_overrides(overrides, base=from_dict(cls, data))
+        return cls.from_overrides(overrides, base=from_dict(cls, data), purpose=purpose)
 
     def to_dict(self) -> dict[str, Any]:
         return to_dict(self)
@@ -619,16 +621,16 @@ def owner_of(cfg: RunConfig, dotted: str) -> str:
     return key_family(type(obj), fld.name)
 
 
-_VALIDATORS: list[Callable[[RunConfig], None]] = []
+_VALIDATORS: list[Callable[[RunConfig, str], None]] = []
 
 
-def install_validator(fn: Callable[[RunConfig], None]) -> None:
+def install_validator(fn: Callable[[RunConfig, str], None]) -> None:
     """Set the whole-config check that :meth:`RunConfig.from_overrides` runs (``diffgrpo.validation.validate``,
     installed when the package is imported)."""
     _VALIDATORS[:] = [fn]
 
 
-def _validate(cfg: RunConfig) -> None:
+def _validate(cfg: RunConfig, purpose: str) -> None:
     if not _VALIDATORS:
         raise RuntimeError("no config validator installed (import diffgrpo.validation)")
-    _VALIDATORS[0](cfg)
+    _VALIDATORS[0](cfg, purpose)

@@ -25,8 +25,6 @@ samples, so a sample's metadata travels with it and nothing is gathered for the 
 """
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import csv
 import importlib.util
 import io
@@ -43,7 +41,6 @@ from .fileio import read_utf8
 HF_PREFIX = "hf:"
 BUILTIN_PREFIX = "builtin:"
 BUILTIN_DIR = Path(__file__).resolve().parent / "prompts"
-_CHECK_DATA = contextvars.ContextVar("diffgrpo_check_data", default=True)
 _HF_BUILDERS = ("json", "csv", "parquet", "text")
 MAX_PROMPT_FILE_BYTES = 1 << 30  # 1 GiB: a local prompt file is read whole (an hf: dataset has no cap)
 _SPLIT_RE = re.compile(r"^[A-Za-z_][\w-]*$")
@@ -187,26 +184,20 @@ def resolve_builtin(spec: str, key: str = "train.prompts_file") -> Path:
                       f"{[BUILTIN_PREFIX + n for n in builtin_sets()]}")
 
 
-def checking_data() -> bool:
-    """False inside :func:`skip_data_checks` (validation then checks only the form of the data keys)."""
-    return _CHECK_DATA.get()
+# The validation purposes (``validation.PURPOSES``) whose command reads the prompt sources: only for these must a
+# prompt file exist and parse before any model loads; the others (export, print) check only a shipped set's name.
+READS_DATA = ("train", "sample")
 
 
-@contextlib.contextmanager
-def skip_data_checks():
-    """Within this context :func:`check_prompts` checks only the form of a prompt source (a shipped set's name),
-    not that its file exists and parses (``diffgrpo print-config`` without ``--check-data``)."""
-    token = _CHECK_DATA.set(False)
-    try:
-        yield
-    finally:
-        _CHECK_DATA.reset(token)
+def reads_data(purpose: str) -> bool:
+    """Whether a config validated for ``purpose`` (``validation.PURPOSES``) has its prompt sources read."""
+    return purpose in READS_DATA
 
 
-def check_prompts(spec: str, *, key: str, column: str = "prompt") -> None:
+def check_prompts(spec: str, *, key: str, column: str = "prompt", purpose: str = "train") -> None:
     """Validation of a prompt source: it loads (exists, is UTF-8, parses, has the prompt column and a prompt), or,
-    inside :func:`skip_data_checks`, only a ``builtin:`` name is checked."""
-    if not _CHECK_DATA.get():
+    for a purpose that reads no data (:func:`reads_data`), only a ``builtin:`` name is checked."""
+    if not reads_data(purpose):
         if spec.startswith(BUILTIN_PREFIX):
             resolve_builtin(spec, key)
         return
@@ -287,5 +278,5 @@ class EpochSampler:
         self._order = self._permutation(self.epoch)
 
 
-__all__ = ["EpochSampler", "builtin_sets", "check_prompts", "checking_data", "load_prompts", "prompt_metadata", "read_utf8",
-           "resolve_builtin", "skip_data_checks", "split_hf_spec"]
+__all__ = ["EpochSampler", "READS_DATA", "builtin_sets", "check_prompts", "load_prompts", "prompt_metadata",
+           "read_utf8", "reads_data", "resolve_builtin", "split_hf_spec"]

@@ -35,6 +35,17 @@ class Sync:
     all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None  # Σ over ranks; None in one process
 
 
+@dataclass
+class Samples:
+    """What :meth:`Family.sample` drew, for a caller to write as it is: each prompt once per sample (prompt-major,
+    ``per_prompt`` in a row), with either the decoded images / first frames (N, C, H, W) or the texts (N,)."""
+
+    prompts: list[str]
+    per_prompt: int = 1
+    images: torch.Tensor | None = None
+    texts: list[str] | None = None
+
+
 class Family(Protocol):
     """A kind of generative model trained by the one GRPO loop. Built with ``(cfg, policy, world, log)``."""
 
@@ -43,9 +54,10 @@ class Family(Protocol):
     guards: Any  # guards.EvalGuards: eval/guard/* of every evaluation, and the base model's statistics
 
     @staticmethod
-    def check_config(cfg: RunConfig) -> None:
+    def check_config(cfg: RunConfig, purpose: str = "train") -> None:
         """Refuse (ConfigError) a combination of keys this family cannot train (its ``rules.py``); run by
-        ``validation.validate`` before any model loads, after the per-field and machine checks."""
+        ``validation.validate`` before any model loads, after the per-field and machine checks. ``purpose``
+        (``validation.PURPOSES``) says whether the data files are read (``data_sources.reads_data``)."""
         ...
 
     @staticmethod
@@ -79,6 +91,14 @@ class Family(Protocol):
         (a ``media.SampleTable``, on rank 0 only, or None) receives one row per evaluation sample."""
         ...
 
+    def sample(self, prompts: list[str] | None, *, seed: int, num: int = 1, sde_type: str = "",
+               source_images: tuple[str, ...] = ()) -> Samples:
+        """``num`` samples of each prompt (None: the family's own prompts) under the current weights, drawn as an
+        evaluation draws them with ``eval.seed=seed`` and ``num`` samples per prompt: the same seed, the same
+        samples. ``sde_type``: the sampler (``"ode"``: deterministic; ``""``: the evaluation's); ``source_images``:
+        the source image(s) an editing model edits under every prompt. Not counted as training cost."""
+        ...
+
     def rng_state(self) -> dict:
         """Every random stream of the family, for checkpoints."""
         ...
@@ -86,4 +106,4 @@ class Family(Protocol):
     def set_rng_state(self, state: dict) -> None: ...
 
 
-__all__ = ["Family", "Sync"]
+__all__ = ["Family", "Samples", "Sync"]

@@ -37,12 +37,14 @@ from .validation import validate
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig | None = None, *, policy=None, rewards: dict | None = None, log=emit):
+    def __init__(self, cfg: RunConfig | None = None, *, policy=None, rewards: dict | None = None, log=emit,
+                 purpose: str = "train"):
         """``rewards``: name → reward callable (either convention of ``rewards.calling``); the run trains on
-        exactly these, weighted by ``cfg.reward.weights`` where it names them, else 1."""
+        exactly these, weighted by ``cfg.reward.weights`` where it names them, else 1. ``purpose``: what the
+        config is validated for (``validation.PURPOSES``; ``"sample"`` for ``diffgrpo sample``)."""
         cfg = cfg or RunConfig()
         self.cfg = cfg = with_supplied(cfg, rewards) if rewards else cfg
-        validate(cfg)  # also for configs built in Python rather than read by RunConfig.from_overrides
+        validate(cfg, purpose)  # also for configs built in Python rather than read by RunConfig.from_overrides
         rundir.absolute_data_paths(cfg)  # the saved config names the files read, wherever the run resumes from
         self.log = log
         if cfg.model.cache_dir:

@@ -29,13 +29,27 @@ from .errors import ConfigError
 from .families import FAMILIES
 
 
-def validate(cfg: RunConfig) -> None:
+# What a config is validated for: the command that will use it. Every purpose runs every check but these two.
+PURPOSES = {
+    "train": "a run that trains (the default): the prompt sources load, an editing model's prompts name sources",
+    "sample": "diffgrpo sample: the prompt sources load; an editing model takes its sources from --image",
+    "export": "diffgrpo export: no prompt is read, so only a shipped set's name is checked (a moved run's data "
+              "files need not be at hand)",
+    "print": "diffgrpo print-config without --check-data: as export",
+}
+
+
+def validate(cfg: RunConfig, purpose: str = "train") -> None:
     """Every per-field check again (types, choices, ranges, finiteness: a config may have been built or edited in
-    Python), then the checks that span fields or look at this machine. Raises ConfigError before anything loads."""
+    Python), then the checks that span fields or look at this machine, for ``purpose`` (:data:`PURPOSES`: whether
+    the prompt sources must load, ``data_sources.reads_data``, and whether an editing model's prompt files must
+    name its sources). Raises ConfigError before anything loads."""
+    if purpose not in PURPOSES:
+        raise ValueError(f"validate: purpose {purpose!r} is not one of {list(PURPOSES)}")
     if not isinstance(cfg, RunConfig):
         raise ConfigError(f"config: value of type {type(cfg).__name__} is not a RunConfig")
     check_fields(cfg)
-    family = MODEL_FAMILIES[cfg.model.name]
+    family = family_of(cfg.model.name)
     _validate_family(cfg, family)
     t = cfg.train
     if t.prompts_per_batch * t.group_size > MAX_SAMPLES_PER_ITERATION:
@@ -52,13 +66,22 @@ def validate(cfg: RunConfig) -> None:
         sec, name = key.split(".")
         spec = getattr(getattr(cfg, sec), name)
         if spec:  # exists, is UTF-8, parses, has the prompt column and at least one prompt (see check_prompts)
-            check_prompts(spec, key=key, column=t.prompt_column)
+            check_prompts(spec, key=key, column=t.prompt_column, purpose=purpose)
     _validate_device(cfg.model.device)
     _validate_dist(cfg.dist.mode)
     _validate_logging(cfg.log)
-    FAMILIES[family].check_config(cfg)
+    FAMILIES[family].check_config(cfg, purpose)
     _validate_memory(cfg)
 
+
+def family_of(model_name: str) -> str:
+    """The family (a key of ``families.FAMILIES``) that trains ``model.name=model_name``."""
+    return MODEL_FAMILIES[model_name]
+
+
+def applies(cfg: RunConfig, key: str) -> bool:
+    """Whether the dotted ``key`` is read for ``cfg``'s model (its family's key, or every family's)."""
+    return owner_of(cfg, key) in ("any", family_of(cfg.model.name))
 
 
 def _validate_family(cfg: RunConfig, family: str) -> None:
@@ -174,4 +197,4 @@ def _validate_output_dir(value: str) -> None:
 
 config.install_validator(validate)
 
-__all__ = ["validate"]
+__all__ = ["PURPOSES", "applies", "family_of", "validate"]

@@ -29,17 +29,17 @@ from pathlib import Path
 
 from .. import distributed
 from ..cache import save_dir_atomic
-from ..run.checkpoint import RunState, is_complete, latest_complete, list_checkpoints, load_checkpoint
-from ..config import RunConfig, from_dict
-from ..data_sources import skip_data_checks
 from ..errors import ConfigError
 from ..models import POLICIES
 from ..models.hf_masked_lm import build_tiny_mlm_policy
 from ..models.tiny import build_tiny_policy
+from ..run import saved_config
+from ..run.checkpoint import RunState, is_complete, latest_complete, list_checkpoints, load_checkpoint
 from ..run.runlog import read_metrics
-from ..run.saved_config import distrust, fresh_device
+from ..validation import family_of
 
-BUILT_IN = {"tiny": build_tiny_policy, "tiny_mlm": build_tiny_mlm_policy}
+BUILT_IN = (build_tiny_policy, build_tiny_mlm_policy)  # the built-in models (a checkpoint holds every weight)
+LIBRARY = {"flow": "diffusers", "dllm": "transformers"}  # what loads each family's export (a model card's library_name)
 
 
 def resolve_checkpoint(src: Path) -> tuple[Path, Path]:
@@ -85,8 +85,7 @@ def model_card(config: dict, iteration: int, held_out: dict | None, kind: str) -
                   if k.startswith("eval/rewards/") and isinstance(v, (int, float)) and not isinstance(v, bool)]
         score = "; ".join(parts)
     lora = int(model.get("lora_rank", 0) or 0)
-    meta = ["---", "library_name: " + ("transformers" if model.get("name") in ("tiny_mlm", "hf_masked_lm")
-                                       else "diffusers"),
+    meta = ["---", f"library_name: {LIBRARY[family_of(model.get('name', 'tiny'))]}",
             *([f"base_model: {model['pretrained']}"] if model.get("pretrained") else []),
             "tags:", "- diffgrpo", "- grpo", *(["- lora"] if lora and kind == "adapter" else []), "---", ""]
     rows = [("base model", base), ("what this is", kind), ("rewards", rewards or "n/a"),
@@ -103,9 +102,10 @@ def _policy(cfg):
     """The policy the run trained, built as the run built it (pretrained base weights; the built-in models at
     random init: they are fully fine-tuned, so the checkpoint overwrites every weight)."""
     quiet = lambda *a, **k: None
-    if cfg.model.name in BUILT_IN:  # no pretraining: the checkpoint holds every weight of a built-in model
-        return BUILT_IN[cfg.model.name](cfg, progress=False, log=quiet, pretrained=False)
-    return POLICIES[cfg.model.name](cfg, progress=False, log=quiet)
+    build = POLICIES[cfg.model.name]
+    if build in BUILT_IN:  # no pretraining: the checkpoint holds every weight of a built-in model
+        return build(cfg, progress=False, log=quiet, pretrained=False)
+    return build(cfg, progress=False, log=quiet)
 
 
 def _network(policy):
@@ -121,14 +121,9 @@ def _load_weights(policy, ck: RunState) -> None:
 
 
 def _config(ckpt: Path, overrides: list[str]):
-    data = json.loads((ckpt / "state.json").read_text())["config"]
-    raw = json.loads(json.dumps(data))  # for the model card, before code-naming keys are dropped
-    data = fresh_device(distrust(data, overrides, path=ckpt / "state.json", command="export", strict=False),
-                         overrides)
-    if isinstance(data.get("log"), dict):
-        data["log"]["output_dir"] = ""
-    with skip_data_checks():  # the export reads no prompts: a moved run's data files need not be at hand
-        return raw, RunConfig.from_overrides([*overrides, "log.progress=false"], base=from_dict(RunConfig, data))
+    """(the saved config as written, for the model card; the config to build the policy with)."""
+    raw = json.loads((ckpt / "state.json").read_text())["config"]
+    return raw, saved_config.load(ckpt, overrides, command="export")  # reads no prompts: they need not be at hand
 
 
 def export(src: str | Path, out: str | Path, *, merge: bool = False, overrides: list[str] | None = None) -> Path:
@@ -141,12 +136,12 @@ def export(src: str | Path, out: str | Path, *, merge: bool = False, overrides: 
         raise ConfigError(f"--out: {str(out)!r} exists and is not empty; choose a new directory")
     raw, cfg = _config(ckpt, list(overrides or []))
     ck = load_checkpoint(ckpt)
-    dllm = cfg.model.name in ("tiny_mlm", "hf_masked_lm")
+    pipeline = LIBRARY[family_of(cfg.model.name)] == "diffusers"  # --merge writes a whole pipeline
     if merge and cfg.model.name == "tiny":
         raise ConfigError("--merge: model.name=tiny (the built-in image model) has no diffusers pipeline to merge "
                           "into; export without --merge (the LoRA adapter or the transformer weights)")
     lora = cfg.model.lora_rank > 0
-    kind = ("merged diffusers pipeline (from_pretrained)" if merge and not dllm else
+    kind = ("merged diffusers pipeline (from_pretrained)" if merge and pipeline else
             "LoRA adapter, diffusers format (load_lora_weights)" if lora else
             "trained weights (from_pretrained)")
 
@@ -156,7 +151,7 @@ def export(src: str | Path, out: str | Path, *, merge: bool = False, overrides: 
         else:
             policy = _policy(cfg)
             _load_weights(policy, ck)
-            if merge and not dllm:
+            if merge and pipeline:
                 if lora:
                     policy.transformer.fuse_lora(lora_scale=1.0)
                     policy.transformer.unload_lora()

@@ -156,10 +156,12 @@ def split_extras(extras: list[str]) -> list[str]:
 
 
 # ACCELERATE_* variable → (meaning of its default, how to honour a set value)
-def accelerate_overrides(env: Mapping[str, str] | None = None, family: str = "flow") -> list[str]:
+def accelerate_overrides(env: Mapping[str, str] | None = None,
+                         applies: Callable[[str], bool] = lambda key: True) -> list[str]:
     """Overrides for the flags of ``accelerate launch`` found in ``env`` (its ``ACCELERATE_*`` exports), or a
-    one-line ConfigError for a flag this tool cannot honour. The processes themselves (ranks, world size) are
-    taken from the launcher's RANK / WORLD_SIZE as under torchrun."""
+    one-line ConfigError for a flag this tool cannot honour (``applies(key)``: whether the run's model reads the
+    key). The processes themselves (ranks, world size) are taken from the launcher's RANK / WORLD_SIZE as under
+    torchrun."""
     env = os.environ if env is None else env
     out = []
     mp = env.get("ACCELERATE_MIXED_PRECISION", "no").strip().lower()
@@ -167,7 +169,7 @@ def accelerate_overrides(env: Mapping[str, str] | None = None, family: str = "fl
         if mp not in ("bf16", "fp16"):
             raise ConfigError(f"accelerate launch --mixed_precision {mp}: not supported; use bf16 or fp16 "
                               "(model.mixed_precision)")
-        if family == "dllm":
+        if not applies("model.mixed_precision"):
             raise ConfigError(f"accelerate launch --mixed_precision {mp}: masked diffusion LMs set their weight "
                               "dtype with dllm.dtype=bfloat16; drop the flag")
         out.append(f"model.mixed_precision={mp}")

@@ -27,7 +27,7 @@ import torch
 from .. import distributed, guards
 from ..config import RunConfig
 from ..errors import ConfigError
-from ..family import Sync
+from ..family import Samples, Sync
 from ..loss_weights import apply, grpo_loss_weights
 from ..models.hf_masked_lm import shard_blocks
 from ..models.kv_cache import KVCache
@@ -219,13 +219,7 @@ class DLLMFamily:
         components: → {prefix+"reward", prefix+"accuracy", prefix+"rewards/<k>/mean"} (and with ``guard`` the
         eval/guard/* metrics of :mod:`diffgrpo.guards`). Not counted as cost."""
         ex = [e for e in examples for _ in range(samples)]
-        saved = dict(self.policy.counters)
-        g = torch.Generator(device=self.device).manual_seed(seed)
-        outs = []
-        for i in range(0, len(ex), 256):
-            smp = self.generate(ex[i:i + 256], temperature=temperature, generator=g)
-            outs += [self.vocab.decode(c) for c in smp.completions]
-        self.policy.counters.update(saved)  # evaluation is not training cost
+        outs = self._complete(ex, temperature, torch.Generator(device=self.device).manual_seed(seed))
         scored = self.rewards(outs, ex)
         if table is not None:  # the completions table (media.SampleTable): prompt, answer, components, completion
             for i, (e, text) in enumerate(zip(ex, outs)):
@@ -238,6 +232,40 @@ class DLLMFamily:
         if guard:
             row.update(self.guards.texts(outs, [e.prompt for e in ex], [{"answer": e.answer} for e in ex]))
         return row
+
+    def _complete(self, ex: list[Example], temperature: float, g: torch.Generator) -> list[str]:
+        """The decoded completions of ``ex``, in batches of 256 from the one generator ``g``; not training cost."""
+        saved = dict(self.policy.counters)
+        outs = []
+        for i in range(0, len(ex), 256):
+            smp = self.generate(ex[i:i + 256], temperature=temperature, generator=g)
+            outs += [self.vocab.decode(c) for c in smp.completions]
+        self.policy.counters.update(saved)  # evaluation is not training cost
+        return outs
+
+    @torch.no_grad()
+    def sample(self, prompts: list[str] | None, *, seed: int, num: int = 1, sde_type: str = "",
+               source_images: tuple[str, ...] = ()) -> Samples:
+        """``num`` completions of each prompt (None: the task's first 8 test prompts), decoded from one generator
+        seeded with ``seed``: what :meth:`score` decodes for them with ``seed`` and ``samples=num``. ``sde_type``
+        ``"ode"``: greedy decoding; ``""``: ``dllm.eval_temperature``; any other: ``dllm.temperature``."""
+        if source_images:
+            raise ConfigError(f"--image: model.name={self.cfg.model.name} generates text; --image gives the source "
+                              "image of an editing model (Qwen-Image-Edit, FLUX.1 Kontext)")
+        for p in prompts or []:
+            try:
+                self.vocab.encode(p)
+            except ValueError as e:
+                raise ConfigError(f"--prompt: {p!r} cannot be encoded: {e} of model.name="
+                                  f"{self.cfg.model.name}") from None
+        examples = [Example(prompt=p, answer="") for p in prompts] if prompts else self.task.instances("test")[:8]
+        if not examples:  # a file task (gsm8k, …) has no built-in test prompts
+            raise ConfigError(f"--prompt: dllm.task={self.d.task} has no built-in test prompts; give the prompts to "
+                              "complete with --prompt TEXT (repeatable)")
+        ex = [e for e in examples for _ in range(num)]
+        temperature = 0.0 if sde_type == "ode" else self.d.temperature if sde_type else self.d.eval_temperature
+        texts = self._complete(ex, temperature, torch.Generator(device=self.device).manual_seed(seed))
+        return Samples(prompts=[e.prompt for e in ex], per_prompt=num, texts=texts)
 
     def evaluate(self, table=None) -> tuple[dict[str, float], None]:
         """Held-out test split (first ``dllm.eval_size`` instances), ``dllm.eval_samples`` completions each at

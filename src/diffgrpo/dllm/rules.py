@@ -9,7 +9,7 @@ from pathlib import Path
 
 from .. import guards
 from ..config import RewardConfig, RunConfig
-from ..data_sources import checking_data
+from ..data_sources import reads_data
 from ..errors import ConfigError
 from ..rewards import check_text_rewards
 from ..samplers.masked import schedule
@@ -18,10 +18,11 @@ from ..tasks.code import check_config as check_code_config
 from .decoding import check_config as check_decoding
 
 
-def check(cfg: RunConfig) -> None:
-    """Every cross-field rule of a masked diffusion LM run."""
+def check(cfg: RunConfig, purpose: str = "train") -> None:
+    """Every cross-field rule of a masked diffusion LM run validated for ``purpose`` (``validation.PURPOSES``: the
+    data files load only for a purpose that reads them)."""
     check_decoding(cfg.dllm)
-    _validate_dllm(cfg)
+    _validate_dllm(cfg, purpose)
     _validate_dllm_methods(cfg)
     if extra_rewards(cfg) or cfg.reward.options:  # reward.weights beside the task's verifier
         check_text_rewards(cfg.reward.weights if extra_rewards(cfg) else {}, cfg.reward.options)
@@ -45,7 +46,7 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _validate_dllm(cfg: RunConfig) -> None:
+def _validate_dllm(cfg: RunConfig, purpose: str) -> None:
     """Masked-LM sizes, with the sampler's rules (samplers/masked.py:schedule) on the effective values
     gen_length or the task's default, block_length or gen_length, diffusion_steps or gen_length."""
     d = cfg.dllm
@@ -53,8 +54,8 @@ def _validate_dllm(cfg: RunConfig) -> None:
         raise ConfigError("dllm.model_path: required for model.name=hf_masked_lm (a local model directory or hub id)")
     task = get_task(d.task)
     check_code_config(d)  # the dllm.sandbox* keys
-    _validate_dllm_scale(cfg, task)
-    if d.data_file and checking_data():
+    _validate_dllm_scale(cfg, task, purpose)
+    if d.data_file and reads_data(purpose):
         examples = examples_from_file(d.data_file, task, prompt_field=d.prompt_field, answer_field=d.answer_field)
         if cfg.model.name == "tiny_mlm":  # the built-in character vocabulary and its prompt positions
             for i, ex in enumerate(examples, 1):
@@ -97,7 +98,7 @@ def _validate_dllm(cfg: RunConfig) -> None:
         raise ConfigError(f"dllm.diffusion_steps: value {steps} is not usable ({e})") from None
 
 
-def _validate_dllm_scale(cfg: RunConfig, task) -> None:
+def _validate_dllm_scale(cfg: RunConfig, task, purpose: str) -> None:
     """File tasks, held-out files, chat templates and the LoRA / dtype / sharding combinations of masked LMs."""
     d = cfg.dllm
     if d.task in FILE_TASKS:
@@ -107,7 +108,7 @@ def _validate_dllm_scale(cfg: RunConfig, task) -> None:
         if cfg.model.name != "hf_masked_lm":
             raise ConfigError(f"dllm.task: value {d.task!r} needs model.name=hf_masked_lm (the built-in tiny_mlm "
                               f"only knows {sorted(TASKS)})")
-    if d.eval_file and checking_data():
+    if d.eval_file and reads_data(purpose):
         examples_from_file(d.eval_file, task, key="dllm.eval_file", prompt_field=d.prompt_field,
                            answer_field=d.answer_field)
     if cfg.model.name == "hf_masked_lm" and Path(d.model_path).expanduser().is_dir():

@@ -32,9 +32,10 @@ from ..data_sources import EpochSampler, load_prompts, prompt_metadata
 from ..engines import build_engine, select_steps
 from ..engines.base import EngineContext
 from ..errors import ConfigError
-from ..family import Sync
+from ..family import Samples, Sync
 from ..loss_weights import apply, grpo_loss_weights
 from ..media import SampleTable, grid_frames, to_uint8, with_source
+from ..models.pipelines.editing import is_edit
 from ..models.regional_compile import compile_policy
 from ..rewards import compute_rewards, make_rewards
 from ..samplers import flow_sde
@@ -374,18 +375,41 @@ class FlowFamily:
 
     def _eval_chunk(self, prompts: list[str], seeds: list[int], metadata: list[dict], g: torch.Generator):
         """Sample, decode and score evaluation samples → (images, rewards (n,), components {name: (n,)})."""
-        x0 = torch.stack([torch.randn(*self.policy.latent_shape, generator=torch.Generator().manual_seed(s))
-                          for s in seeds]).to(self.device)
-        kernel = dict(self.kernel, sde_type=self.cfg.eval.sde_type)
-        saved = dict(self.policy.counters)
-        cond = self.policy.encode(prompts, sources.of_batch(metadata))
-        out = sample_trajectories(self.policy, cond, x0, self.sigmas, kernel=kernel, generator=g)
-        self.policy.counters.update(saved)
-        images = self.policy.decode(out["xs"][:, -1])
-        del out
+        images = self._draw(prompts, seeds, sources.of_batch(metadata), self.cfg.eval.sde_type, g)
         rewards, comps = compute_rewards(self.cfg.reward.weights, images, prompts, sources.attach(metadata),
                                          rewards=self.reward_fns)
         return images, rewards, comps
+
+    def _draw(self, prompts: list[str], seeds: list[int], srcs: list[tuple[str, ...]] | None, sde_type: str,
+              g: torch.Generator) -> torch.Tensor:
+        """Images of ``prompts[i]`` from the initial noise of ``seeds[i]`` (editing: with ``srcs[i]``), sampled with
+        ``sde_type`` (its noise from ``g``) on the run's σ grid; not counted as cost. → (n, C, H, W)."""
+        x0 = torch.stack([torch.randn(*self.policy.latent_shape, generator=torch.Generator().manual_seed(s))
+                          for s in seeds]).to(self.device)  # (n, *S)
+        kernel = dict(self.kernel, sde_type=sde_type)
+        saved = dict(self.policy.counters)
+        cond = self.policy.encode(prompts, srcs)
+        out = sample_trajectories(self.policy, cond, x0, self.sigmas, kernel=kernel, generator=g)
+        self.policy.counters.update(saved)
+        return self.policy.decode(out["xs"][:, -1])
+
+    @torch.no_grad()
+    def sample(self, prompts: list[str] | None, *, seed: int, num: int = 1, sde_type: str = "",
+               source_images: tuple[str, ...] = ()) -> Samples:
+        """``num`` images of each prompt (None: the digit prompts 0-9), sample j of every prompt from the initial
+        noise of ``seed + j`` and the SDE noise from ``seed``: what :meth:`evaluate` draws with ``eval.seed=seed``,
+        ``eval.seeds_per_prompt=num`` (one chunk). ``source_images``: an editing model's source(s) for every
+        prompt (refused for a text-to-image model)."""
+        family = getattr(getattr(self.policy, "row", None), "name", "")
+        if source_images and not is_edit(family):
+            raise ConfigError(f"--image: model family {family or self.cfg.model.name} generates from text; --image "
+                              "gives the source image of an editing model (Qwen-Image-Edit, FLUX.1 Kontext)")
+        rows = [p for p in (prompts or [digit_prompt(d) for d in range(10)]) for _ in range(num)]
+        seeds = [seed + j for _ in range(len(rows) // num) for j in range(num)]
+        srcs = [tuple(source_images)] * len(rows) if source_images else None
+        g = torch.Generator(device=self.device).manual_seed(seed)
+        return Samples(prompts=rows, per_prompt=num, images=self._draw(rows, seeds, srcs, sde_type or
+                                                                       self.cfg.eval.sde_type, g))
 
 
 EVAL_GRID_IMAGES = 64  # samples kept for the evaluation grid (the first in prompt order); the table has them all

@@ -15,11 +15,12 @@ from ..models.regional_compile import check_config as check_compile
 from ..rewards import check_rewards, resolve_reward
 
 
-def check(cfg: RunConfig) -> None:
-    """Every cross-field rule of a flow-matching run (``FlowFamily.check_config``)."""
+def check(cfg: RunConfig, purpose: str = "train") -> None:
+    """Every cross-field rule of a flow-matching run (``FlowFamily.check_config``) validated for ``purpose``
+    (``validation.PURPOSES``)."""
     check_compile(cfg.model, cfg.dist.mode)
     _validate_flow(cfg)
-    check_editing(cfg)  # an editing pipeline needs a source image per prompt
+    check_editing(cfg, purpose)  # an editing pipeline needs a source image per prompt
     held_out = guards.check_config(cfg, "flow")  # eval.guard_*, train.keep_best; guard rewards take reward.options
     check_rewards({**cfg.reward.weights, **held_out}, cfg.reward.options, model_name=cfg.model.name)
 

@@ -1,6 +1,7 @@
-"""A run directory's saved config, as a resume, ``diffgrpo sample --weights`` and ``diffgrpo export`` read it:
-which keys a resume may change (``RESUMABLE``), and the keys whose values run code (``CODE_KEYS``), never taken
-from a saved file unless the command line repeats them."""
+"""A run directory's saved config, as a resume, ``diffgrpo sample --weights`` and ``diffgrpo export`` read it
+(:func:`load`): which keys a resume may change (``RESUMABLE``), the keys whose values run code (``CODE_KEYS``),
+never taken from a saved file unless the command line repeats them, and the checks of a checkpoint a run resumes
+from (:func:`check_checkpoint`)."""
 from __future__ import annotations
 
 import json
@@ -9,7 +10,7 @@ from pathlib import Path
 import yaml
 
 from .. import yamlio
-from ..config import RunConfig
+from ..config import RunConfig, from_dict
 from ..errors import ConfigError
 
 # Keys a resume may change: how long, how fast and how the run is logged, and where it runs. Anything else would
@@ -74,6 +75,50 @@ def fresh_device(data: dict, overrides: list[str]) -> dict:
     return data
 
 
+# What each command reads a saved config for: its file, whether a code key is refused (else dropped, said), and the
+# purpose its config is validated for (validation.PURPOSES)
+_READS = {"--resume": ("config.yaml", True, "train"), "--weights": ("config.yaml", False, "sample"),
+          "export": ("state.json", False, "export")}
+
+
+def load(run: Path, overrides: list[str], *, command: str) -> RunConfig:
+    """The saved config of ``run`` with the command line's ``overrides``, as ``command`` uses it:
+
+      --resume   ``run``'s config.yaml; a code key not repeated on the command line is refused; the run directory
+                 stays ``run`` and only the :data:`RESUMABLE` keys may change
+      --weights  ``run``'s config.yaml (beside weights.safetensors); a code key not repeated is dropped (said);
+                 no run directory is written and no saved prompt file is read (the run may have moved)
+      export     a checkpoint directory's state.json; as --weights, but the saved prompt files stay (unread)
+
+    Every command picks the device again (``fresh_device``). Raises ConfigError in one line."""
+    name, strict, purpose = _READS[command]
+    if command == "--weights" and not ((run / "config.yaml").is_file() and (run / "weights.safetensors").is_file()):
+        raise ConfigError(f"--weights: run directory {str(run)!r} has no config.yaml + weights.safetensors")
+    data = (json.loads((run / name).read_text())["config"] if name == "state.json" else saved_data(run, command))
+    data = fresh_device(distrust(data, overrides, path=run / name, command=command, strict=strict), overrides)
+    if command == "--resume":
+        return _resumed(run, from_dict(RunConfig, data), overrides)
+    if isinstance(data.get("log"), dict):  # writes no run directory (the saved one may be elsewhere)
+        data["log"]["output_dir"] = ""
+    for sec, key in (("train", "prompts_file"), ("eval", "prompts_file")) if command == "--weights" else ():
+        if isinstance(data.get(sec), dict) and not any(o.startswith(f"{sec}.{key}=") for o in overrides):
+            data[sec][key] = ""
+    return RunConfig.from_overrides([*overrides, "log.progress=false"], base=from_dict(RunConfig, data),
+                                    purpose=purpose)
+
+
+def _resumed(run: Path, saved: RunConfig, overrides: list[str]) -> RunConfig:
+    """The saved config with the overrides, in ``run``; refused when a key outside :data:`RESUMABLE` changes."""
+    cfg = RunConfig.from_overrides([*overrides, f"log.output_dir={run}"], base=saved)
+    old = flat(saved.to_dict())
+    for key, value in flat(cfg.to_dict()).items():
+        if old.get(key) != value and not key.startswith(RESUMABLE):
+            raise ConfigError(f"--resume: {key} cannot change when a run resumes (it would change the model, the "
+                              f"data or the objective half-way); a resume may change {list(RESUMABLE)}; start a "
+                              "new run instead")
+    return cfg
+
+
 # What makes a checkpoint another run's: a resume from one whose values differ is refused
 IDENTITY = ("model.name", "model.pretrained", "model.lora_rank", "engine.name", "dllm.method", "dllm.model_path",
             "dllm.lora_rank", "dllm.task")
@@ -107,4 +152,5 @@ def check_checkpoint(ckpt: Path, cfg: RunConfig) -> None:
                               f"command line: repeat {key}={saved[key]} to resume it)")
 
 
-__all__ = ["CODE_KEYS", "IDENTITY", "RESUMABLE", "check_checkpoint", "distrust", "flat", "fresh_device", "saved_data"]
+__all__ = ["CODE_KEYS", "IDENTITY", "RESUMABLE", "check_checkpoint", "distrust", "flat", "fresh_device", "load",
+           "saved_data"]

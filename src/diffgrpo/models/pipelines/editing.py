@@ -25,8 +25,6 @@ the sequence grows by h/2·w/2 tokens per source, which every engine pays in eve
 """
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import json
 from pathlib import Path
 
@@ -35,7 +33,7 @@ from torch import nn
 
 from ... import sources as source_images
 from ...config import RunConfig
-from ...data_sources import BUILTIN_PREFIX, checking_data, load_prompts
+from ...data_sources import BUILTIN_PREFIX, load_prompts, reads_data
 from ...errors import ConfigError
 from ..latents import flux_image_ids, pack_2x2
 from ..lora import JOINT_TARGETS
@@ -213,25 +211,12 @@ def check_records(records: list[dict], name: str, key: str) -> None:
         raise ConfigError(f"{key}: records have {sorted(counts)} source images; give every record the same number")
 
 
-_TRAINING = contextvars.ContextVar("diffgrpo_editing_training", default=True)
-
-
-@contextlib.contextmanager
-def sampling_only():
-    """Within this context an editing pipeline needs no prompt files (``diffgrpo sample --image``: it trains on
-    nothing and takes its source from the command line)."""
-    token = _TRAINING.set(False)
-    try:
-        yield
-    finally:
-        _TRAINING.reset(token)
-
-
-def check_config(cfg: RunConfig) -> None:
+def check_config(cfg: RunConfig, purpose: str = "train") -> None:
     """``model.name=diffusers`` with an editing pipeline (``model.pipeline``, or read from ``model.pretrained``
-    without loading it): the train and eval prompts must be files whose every record names its source image(s)."""
+    without loading it): the train and eval prompts must be files whose every record names its source image(s);
+    not for ``purpose="sample"`` (``diffgrpo sample`` takes the sources from ``--image``; ``validation.PURPOSES``)."""
     m = cfg.model
-    if m.name != "diffusers" or not _TRAINING.get():
+    if m.name != "diffusers" or purpose == "sample":
         return
     cls = pipeline_class(m.pretrained) if m.pretrained else None
     name = m.pipeline if m.pipeline != "auto" else EDIT_PIPELINES.get(cls or "", "")
@@ -243,7 +228,7 @@ def check_config(cfg: RunConfig) -> None:
             raise ConfigError(f"{key}: {what} and needs a source image per prompt: give a JSONL whose records carry "
                               "'image' (or 'images') beside the instruction (e.g. builtin:edit/train), not the "
                               "digit prompts")
-        if checking_data() or spec.startswith(BUILTIN_PREFIX):  # a shipped set is checked always (it is small)
+        if reads_data(purpose) or spec.startswith(BUILTIN_PREFIX):  # a shipped set is checked always (it is small)
             check_records(load_prompts(spec, key=key, column=cfg.train.prompt_column), name, key)
 
 
@@ -279,5 +264,4 @@ __all__ = [
     "is_edit",
     "keys",
     "pipeline_class",
-    "sampling_only",
 ]

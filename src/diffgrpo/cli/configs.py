@@ -1,0 +1,54 @@
+"""The commands about configs: ``print-config`` (the resolved config, its changes, or the reference of every key),
+``configs list|cp`` (the shipped ones) and ``download`` (every model a config needs, ahead of time)."""
+from __future__ import annotations
+
+import yaml
+
+from ..errors import ConfigError
+from . import recipes
+from .resolve import load_cfg
+
+
+def cmd_print_config(args) -> int:
+    """The resolved config (``--changed``: only the keys that differ from the defaults; ``--docs``: the reference of
+    every key); prompt files are checked (exist, parse, hold prompts) only with ``--check-data`` (``diffgrpo train``
+    always checks them before any model loads)."""
+    from .configdoc import changed, reference_markdown
+
+    if args.docs:
+        print(reference_markdown(), end="")
+        return 0
+    cfg = load_cfg(args, purpose="train" if args.check_data else "print")
+    if args.changed:
+        diff = changed(cfg)
+        print(yaml.safe_dump(diff, sort_keys=False) if diff else "{}  # every key at its default\n", end="")
+        return 0
+    print(cfg.to_yaml(), end="")
+    return 0
+
+
+def cmd_configs(args) -> int:
+    """``configs list``: the shipped configs; ``configs cp NAME [DEST]``: copy one out to edit."""
+    if args.action == "list":
+        configs = recipes.shipped()
+        width = max(map(len, configs), default=0)
+        for name, text in configs.items():
+            print(f"{name:<{width}}  {recipes.summary(text)}")
+        print("copy one with: diffgrpo configs cp NAME [DEST]; or train it: diffgrpo train --config NAME")
+        return 0
+    if not args.name:
+        raise ConfigError("configs cp: name the config to copy (diffgrpo configs list)")
+    print(f"wrote {recipes.copy_config(args.name, args.dest or '.')}")
+    return 0
+
+
+def cmd_download(args) -> int:
+    from .hub import download_models
+
+    cfg = load_cfg(args)
+    for line in download_models(cfg, dry_run=args.dry_run):
+        print(line)
+    return 0
+
+
+__all__ = ["cmd_configs", "cmd_download", "cmd_print_config"]

@@ -1,0 +1,76 @@
+"""``diffgrpo sample``: samples of the pretrained model, a run directory or a weights file, drawn by the model's
+family (``Family.sample``: as its evaluation draws them) and written as they come back: an image grid, or one text
+completion per line."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..config import RunConfig
+from ..errors import ConfigError
+from ..fileio import atomic_write
+from ..run import saved_config
+from .hub import check_hub
+from .resolve import threads
+
+
+def _config(args) -> tuple[RunConfig, Path | None]:
+    """The config to sample with (a run directory's own, or the command line's) and the weights file, or None."""
+    src = Path(args.weights) if args.weights else None
+    overrides = list(args.overrides)
+    if src is not None and src.is_dir():
+        return saved_config.load(src, overrides, command="--weights"), src / "weights.safetensors"
+    cfg = RunConfig.from_overrides(overrides + ["log.progress=false"], purpose="sample")
+    if src is not None and not src.is_file():
+        raise ConfigError(f"--weights: {str(src)!r} does not exist")
+    return cfg, src
+
+
+def _sources(paths: list[str]) -> tuple[str, ...]:
+    """``--image`` (repeatable): the source image(s) an editing model edits under every ``--prompt``, each checked
+    as a prompt file's ``image`` field is (a regular image file, no link, within the pixel cap) → absolute paths."""
+    from .. import sources
+
+    return tuple(sources.resolve([{"prompt": "-", "image": Path(path).name}], base=Path(path).absolute().parent,
+                                 spec=path, key="--image")[0]["image"] for path in paths)
+
+
+def _write(samples, out: Path) -> None:
+    """Images as one grid (a row per prompt), texts as ``prompt<TAB>completion`` lines (a .png name → .txt)."""
+    from ..run.runlog import save_grid
+
+    if samples.texts is not None:
+        lines = [f"{p}\t{t}" for p, t in zip(samples.prompts, samples.texts)]
+        out = out.with_suffix(".txt") if out.suffix == ".png" else out
+        atomic_write(out, "\n".join(lines) + "\n")
+        print("\n".join(lines))
+        print(f"wrote {len(lines)} completions to {out}")
+        return
+    out.parent.mkdir(parents=True, exist_ok=True)
+    save_grid(samples.images, out, nrow=samples.per_prompt)
+    print(f"wrote {len(samples.prompts)} samples to {out}")
+
+
+def cmd_sample(args) -> int:
+    from safetensors.torch import load_file
+
+    from ..trainer import Trainer
+
+    if args.num < 1:
+        raise ConfigError(f"--num: value {args.num} is out of range; must be >= 1")
+    if not Path(args.out).suffix:
+        raise ConfigError(f"--out: {args.out!r} has no file extension; give e.g. samples.png (images) or "
+                          "samples.txt (text completions)")
+    cfg, weights = _config(args)
+    threads(cfg)
+    check_hub(cfg)
+    images = _sources(args.image or [])  # an editing model's source image(s) for every prompt, checked now
+    trainer = Trainer(cfg, purpose="sample")  # an editing model's sources come from --image, not prompt files
+    if weights is not None:
+        trainer.policy.load_state_dict(load_file(str(weights)))
+    samples = trainer.family.sample(args.prompt or None, seed=args.seed, num=args.num, sde_type=args.sde_type,
+                                    source_images=images)
+    _write(samples, Path(args.out))
+    return 0
+
+
+__all__ = ["cmd_sample"]

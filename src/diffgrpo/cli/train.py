@@ -1,0 +1,109 @@
+"""``diffgrpo train`` (a new run, or ``--resume RUN_DIR|auto``) and ``diffgrpo pretrain`` (the built-in models)."""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from ..console import end_summary
+from ..errors import ConfigError
+from ..fileio import read_jsonl
+from ..run import rundir, saved_config
+from .hub import check_hub
+from .resolve import load_cfg, threads
+
+
+def resume_dir(args) -> Path | None:
+    """--resume RUN_DIR, or --resume auto: log.output_dir if given, else the newest unfinished run in runs/."""
+    if not args.resume:
+        return None
+    if args.resume != "auto":
+        run = Path(args.resume)
+        if not (run / "config.yaml").is_file():
+            raise ConfigError(f"--resume: {str(run)!r} is not a run directory (no config.yaml)")
+        return run
+    cfg = load_cfg(args)
+    if cfg.log.output_dir:
+        return Path(cfg.log.output_dir) if (Path(cfg.log.output_dir) / "config.yaml").is_file() else None
+    runs = [d for d in Path("runs").glob("*") if (d / "checkpoints").is_dir() and not (d / "summary.json").exists()]
+    return max(runs, key=lambda d: d.stat().st_mtime) if runs else None
+
+
+def _config(args, run: Path | None):
+    """The run's resolved config then the overrides (a resume), or the command line's config (a new run)."""
+    if run is None:
+        if args.resume == "auto":
+            print("--resume auto: no unfinished run found; starting a new one")
+        return load_cfg(args)
+    if args.config:
+        raise ConfigError("--config: cannot be combined with --resume (the run's own config.yaml is used); "
+                          "pass changes as key=value overrides")
+    return saved_config.load(run, list(args.overrides), command="--resume")
+
+
+def _prepare_output(cfg, resumed: bool) -> None:
+    """Before any model loads: the run directory checked (or a new one made), its data files unchanged."""
+    if not cfg.log.output_dir:
+        return
+    rundir.check(cfg.log.output_dir, cfg, resume=resumed)
+    if int(os.environ.get("RANK", "0")) == 0:
+        try:
+            Path(cfg.log.output_dir).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"log.output_dir: cannot create {cfg.log.output_dir!r} ({e.strerror})") from None
+
+
+def cmd_train(args) -> int:
+    from ..trainer import Trainer
+
+    t0 = time.perf_counter()
+    run = resume_dir(args)
+    cfg = _config(args, run)
+    threads(cfg)
+    check_hub(cfg)  # a hub model that cannot be had fails here, in one line, before any model loads
+    _prepare_output(cfg, run is not None)
+    trainer = Trainer(cfg)
+    summary = trainer.train(resume=run is not None)
+    if trainer.world.rank > 0:  # torchrun: rank 0 reports
+        return 0
+    if summary.get("interrupted"):  # the shell's convention, so schedulers and `&&` see the preemption
+        print(f"interrupted by signal {summary['interrupted']}; resume with: diffgrpo train --resume "
+              f"{cfg.log.output_dir}")
+        return 128 + int(summary["interrupted"])
+    if summary.get("stopped"):  # train.on_hacking=stop: a guard fell
+        best = summary.get("best")
+        print(f"stopped: {summary['stopped']}" + (f"; best checkpoint ({best['metric']}={best['value']:.4f} at "
+                                                  f"iteration {best['iteration']}) in {cfg.log.output_dir}/best"
+                                                  if best else ""))
+        return 3
+    rows = read_jsonl(Path(cfg.log.output_dir) / "metrics.jsonl", log=lambda *a: None)
+    for line in end_summary(Path(cfg.log.output_dir), summary, wall_seconds=time.perf_counter() - t0, train_rows=rows):
+        print(line)
+    return 0
+
+
+def cmd_pretrain(args) -> int:
+    """The built-in image model and its reward classifier, or with ``--task`` (or model.name=tiny_mlm) the built-in
+    masked diffusion LM of that task: pretrained once and cached."""
+    from ..cache import cache_root
+    from ..models.tiny import load_or_pretrain
+    from ..rewards.image import load_classifier
+
+    cfg = load_cfg(args)
+    threads(cfg)
+    if getattr(args, "task", None) or cfg.model.name == "tiny_mlm":  # the built-in masked diffusion LM
+        from ..models.hf_masked_lm import load_or_pretrain_mlm
+        from ..tasks import get_task
+
+        task = get_task(args.task or cfg.dllm.task)
+        load_or_pretrain_mlm(task, cfg.pretrain, cache_dir=cfg.model.cache_dir, progress=cfg.log.progress)
+        print(f"tiny dLLM for task {task.name!r} cached in {cache_root(cfg.model.cache_dir)}")
+        return 0
+    load_or_pretrain(cfg.model, cfg.pretrain, progress=cfg.log.progress)
+    _, acc = load_classifier(cfg.model.image_size, cfg.model.cache_dir)
+    print(f"built-in model and reward classifier cached in {cache_root(cfg.model.cache_dir)}")
+    print(f"digit_alignment classifier held-out accuracy: {acc:.4f}")
+    return 0
+
+
+__all__ = ["cmd_pretrain", "cmd_train", "resume_dir"]
