@@ -73,7 +73,7 @@ def main() -> None:
     if a.child:
         print(json.dumps(one(a.child[0], a.child[1], a.batch, a.prompt, a.gen, a.repeats)))
         return
-    from tests.dllm_remote_models import build_remote_model
+    from tests.helpers.remote_models import build_remote_model
 
     with tempfile.TemporaryDirectory() as d:
         path = build_remote_model(Path(d) / "llada", "llada", n_layers=a.layers, **SIZE)

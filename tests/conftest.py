@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny, seeded, CPU-only trainers built from the real model classes."""
+"""Shared fixtures: tiny, seeded, CPU-only trainers built from the real model classes, a tiny SD3 pipeline on
+disk, and a finished run of the built-in model."""
 from __future__ import annotations
 
 import os
@@ -8,17 +9,12 @@ import torch
 
 from diffgrpo import RunConfig, Trainer
 from diffgrpo.models.tiny import build_tiny_policy
+from tests.helpers.pipelines import save_sd3_pipeline
+from tests.helpers.tiny import FAST_CLI, TINY
 
 # The test models are far too small to gain from threads, and thread synchronisation on a busy machine costs
 # milliseconds per small matmul: one thread keeps the suite fast and its float results independent of the host.
 torch.set_num_threads(1)
-
-# A model small enough for unit tests: 8×8 images, one transformer block, 6 sampling steps.
-TINY = [
-    "model.image_size=8", "model.patch_size=2", "model.num_layers=1", "model.num_heads=2", "model.head_dim=8",
-    "model.text_dim=16", "sampler.num_steps=6", "train.prompts_per_batch=2", "train.group_size=3",
-    "log.progress=false", "log.save_images=false", "reward.weights={jpeg_incompressibility: 1.0}",
-]
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -42,19 +38,17 @@ def make_trainer():
     return _make
 
 
-def flat_grad(params) -> torch.Tensor:
-    """All parameter gradients as one float64 vector (zeros where .grad is None)."""
-    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().flatten().double()
-                      for p in params])
+@pytest.fixture(scope="module")
+def sd3_dir(tmp_path_factory):
+    """A full StableDiffusion3Pipeline of tiny random components, saved with save_pretrained."""
+    return save_sd3_pipeline(tmp_path_factory.mktemp("tiny-sd3"))
 
 
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm().clamp(min=1e-30))
+@pytest.fixture(scope="module")
+def small_run(tmp_path_factory):
+    """A finished one-iteration run of the built-in model with a checkpoint."""
+    from diffgrpo.cli.app import main
 
-
-def perturb(tr, scale=0.02, seed=7):
-    """Move θ away from the frozen reference so that the KL gradient is not zero."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for q in tr.params:
-            q.add_(scale * torch.randn(q.shape, generator=g))
+    out = tmp_path_factory.mktemp("small") / "run"
+    assert main(["train", *FAST_CLI, "train.num_iterations=1", "train.save_every=1", f"log.output_dir={out}"]) == 0
+    return out

@@ -93,3 +93,59 @@ def test_step_selection_modes():
     assert fixed[:, 2:5].all() and fixed.sum() == 6
     with pytest.raises(ValueError):
         select_steps("window", T, 2, window_size=3, window_start=8)
+
+
+# ------------------------------------------------- issue 25, fidelity notes: population std, wd1 and SPG normalisation
+@pytest.mark.parametrize("std_mode", ["group", "global"])
+def test_population_std_advantages_match_numpy_convention(std_mode):
+    from diffgrpo import RunConfig
+    from diffgrpo.advantages import group_advantages
+
+    g = torch.Generator().manual_seed(0)
+    r, gid = torch.randn(12, generator=g), torch.arange(3).repeat_interleave(4)
+    kw = {"std_mode": std_mode, "eps": 0.0, "clip": 1e9}
+    pop, _ = group_advantages(r, gid, std="population", **kw)
+    unb, _ = group_advantages(r, gid, **kw)
+    groups = [r[gid == k] for k in range(3)]
+    if std_mode == "group":
+        ref = torch.cat([(x - x.mean()) / x.std(correction=0) for x in groups])
+    else:
+        ref = torch.cat([x - x.mean() for x in groups]) / r.std(correction=0)
+    torch.testing.assert_close(pop, ref)
+    torch.testing.assert_close(pop, unb * (12 / 11 if std_mode == "global" else 4 / 3) ** 0.5)
+    assert RunConfig.from_overrides(["advantage.std=population"]).advantage.std == "population"
+
+
+def test_wd1_token_mean_against_the_released_normalisation_is_tokens_per_group():
+    """The released trainer: per micro-batch (one group) Σ_i c_i Σ_j ℓ_ij, averaged over the groups; ours: the token
+    mean. Their ratio is the completion tokens per group (the wd1 docstring's statement)."""
+    from diffgrpo.dllm.wd1 import wd1_coefficients, wd1_token_loss
+    from diffgrpo.losses import aggregation_weights
+
+    g = torch.Generator().manual_seed(0)
+    G, n, L = 3, 6, 12
+    gid = torch.arange(G).repeat_interleave(n)
+    lengths = torch.randint(3, L + 1, (G * n,), generator=g)
+    mask = torch.arange(L).unsqueeze(0) < lengths.unsqueeze(1)  # (B, L) completion tokens
+    lp = -torch.rand(G * n, L, generator=g)
+    coef = wd1_coefficients(torch.rand(G * n, generator=g), gid)
+    per_token = wd1_token_loss(lp, coef) * mask
+    ours = (aggregation_weights(mask, "mean") * per_token).sum()
+    released = torch.stack([per_token[gid == k].sum() for k in range(G)]).mean()
+    torch.testing.assert_close(released / ours, mask.sum().float() / G)
+    assert abs(float(mask.sum()) / G - float(lengths.float().mean())) > 1  # not the mean completion length
+
+
+def test_spg_batch_token_mean_against_the_released_per_group_normalisation():
+    from diffgrpo.losses import aggregation_weights
+
+    g = torch.Generator().manual_seed(1)
+    G, n, L = 3, 4, 10
+    gid = torch.arange(G).repeat_interleave(n)
+    lengths = torch.randint(2, L + 1, (G * n,), generator=g)
+    mask = torch.arange(L).unsqueeze(0) < lengths.unsqueeze(1)
+    terms = torch.randn(G * n, L, generator=g) * mask  # −A_i·ℓ_ij
+    T_g = torch.stack([mask[gid == k].sum() for k in range(G)]).float()
+    per_group_ours = torch.stack([(aggregation_weights(mask, "mean") * terms)[gid == k].sum() for k in range(G)])
+    per_group_released = torch.stack([terms[gid == k].sum() / T_g[k] for k in range(G)]) / G
+    torch.testing.assert_close(per_group_ours / per_group_released, G * T_g / T_g.sum())

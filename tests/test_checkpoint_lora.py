@@ -8,7 +8,7 @@ import yaml
 from diffgrpo import RunConfig
 from diffgrpo.run.checkpoint import is_complete, latest_complete, list_checkpoints
 from diffgrpo.models.tiny import build_tiny_policy
-from tests.conftest import TINY
+from tests.helpers.tiny import TINY
 
 LORA = ["model.lora_rank=4", "model.lora_alpha=8"]
 WEIGHTS = "pytorch_lora_weights.safetensors"

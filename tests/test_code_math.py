@@ -290,7 +290,7 @@ def test_a_code_run_stops_in_seconds_on_sigterm_and_resumes_from_the_cli(tmp_pat
     import sys
     import time
 
-    from tests.dllm_remote_models import build_remote_model
+    from tests.helpers.remote_models import build_remote_model
 
     model = build_remote_model(tmp_path / "llada", "llada")
     data = tmp_path / "slow.jsonl"

@@ -12,7 +12,7 @@ from diffgrpo.engines._graph import RetainedSteps
 from diffgrpo.engines.jagg import JaggEngine, anchor_mask
 from diffgrpo.engines.recompute import RecomputeEngine
 from diffgrpo.engines.single_step import SingleStepEngine
-from tests.conftest import flat_grad, perturb, rel_err
+from tests.helpers.tensors import flat_grad, perturb, rel_err
 
 TOL = 1e-5
 

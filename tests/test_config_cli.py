@@ -2,9 +2,11 @@
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 import yaml
+import torch
 
 from diffgrpo import ConfigError, RunConfig
 from diffgrpo.cli.app import main
@@ -121,3 +123,101 @@ def test_cli_train_sample_and_bench_end_to_end(tmp_path, capsys):
     assert row["grad_cos_vs_recompute"] == pytest.approx(1.0)
     assert row["counters"]["sample_backwards"] == 4 * 3  # 4 samples × 3 trainable steps
     assert (tmp_path / "bench" / "engines.md").read_text().count("| recompute |") == 1
+
+
+# ----------------------------------------------------------------------- issue 25 H-4: YAML 1.1 scalars in string keys
+@pytest.mark.parametrize("typed", ["001", "010", "12:30", "on", "0x1F", "1e3", "2024-01-01"])
+def test_string_keys_get_the_text_as_typed(typed):
+    from diffgrpo import RunConfig
+
+    assert RunConfig.from_overrides([f"log.output_dir={typed}"]).log.output_dir == typed
+    assert RunConfig.from_overrides([f"model.negative_prompt={typed}"]).model.negative_prompt == typed
+
+
+def test_words_and_numbers_parse_as_yaml_1_2():
+    from diffgrpo import RunConfig
+
+    cfg = RunConfig.from_overrides(["model.negative_prompt=no", "reward.weights={digit_alignment: 1e-3}",
+                                    "train.lr=1e-3", "train.num_iterations=010", "log.progress=on"])
+    assert cfg.model.negative_prompt == "no" and cfg.reward.weights == {"digit_alignment": 0.001}
+    assert cfg.train.lr == 0.001 and cfg.train.num_iterations == 10 and cfg.log.progress is True
+    assert type(cfg.train.lr) is float and type(cfg.reward.weights["digit_alignment"]) is float
+    assert RunConfig.from_yaml  # the file loader is the same strict one
+    again = RunConfig.from_overrides([], base=None)
+    assert again.to_yaml()  # plain values dump
+
+
+def test_yaml_files_refuse_duplicate_keys_and_alias_bombs(tmp_path):
+    from diffgrpo import RunConfig
+    from diffgrpo.errors import ConfigError
+
+    dup = tmp_path / "dup.yaml"
+    dup.write_text("train:\n  lr: 0.1\ntrain:\n  lr: 0.2\n")
+    with pytest.raises(ConfigError, match=r"duplicate key 'train' at line 3 \(first at line 1\)"):
+        RunConfig.from_yaml(dup)
+    with pytest.raises(ConfigError, match=r"^reward\.weights: duplicate key 'a'"):
+        RunConfig.from_overrides(["reward.weights={a: 1, a: 2}"])
+    levels = ["a: &a [x, x, x, x, x, x, x, x, x]"] + [
+        f"{c}: &{c} [{', '.join([f'*{p}'] * 9)}]" for p, c in zip("abcdefgh", "bcdefghi")]
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text("\n".join(levels) + "\n")
+    assert bomb.stat().st_size < 400
+    t0 = time.perf_counter()
+    with pytest.raises(ConfigError) as err:
+        RunConfig.from_yaml(bomb)
+    assert "aliases expand to" in str(err.value) and len(str(err.value)) < 300
+    assert time.perf_counter() - t0 < 5
+
+
+def test_echoed_values_are_bounded():
+    from diffgrpo import RunConfig
+    from diffgrpo.errors import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        RunConfig.from_overrides(["train.lr=[" + ", ".join(["123456789"] * 5000) + "]"])
+    assert len(str(err.value)) < 400 and "characters)" in str(err.value)
+
+
+# ---------------------------------------------------------------- issue 25 M-6: overrides anywhere on the command line
+@pytest.mark.parametrize("argv, overrides", [
+    (["export", "model.pretrained=/base", "RUN", "--out", "D"], ["model.pretrained=/base"]),
+    (["export", "RUN", "--out", "D", "model.pretrained=/base", "--merge"], ["model.pretrained=/base"]),
+    (["export", "--out", "D", "--model.pretrained", "/base", "RUN"], ["model.pretrained=/base"]),
+    (["train", "seed=1", "--resume", "R", "train.lr=1"], ["seed=1", "train.lr=1"]),
+    (["sample", "seed=1", "--prompt", "a=b", "--weights", "R", "sampler.num_steps=3"], ["seed=1", "sampler.num_steps=3"]),
+    (["print-config", "seed=1", "--changed", "train.lr=1"], ["seed=1", "train.lr=1"]),
+    (["bench", "engines", "seed=1", "--repeats", "1", "train.lr=1"], ["seed=1", "train.lr=1"]),
+    (["download", "seed=1", "--dry-run", "train.lr=1"], ["seed=1", "train.lr=1"]),
+    (["pretrain", "seed=1", "--task", "sudoku", "train.lr=1"], ["seed=1", "train.lr=1"])])
+def test_overrides_anywhere_on_every_subcommand(argv, overrides):  # M-6
+    from diffgrpo.cli.app import parse_args
+
+    args = parse_args(argv)
+    assert args.overrides == overrides
+    if args.command == "export":
+        assert (args.source, args.out) == ("RUN", "D")
+    if args.command == "sample":
+        assert args.prompt == ["a=b"] and args.weights == "R"
+
+
+# ----------------------------------------------------- issue 25, low ones: settings that would be ignored or fail late
+@pytest.mark.parametrize("override, why", [
+    ("train.warmup_iterations=5", "train.warmup_iterations: value 5 is more than train.num_iterations=3"),
+    ("train.digits=[3]", "train.digits: value [3] is not read with train.prompts_file set"),
+    ("reward.options={pickscore: {model: /nonexistent/pickscore}}",
+     "reward.options.pickscore.model: '/nonexistent/pickscore' names a local path that does not exist"),
+    ("reward.options={pickscore: {device: 'cuda:7'}}", ("reward.options.pickscore.device: value 'cuda:7' is not a "
+                                                        "device of this machine"))])
+def test_settings_that_would_be_ignored_or_fail_late_are_refused(tmp_path, override, why):
+    from diffgrpo import RunConfig
+    from diffgrpo.errors import ConfigError
+
+    if "cuda:7" in override and torch.cuda.device_count() > 7:
+        pytest.skip("this machine has a cuda:7")
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a handwritten digit 3\n")
+    base = ["train.num_iterations=3", "reward.weights={pickscore: 1.0}" if "pickscore" in override else "seed=0",
+            *([f"train.prompts_file={prompts}"] if "digits" in override else [])]
+    with pytest.raises(ConfigError) as err:
+        RunConfig.from_overrides([*base, override])
+    assert str(err.value).startswith(why) and "\n" not in str(err.value)

@@ -1,50 +1,14 @@
 """DACA-GRPO plug-ins: Denoising Progress Scores and Stratified Masking Likelihood on every dLLM base method."""
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
 from diffgrpo.dllm import credit, likelihood
 from diffgrpo.tasks import VOCAB
-from tests.test_dllm import make_dllm_trainer
+from tests.helpers.tiny import JointMLM, make_dllm_trainer
 
 METHODS = ["diffu_grpo", "coupled_grpo", "random_mask"]
-
-
-# ---------------------------------------------------------------------------------------------- enumerable model
-class JointMLM(torch.nn.Module):
-    """Exact conditionals of an enumerable joint p_θ(x) ∝ exp E_θ(x) over V^N (Potts + MLP energy): position j
-    of a row with visible set U gets logits log Σ_{x: x_U fixed, x_j = v} exp E_θ(x). <mask> = id V."""
-
-    def __init__(self, V=3, N=6, seed=0):
-        super().__init__()
-        g = torch.Generator().manual_seed(seed)
-        self.V, self.N = V, N
-        self.h = torch.nn.Parameter(torch.randn(N, V, generator=g) * 0.5)
-        self.J = torch.nn.Parameter(torch.randn(N, N, V, V, generator=g) / math.sqrt(N))
-        self.w1 = torch.nn.Parameter(torch.randn(N * V, 16, generator=g) * 0.5)
-        self.w2 = torch.nn.Parameter(torch.randn(16, generator=g) * 0.5)
-        self.register_buffer("X", torch.cartesian_prod(*[torch.arange(V)] * N).view(-1, N))
-
-    def energy(self, X):
-        oh = torch.nn.functional.one_hot(X, self.V).float()  # (S, N, V)
-        J = torch.triu(self.J.permute(2, 3, 0, 1), 1).permute(2, 3, 0, 1)  # pairs i < j
-        return (oh * self.h).sum((1, 2)) + torch.einsum("sia,ijab,sjb->s", oh, J, oh) + \
-            torch.tanh(oh.flatten(1) @ self.w1) @ self.w2
-
-    def log_prob(self, x):
-        return self.energy(x) - torch.logsumexp(self.energy(self.X), 0)
-
-    def forward(self, ids):  # (B, N) → (B, N, V+1)
-        E = self.energy(self.X)
-        pe = torch.exp(E - E.max())
-        visible = ids != self.V
-        compat = ((self.X.unsqueeze(0) == ids.unsqueeze(1)) | ~visible.unsqueeze(1)).all(-1).float()  # (B, S)
-        oh = torch.nn.functional.one_hot(self.X, self.V).float()
-        logits = torch.log((compat @ (pe.unsqueeze(1) * oh.flatten(1))).clamp_min(1e-30)).view(-1, self.N, self.V)
-        return torch.cat([logits, torch.full_like(logits[..., :1], -1e9)], -1)
 
 
 def sml_estimate(model, seqs, K, mode, g):

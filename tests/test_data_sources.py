@@ -7,6 +7,10 @@ import importlib.util
 import json
 from collections import Counter
 from pathlib import Path
+import os
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -18,7 +22,8 @@ from diffgrpo.errors import ConfigError
 from diffgrpo.flow.family import FlowFamily
 from diffgrpo.rewards import REWARDS
 from diffgrpo.tasks import TASKS, get_task
-from tests.test_dllm import make_dllm_trainer
+from tests.helpers.tiny import FAST_CLI, make_dllm_trainer
+from diffgrpo.cli.app import main
 
 HAS_DATASETS = importlib.util.find_spec("datasets") is not None
 
@@ -308,3 +313,111 @@ def test_shipped_prompt_files_are_package_data():
     files = [f.relative_to(pkg).as_posix() for f in (pkg / "prompts").rglob("*")
              if f.suffix in (".txt", ".jsonl", ".md", ".png")]  # .png: the editing set's sources
     assert len(files) == 19 and all(any(fnmatch.fnmatch(f, p) for p in patterns) for f in files)
+
+
+# ---------------------------------------------------------------- issue 25 H-3: prompt files moved or edited on resume
+def test_prompts_file_is_pinned_by_absolute_path_and_content(tmp_path, monkeypatch, capsys):
+    first, second = tmp_path / "a", tmp_path / "b"
+    for d in (first, second):
+        d.mkdir()
+        (d / "prompts.txt").write_text("a handwritten digit 3\na handwritten digit 4\n" if d is first
+                                       else "a handwritten digit 8\n")
+    out = tmp_path / "run"
+    monkeypatch.chdir(first)
+    assert main(["train", *FAST_CLI, "train.num_iterations=1", "train.save_every=1", "train.prompts_file=prompts.txt",
+                 f"log.output_dir={out}"]) == 0
+    saved = (out / "config.yaml").read_text()
+    assert f"prompts_file: {first / 'prompts.txt'}" in saved
+    monkeypatch.chdir(second)  # a resume from elsewhere reads the run's own file, not ./prompts.txt
+    assert main(["train", "--resume", str(out), "train.num_iterations=2"]) == 0
+    assert f"prompts_file: {first / 'prompts.txt'}" in (out / "config.yaml").read_text()
+    (first / "prompts.txt").write_text("a handwritten digit 9\n")
+    capsys.readouterr()
+    assert main(["train", "--resume", str(out), "train.num_iterations=3"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: train.prompts_file: ") and "changed since the run started" in err[0]
+
+
+# ----------------------------------------------------------------- issue 25 M-1, M-2: prompt lines that cannot be read
+def test_jsonl_prompt_may_hold_a_raw_line_separator(tmp_path):  # M-1 (and the text-file split, low)
+    from diffgrpo.data_sources import load_prompts
+
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "a handwritten\\u2028 digit 3"}\n'.replace("\\u2028", "\u2028"), encoding="utf-8")
+    assert load_prompts(str(f)) == [{"prompt": "a handwritten\u2028 digit 3"}]
+    t = tmp_path / "p.txt"
+    t.write_text("one\u2028two\nthree\n", encoding="utf-8")
+    assert [r["prompt"] for r in load_prompts(str(t))] == ["one\u2028two", "three"]
+
+
+@pytest.mark.parametrize("line, why", [("[" * 100_000 + "]" * 100_000, "nested too deeply"),
+                                       ('{"prompt": "x", "n": ' + "7" * 5000 + "}", "Exceeds the limit")])
+def test_unparseable_prompt_lines_are_one_line_errors(tmp_path, line, why):  # M-2
+    from diffgrpo.data_sources import load_prompts
+    from diffgrpo.errors import ConfigError
+
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "fine"}\n' + line + "\n")
+    with pytest.raises(ConfigError) as err:
+        load_prompts(str(f))
+    assert str(err.value).startswith(f"train.prompts_file: file {str(f)!r} line 2 cannot be read") and why in str(err.value)
+    assert "\n" not in str(err.value) and len(str(err.value)) < 300
+
+
+def test_deep_nesting_through_hf_json_is_one_line_not_a_crash(tmp_path):  # M-2, through datasets
+    """pyarrow's JSON reader segfaulted on 100k-deep nesting; the file is refused in one line first, in a child
+    process (a crash would kill it, not the test run). Brackets inside strings do not count."""
+    deep = tmp_path / "deep.jsonl"
+    deep.write_text('{"prompt": "a", "x": ' + "[" * 100000 + "]" * 100000 + "}\n")
+    fine = tmp_path / "fine.jsonl"
+    fine.write_text(json.dumps({"prompt": "a " + "[" * 5000 + ' \\" ['}) + "\n")
+    code = ("import sys\nfrom diffgrpo.data_sources import load_prompts\nfrom diffgrpo.errors import ConfigError\n"
+            "try:\n    print(len(load_prompts('hf:json:' + sys.argv[1])))\n"
+            "except ConfigError as e:\n    print('ConfigError', e)\n")
+    for f, want in ((deep, "ConfigError train.prompts_file: file"), (fine, "1")):
+        out = subprocess.run([sys.executable, "-c", code, str(f)], capture_output=True, text=True, timeout=120,
+                             check=False)
+        assert out.returncode == 0, (out.returncode, out.stderr[-500:])
+        assert out.stdout.strip().startswith(want), out.stdout
+        assert f is fine or "nested more than 1000 deep" in out.stdout
+
+
+# ----------------------------------------------------- issue 25, low ones (item 4): CSV columns, odd files, huge files
+@pytest.mark.parametrize("text, why", [("prompt,a,a\nx,1,2\n", "names the column(s) ['a'] more than once"),
+                                       ("prompt,a,b\nx,1\n", "line 2 has fewer values than the header has columns")])
+def test_csv_duplicate_columns_and_short_rows_are_refused(tmp_path, text, why):
+    from diffgrpo.data_sources import load_prompts
+    from diffgrpo.errors import ConfigError
+
+    f = tmp_path / "p.csv"
+    f.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_prompts(str(f))
+    assert why in str(err.value) and str(err.value).startswith("train.prompts_file: ")
+
+
+def test_one_liners_say_what_is_wrong(tmp_path):
+    from diffgrpo.data_sources import load_prompts
+    from diffgrpo.errors import ConfigError
+
+    fifo = tmp_path / "fifo.txt"
+    os.mkfifo(fifo)
+    for spec, why in ((str(fifo), "is not a regular file"), (str(tmp_path), "is not a regular file"),
+                      ("builtin:", "names no prompt set; write builtin:<set>/<split>"),
+                      (str(tmp_path / "none.txt"), "does not exist")):
+        with pytest.raises(ConfigError, match=why):
+            load_prompts(spec)
+
+
+def test_a_huge_prompt_file_fails_in_one_line_without_reading_it(tmp_path, monkeypatch):
+    from diffgrpo import data_sources
+    from diffgrpo.errors import ConfigError
+
+    big = tmp_path / "big.txt"
+    with open(big, "wb") as f:  # sparse: 6 GB on paper, nothing on disk
+        f.truncate(6 * 10 ** 9)
+    monkeypatch.setattr(data_sources, "read_utf8", lambda *a: pytest.fail("the file was read"))
+    t0 = time.perf_counter()
+    with pytest.raises(ConfigError) as err:
+        data_sources.load_prompts(str(big))
+    assert time.perf_counter() - t0 < 1 and "5.6 GiB; a prompt file may hold at most 1024 MiB" in str(err.value)

@@ -6,7 +6,6 @@ is the full size of a sharded optimizer tensor, unlike the full gather of ``trai
 One process: the sharded format resumes bit for bit, and a damaged shard file is detected and skipped."""
 import json
 import os
-import socket
 import tempfile
 from pathlib import Path
 
@@ -19,17 +18,12 @@ from torch.utils._pytree import tree_leaves
 from diffgrpo import RunConfig, distributed
 from diffgrpo.run.checkpoint import is_complete, latest_complete, list_checkpoints
 from diffgrpo.run.job import resume
-from tests.conftest import TINY
+from tests.helpers.distributed import free_port
+from tests.helpers.tiny import TINY
 
 COMMON = [*TINY, "seed=0", "engine.name=recompute", "train.group_size=4", "train.prompts_per_batch=2",
           "loss.beta=0.1", "train.lr=1e-2", "eval.seeds_per_prompt=1", "train.ema_decay=0.9",
           "steps.mode=first_fraction", "steps.fraction=0.5", "dist.backend=gloo", "model.num_layers=2"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _make(out: str, *overrides: str):
@@ -155,7 +149,7 @@ def two_ranks():
         one.step()
         one.save_checkpoint()
         saved_one = {**_full_state(one), "rng": one.family.rng_state()}
-        mp.spawn(_worker, args=(2, _free_port(), d), nprocs=2, join=True)
+        mp.spawn(_worker, args=(2, free_port(), d), nprocs=2, join=True)
         yield d, saved_one, [torch.load(os.path.join(d, f"rank{r}.pt"), weights_only=True) for r in range(2)]
 
 

@@ -14,7 +14,7 @@ from diffgrpo import RunConfig
 from diffgrpo.config import ConfigError
 from diffgrpo.engines.dgpo import group_margin, truncated_grid_times
 from diffgrpo.validation import validate
-from tests.conftest import flat_grad, perturb, rel_err
+from tests.helpers.tensors import flat_grad, perturb, rel_err
 
 BETA = 100.0
 

@@ -7,8 +7,6 @@ families are tested at the adapter level with a stub text encoding and a stub de
 """
 from __future__ import annotations
 
-import string
-import zlib
 from pathlib import Path
 
 import pytest
@@ -25,136 +23,9 @@ from diffgrpo.models.diffusers_adapter import (
     unpack_2x2,
 )
 from diffgrpo.samplers.rollout import sample_trajectories
-from tests.conftest import flat_grad, rel_err
-
-QUIET = ["log.progress=false", "log.save_images=false", "reward.weights={jpeg_incompressibility: 1.0}",
-         "sampler.num_steps=3", "train.prompts_per_batch=2", "train.group_size=2"]
-PROMPTS = ["a red cat", "a blue dog on the grass", "the sun"]
-
-
-# ------------------------------------------------------------------------------------------- tiny components
-def _clip_tokenizer():
-    from transformers import CLIPTokenizer
-
-    chars = list(string.ascii_lowercase + string.digits + ".,!?'-")
-    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
-    for suffix in ("", "</w>"):
-        for c in chars:
-            vocab[c + suffix] = len(vocab)
-    return CLIPTokenizer(vocab=vocab, merges=[], model_max_length=16)
-
-
-def _t5_tokenizer():
-    from transformers import T5Tokenizer
-
-    chars = list(string.ascii_lowercase + string.digits + ".,!?'-")
-    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
-    vocab += [(c, -3.0) for c in chars] + [("\u2581" + c, -2.5) for c in chars]
-    return T5Tokenizer(vocab=vocab, extra_ids=0)
-
-
-def tiny_transformer(family: str):
-    torch.manual_seed(0)
-    if family == "sd3":
-        from diffusers import SD3Transformer2DModel
-
-        return SD3Transformer2DModel(sample_size=8, patch_size=2, in_channels=4, out_channels=4, num_layers=1,
-                                     attention_head_dim=8, num_attention_heads=2, joint_attention_dim=16,
-                                     caption_projection_dim=16, pooled_projection_dim=16, pos_embed_max_size=8)
-    if family == "flux":
-        from diffusers import FluxTransformer2DModel
-
-        return FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1,
-                                      attention_head_dim=8, num_attention_heads=2, joint_attention_dim=16,
-                                      pooled_projection_dim=8, guidance_embeds=True, axes_dims_rope=(2, 2, 4))
-    if family == "wan":
-        from diffusers import WanTransformer3DModel
-
-        return WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12,
-                                     in_channels=4, out_channels=4, text_dim=16, freq_dim=16, ffn_dim=32,
-                                     num_layers=1, rope_max_seq_len=32)
-    if family == "qwenimage":
-        from diffusers import QwenImageTransformer2DModel
-
-        return QwenImageTransformer2DModel(patch_size=2, in_channels=16, out_channels=4, num_layers=1,
-                                           attention_head_dim=8, num_attention_heads=2, joint_attention_dim=16,
-                                           axes_dims_rope=(2, 2, 4))
-    raise ValueError(family)
-
-
-LATENTS = {"sd3": (4, 8, 8), "flux": (4, 8, 8), "wan": (4, 2, 8, 8), "qwenimage": (4, 8, 8)}
-
-
-def stub_encoder(family: str):
-    """Deterministic per-prompt embeddings of the shapes the family's pipeline produces (Qwen: varying length)."""
-
-    def encode(prompts):
-        out = {}
-        for p in prompts:
-            g = torch.Generator().manual_seed(zlib.crc32(p.encode()))
-            L = 3 + len(p.split()) if family == "qwenimage" else 6
-            item = {"prompt_embeds": torch.randn(1, L, 16, generator=g)}
-            if family in ("sd3", "flux"):
-                item["pooled"] = torch.randn(1, 16 if family == "sd3" else 8, generator=g)
-            if family == "qwenimage":
-                item["prompt_mask"] = torch.ones(1, L, dtype=torch.long)
-            for k, v in item.items():
-                out.setdefault(k, []).append(v)
-        if family == "qwenimage":  # the pipeline pads a batch to its longest prompt and masks the padding
-            L = max(v.shape[1] for v in out["prompt_embeds"])
-            out["prompt_embeds"] = [torch.nn.functional.pad(v, (0, 0, 0, L - v.shape[1])) for v in out["prompt_embeds"]]
-            out["prompt_mask"] = [torch.nn.functional.pad(v, (0, L - v.shape[1])) for v in out["prompt_mask"]]
-        return {k: torch.cat(v) for k, v in out.items()}
-
-    return encode
-
-
-def stub_decoder(z):
-    """Latents → a 3-channel image in [0, 1] (first frame for video)."""
-    if z.dim() == 5:
-        z = z[:, :, 0]
-    return torch.sigmoid(z[:, :3].float()).repeat_interleave(2, -1).repeat_interleave(2, -2)
-
-
-def adapter_policy(family, **kw):
-    """A policy of the table row ``family`` over its tiny transformer; ``kw``: its ``PolicyOptions``."""
-    return DiffusersFlowPolicy(tiny_transformer(family), family, PolicyOptions(**kw), latent_shape=LATENTS[family],
-                               encoder=stub_encoder(family), decoder=stub_decoder)
-
-
-@pytest.fixture(scope="module")
-def sd3_dir(tmp_path_factory):
-    """A full StableDiffusion3Pipeline of tiny random components, saved with save_pretrained."""
-    from diffusers import (
-        AutoencoderKL,
-        FlowMatchEulerDiscreteScheduler,
-        StableDiffusion3Pipeline,
-    )
-    from transformers import (
-        CLIPTextConfig,
-        CLIPTextModelWithProjection,
-        T5Config,
-        T5EncoderModel,
-    )
-
-    torch.manual_seed(0)
-    clip = dict(hidden_size=8, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
-                max_position_embeddings=16, projection_dim=8, vocab_size=100, bos_token_id=0, eos_token_id=1,
-                pad_token_id=1)
-    vae = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
-                        up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(8, 16), layers_per_block=1,
-                        latent_channels=4, norm_num_groups=8, sample_size=16, scaling_factor=1.5, shift_factor=0.06,
-                        use_quant_conv=False, use_post_quant_conv=False)
-    pipe = StableDiffusion3Pipeline(
-        transformer=tiny_transformer("sd3"), scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=vae,
-        text_encoder=CLIPTextModelWithProjection(CLIPTextConfig(**clip)), tokenizer=_clip_tokenizer(),
-        text_encoder_2=CLIPTextModelWithProjection(CLIPTextConfig(**clip)), tokenizer_2=_clip_tokenizer(),
-        text_encoder_3=T5EncoderModel(T5Config(vocab_size=100, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2)),
-        tokenizer_3=_t5_tokenizer())
-    d = tmp_path_factory.mktemp("tiny-sd3")
-    pipe.save_pretrained(str(d))
-    (d / "prompts.txt").write_text("\n".join(PROMPTS) + "\n")
-    return d
+from tests.helpers.pipelines import LATENTS, PROMPTS, adapter_policy
+from tests.helpers.tensors import flat_grad, rel_err
+from tests.helpers.tiny import QUIET
 
 
 # ------------------------------------------------------------------------------------------- the SD3 pipeline

@@ -4,7 +4,6 @@ retain / reweight, in both group layouts; JAGG, single_step and LoRA against the
 whose samples all drop out still syncs; masked diffusion LMs under DDP; gradient collectives per optimizer step
 are counted; ranks draw different noise."""
 import os
-import socket
 import tempfile
 
 import pytest
@@ -16,7 +15,9 @@ from diffgrpo.config import ConfigError
 from diffgrpo.distributed import rank_rows
 from diffgrpo.engines.single_step import SingleStepState
 from diffgrpo.types import FlowTrajectory, Rollout, TokenTrajectory
-from tests.conftest import TINY, rel_err
+from tests.helpers.distributed import free_port
+from tests.helpers.tensors import rel_err
+from tests.helpers.tiny import TINY
 
 LR = 1e-2
 ENGINES = ("recompute", "retain", "reweight")
@@ -53,12 +54,6 @@ TRAJ = ("xs", "velocities", "log_probs", "noise", "sigmas")
 # the entry points gradient syncs go through: the library's own (all_reduce, reduce_scatter_tensor) and FSDP2's
 # post-backward reduce-scatter (reduce_scatter_single in torch 2.13, reduce_scatter_tensor in earlier ones)
 COLLECTIVES = ("all_reduce", "reduce_scatter_tensor", "reduce_scatter_single")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -162,7 +157,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
 
 def _dllm_cases(rank, world, out_dir, counts, ddp_bucket_hook):
     """One rollout + update of the tiny masked diffusion LM per DLLM_CASES entry, under DDP."""
-    from tests.test_dllm import make_dllm_trainer
+    from tests.helpers.tiny import make_dllm_trainer
 
     for name, (method, layout, extra) in DLLM_CASES.items():
         tr = make_dllm_trainer("dllm.task=sudoku", "dllm.block_length=8", "dllm.diffusion_steps=8",
@@ -190,7 +185,7 @@ def two_rank_results():
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_worker, args=(2, _free_port(), d), nprocs=2, join=True)
+        mp.spawn(_worker, args=(2, free_port(), d), nprocs=2, join=True)
         load = lambda name: torch.load(os.path.join(d, name), weights_only=False)  # noqa: E731
         out = {case: [load(f"{'-'.join(case)}-rank{r}.pt") for r in range(2)]
                for case in CASES + DROP_CASES + OWN_CASES}
@@ -404,7 +399,7 @@ def test_dllm_two_ranks_equal_one_rank(two_rank_results, name):
     the one-process gradient on the union of the ranks' samples (same masks, strata and DPS weights)."""
     from diffgrpo.advantages import group_advantages
     from diffgrpo.losses import aggregation_weights
-    from tests.test_dllm import make_dllm_trainer
+    from tests.helpers.tiny import make_dllm_trainer
 
     method, layout, extra = DLLM_CASES[name]
     parts = two_rank_results[name]

@@ -8,7 +8,7 @@ import signal
 import pytest
 import torch
 
-from diffgrpo import ConfigError, RunConfig, Trainer
+from diffgrpo import ConfigError, RunConfig
 from diffgrpo.dllm import likelihood
 from diffgrpo.dllm.grpo import k3_kl
 from diffgrpo.dllm.likelihood import completion_mask
@@ -20,24 +20,7 @@ from diffgrpo.models.hf_masked_lm import (
 )
 from diffgrpo.samplers import masked
 from diffgrpo.tasks import VOCAB
-
-
-class EnumerableMLM(torch.nn.Module):
-    """A bidirectional model over V content tokens + <mask> (id V) small enough to enumerate: the logits of
-    every position depend on the whole (flattened one-hot) sequence through a random MLP."""
-
-    def __init__(self, V=3, N=4, hidden=32, seed=0):
-        super().__init__()
-        g = torch.Generator().manual_seed(seed)
-        self.V, self.N = V, N
-        self.w1 = torch.randn(N * (V + 1), hidden, generator=g)
-        self.w2 = torch.randn(hidden, N * V, generator=g) * 0.7
-
-    def forward(self, ids):  # (B, N) → (B, N, V+1); the mask token is never predicted
-        x = torch.nn.functional.one_hot(ids, self.V + 1).float().flatten(1)
-        out = torch.tanh(x @ self.w1) @ self.w2
-        logits = out.view(-1, self.N, self.V)
-        return torch.cat([logits, torch.full_like(logits[..., :1], -1e9)], -1)
+from tests.helpers.tiny import TINY_DLLM, EnumerableMLM, make_dllm_trainer
 
 
 def any_order_marginal(model, prompt, L, V):
@@ -230,22 +213,6 @@ def test_hf_masked_lm_adapter_tiny_configs(cls):
 
 
 # ---------------------------------------------------------------------------------------------- GRPO methods
-TINY_DLLM = ["model.name=tiny_mlm", "train.prompts_per_batch=2", "train.group_size=4", "log.progress=false",
-             "log.save_images=false", "dllm.eval_size=8", "dllm.clip_range=0.2"]
-
-
-def make_dllm_trainer(*overrides, seed=0):
-    cfg = RunConfig.from_overrides([*TINY_DLLM, f"seed={seed}", *overrides])
-    torch.manual_seed(seed)
-    from diffgrpo.tasks import get_task
-
-    task = get_task(cfg.dllm.task)
-    net = tiny_bert(len(VOCAB), max_positions=task.prompt_length + task.gen_length, hidden_size=32,
-                    num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
-    policy = MaskedLMPolicy(net, vocab=VOCAB, keep_reference=cfg.loss.beta > 0)
-    return Trainer(cfg, policy=policy, log=lambda *a: None)
-
-
 @pytest.mark.parametrize("method", ["diffu_grpo", "coupled_grpo", "random_mask"])
 def test_base_method_first_ratio_is_one_and_masks_are_fixed(method):
     tr = make_dllm_trainer(f"dllm.method={method}", "loss.beta=0.04", "train.num_inner_epochs=2",

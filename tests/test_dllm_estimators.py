@@ -11,8 +11,7 @@ from diffgrpo import ConfigError, RunConfig
 from diffgrpo.dllm import likelihood, spg, wd1
 from diffgrpo.dllm.grpo import METHODS, forwards_per_estimate
 from diffgrpo.samplers import masked
-from tests.test_daca import JointMLM
-from tests.test_dllm import EnumerableMLM, make_dllm_trainer
+from tests.helpers.tiny import EnumerableMLM, JointMLM, make_dllm_trainer
 
 MASK = 3  # <mask> id of the V = 3 enumerable models
 

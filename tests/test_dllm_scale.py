@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,7 +32,8 @@ from diffgrpo.rewards.verifiers import (
     reference_number,
 )
 from diffgrpo.samplers import masked
-from tests.dllm_remote_models import build_remote_model
+from tests.helpers.distributed import free_port
+from tests.helpers.remote_models import build_remote_model
 
 ROOT = Path(__file__).resolve().parents[1]
 LLADA_MASK = 2  # the tiny LLaDA tokenizer names no mask token: the id is configured, as LLaDA's 126336
@@ -349,12 +349,6 @@ DIST_COMMON = ["engine.micro_batch_size=2", "train.lr=3e-3", "train.max_grad_nor
                "dist.backend=gloo"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _dist_trainer(model_dir, data, extra, *, world):
     ov = _scale_overrides(model_dir, data, *DIST_COMMON, *extra, "seed=0")
     if world == 1:
@@ -428,7 +422,7 @@ def dist_results(models, tmp_path_factory):
 
     data = _gsm8k_file(tmp_path_factory.mktemp("distdata") / "g.jsonl")
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_dist_worker, args=(2, _free_port(), str(models["llada"]), str(data), d), nprocs=2, join=True)
+        mp.spawn(_dist_worker, args=(2, free_port(), str(models["llada"]), str(data), d), nprocs=2, join=True)
         out = {name: [torch.load(os.path.join(d, f"{name}-rank{r}.pt"), weights_only=False) for r in range(2)]
                for name in DIST_CASES}
         for name in DIST_CASES:  # what the FSDP2 export wrote, loaded back with transformers / peft

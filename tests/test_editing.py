@@ -3,7 +3,7 @@ checked at data load; the editing adapters' rollouts against the untouched pipel
 source, noise and steps; rewards that receive the source (both calling conventions) and the clip_direction reward
 against a hand computation on a tiny CLIP; command-line runs (full and LoRA) whose exports diffusers reloads and
 samples to the trained latents, with sample tables and grids showing source and result. Tiny random-weight
-pipelines from the pipelines' own classes (``tests/editing_models.py``)."""
+pipelines from the pipelines' own classes (``tests/helpers/pipelines.py``)."""
 from __future__ import annotations
 
 import json
@@ -24,7 +24,7 @@ from diffgrpo.models.diffusers_adapter import (
 )
 from diffgrpo.rewards import compute_rewards
 from diffgrpo.samplers.rollout import sample_trajectories
-from tests.editing_models import (
+from tests.helpers.pipelines import (
     INSTRUCTIONS,
     RES,
     T,
@@ -165,7 +165,7 @@ def test_clip_direction_is_the_cosine_of_the_embedding_differences(tmp_path):
 
     from diffgrpo.rewards import make_rewards
     from diffgrpo.rewards.loading import clear_cache, to_uint8_hwc
-    from tests._tiny_rewards import save_tiny_clip
+    from tests.helpers.rewards import save_tiny_clip
 
     clip = save_tiny_clip(tmp_path / "clip")
     recs = load_prompts(str(write_edit_jsonl(tmp_path / "d")))
@@ -360,7 +360,7 @@ def test_cli_edit_run_exports_what_diffusers_reloads_and_samples(pipe_dirs, sour
 
     from diffgrpo.cli.app import main
     from diffgrpo.models.diffusers_adapter import build_diffusers_policy
-    from tests._tiny_rewards import save_tiny_clip
+    from tests.helpers.rewards import save_tiny_clip
 
     d, run = pipe_dirs[kind], tmp_path / "run"
     clip = save_tiny_clip(tmp_path / "clip")

@@ -7,7 +7,6 @@ import importlib.util
 import json
 import math
 import os
-import socket
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +17,8 @@ from diffgrpo import RunConfig, Trainer
 from diffgrpo.media import SampleTable, can_write_mp4, save_video, to_uint8
 from diffgrpo.models.tiny import build_tiny_policy
 from diffgrpo.rewards import compute_rewards
-from tests.conftest import TINY
+from tests.helpers.distributed import free_port
+from tests.helpers.tiny import TINY
 
 PROMPTS = [{"prompt": f"a picture of the digit {d}", "tag": f"t{d}", "digit": d} for d in (3, 1, 4, 1, 5)]
 
@@ -84,12 +84,6 @@ def test_evaluation_writes_the_per_sample_table(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------- two gloo ranks
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     from datetime import timedelta
 
@@ -121,7 +115,7 @@ def test_sharded_evaluation_equals_one_process(tmp_path):
     table = SampleTable(tmp_path / "single", iteration=0)
     row1, grid1 = one.evaluate(table)
     rows1 = table.close()
-    mp.spawn(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     for bs in (2,):
         got = [torch.load(tmp_path / f"bs{bs}-rank{r}.pt", weights_only=False) for r in range(2)]
         for g in got:  # every rank returns the gathered metrics and grid
@@ -153,7 +147,7 @@ def test_wan_evaluation_writes_mp4_videos(tmp_path):
     from diffgrpo.distributed import WorldInfo
     from diffgrpo.flow.family import FlowFamily
     from diffgrpo.models.diffusers_adapter import DiffusersFlowPolicy
-    from tests.test_diffusers_models import LATENTS, stub_encoder, tiny_transformer
+    from tests.helpers.pipelines import LATENTS, stub_encoder, tiny_transformer
 
     def video_decoder(z):  # (B, 4, F, h, w) latents → (B, 3, F, 2h, 2w) videos in [0, 1]
         return torch.sigmoid(z[:, :3].float()).repeat_interleave(2, -1).repeat_interleave(2, -2)
@@ -194,7 +188,7 @@ def test_video_falls_back_to_gif(tmp_path, monkeypatch):
 
 # ------------------------------------------------------------------------------------------- diffusion LMs
 def test_dllm_evaluation_writes_completions(tmp_path):
-    from tests.test_dllm import make_dllm_trainer
+    from tests.helpers.tiny import make_dllm_trainer
 
     tr = make_dllm_trainer("dllm.eval_size=4")
     table = SampleTable(tmp_path, iteration=3)
@@ -231,10 +225,10 @@ def test_table_reaches_tensorboard_and_wandb(tmp_path, monkeypatch):
     assert "rewards/jpeg_incompressibility" in body and PROMPTS[0]["prompt"] in body
     offline = list((run / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(offline) == 1
-    from tests.test_trackers import _wandb_records
+    from tests.helpers.trackers import wandb_records
 
     tables = {}  # step → the table's fields, logged as nested keys eval/samples_table/<field>
-    for r in _wandb_records(offline[0]):
+    for r in wandb_records(offline[0]):
         if r.WhichOneof("record_type") == "history":
             for i in r.history.item:
                 if list(i.nested_key)[:1] == ["eval/samples_table"]:
@@ -261,3 +255,17 @@ def test_captioned_grid_holds_each_sample_above_its_caption():
         assert (below < 128).any() and (below == 255).mean() > 0.5  # dark caption text on white
     x, y = pad + 2 * (tile_w + pad), pad + (tile_h + cap + pad)
     assert (grid[y:y + tile_h + cap, x:x + tile_w] == 255).all()  # no sixth tile
+
+
+# ------------------------------------------------------------------ issue 25, a low one: sample tables are strict JSON
+def test_sample_tables_are_strict_json(tmp_path):
+    import json
+
+    from diffgrpo.media import SampleTable
+
+    table = SampleTable(tmp_path, 0, save_media=False)
+    table.add_sample(0, "p", {"score": float("nan"), "deep": [float("inf")]}, {"r": float("nan")}, float("inf"), None)
+    rows = table.close()
+    strict = [json.loads(line, parse_constant=lambda c: pytest.fail(f"bare {c} in a sample table"))
+              for line in table.path.read_text().splitlines()]
+    assert strict[0]["metadata"] == {"score": None, "deep": [None]} and strict[0]["reward"] is None and rows

@@ -12,7 +12,9 @@ import torch
 
 from diffgrpo import RunConfig
 from diffgrpo.cli.app import main
-from tests.test_diffusers_models import PROMPTS, QUIET, sd3_dir  # noqa: F401  (a fixture)
+from tests.helpers.pipelines import PROMPTS
+from tests.helpers.tiny import QUIET
+from tests.helpers.runs import copy_run, edit_state
 
 T = 3  # sampler.num_steps in QUIET
 
@@ -135,3 +137,63 @@ def test_export_masked_lm_from_a_sharded_checkpoint(tmp_path):
     assert set(live) <= set(sd)
     for k, v in live.items():
         assert torch.equal(sd[k], v), k
+
+
+# --------------------------------------------------------------------- issue 25 M-5, M-7: model card and export folder
+def test_model_card_with_a_null_evaluation_reward():  # M-5
+    from diffgrpo.cli.export import last_held_out, model_card
+
+    rows = [{"iteration": 0, "eval/reward": 0.5}, {"iteration": 1, "eval/reward": None, "eval/rewards/x": None}]
+    held = last_held_out(rows, 1)
+    assert held == rows[0]
+    assert "0.5000 at iteration 0" in model_card({"model": {"name": "tiny"}}, 1, held, "adapter")
+    assert "n/a" in model_card({"model": {"name": "tiny"}}, 1, last_held_out(rows[1:], 1), "adapter")
+
+
+def test_export_into_the_current_empty_folder_keeps_it(small_run, tmp_path, monkeypatch):  # M-7
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    assert main(["export", str(small_run), "--out", "."]) == 0
+    assert here.is_dir() and (here / "README.md").is_file() and (here / "diffusion_pytorch_model.safetensors").is_file()
+    assert not [p for p in here.iterdir() if p.name.startswith(".")]
+
+
+# ---------------------------------------------- issue 25, low ones: export of damaged and moved runs, export to a file
+def test_export_says_when_it_skips_a_damaged_newer_checkpoint(small_run, tmp_path, capsys):
+    import shutil
+
+    run = copy_run(small_run, tmp_path)
+    newer = run / "checkpoints" / "iter_000002"
+    shutil.copytree(run / "checkpoints" / "iter_000001", newer)
+    with open(newer / "trainable.safetensors", "r+b") as f:
+        f.seek(100)
+        f.write(b"\x00\x01\x02")
+    capsys.readouterr()
+    assert main(["export", str(run), "--out", str(tmp_path / "exp")]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [("warning: export: the newer checkpoint(s) ['iter_000002'] are incomplete or damaged (their "
+                    "files do not match state.json); exporting iter_000001")]
+
+
+def test_sample_and_export_of_a_moved_run_need_no_prompts_file(small_run, tmp_path):
+    import yaml
+
+    run = copy_run(small_run, tmp_path)
+    gone = str(tmp_path / "moved-away" / "prompts.txt")
+    cfg = yaml.safe_load((run / "config.yaml").read_text())
+    cfg["train"]["prompts_file"] = cfg["eval"]["prompts_file"] = gone
+    (run / "config.yaml").write_text(yaml.safe_dump(cfg))
+    edit_state(run / "checkpoints" / "iter_000001",
+                lambda s: (s["config"]["train"].update(prompts_file=gone), s["config"]["eval"].update(prompts_file=gone)))
+    out = tmp_path / "s.png"
+    assert main(["sample", "--weights", str(run), "--num", "1", "--out", str(out), "--prompt", "a handwritten digit 3"]) == 0
+    assert out.is_file()
+    assert main(["export", str(run), "--out", str(tmp_path / "exp")]) == 0
+
+
+def test_export_to_a_file_says_it_is_a_file(small_run, tmp_path, capsys):
+    f = tmp_path / "out.bin"
+    f.write_text("x")
+    assert main(["export", str(small_run), "--out", str(f)]) == 2
+    assert "is a file, not a directory" in capsys.readouterr().err

@@ -20,8 +20,8 @@ from diffgrpo.models.diffusers_adapter import (
 )
 from diffgrpo.samplers.flow_sde import sigma_grid
 from diffgrpo.samplers.rollout import sample_trajectories
-from tests.conftest import flat_grad
-from tests.test_diffusers_models import PROMPTS
+from tests.helpers.tensors import flat_grad
+from tests.helpers.pipelines import PROMPTS
 
 T, RES, SEQ = 3, 32, 48
 LATENT = (16, 4, 4)  # 4 VAE channels 2×2-patchified; VAE factor 4 → 32 px / 8

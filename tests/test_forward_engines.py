@@ -14,7 +14,8 @@ from diffgrpo import RunConfig
 from diffgrpo.config import ConfigError
 from diffgrpo.engines._forward import ForwardState, grid_times, stratified_grid_times
 from diffgrpo.validation import validate
-from tests.conftest import TINY, flat_grad, rel_err
+from tests.helpers.tensors import flat_grad, rel_err
+from tests.helpers.tiny import TINY
 
 SHIFT_OLD = 0.05  # how far the hand-set θ_old sits from θ
 

@@ -18,7 +18,7 @@ from diffgrpo.rewards.geneval import (
     relative_position,
 )
 from diffgrpo.rewards.loading import LOADS, clear_cache, to_uint8_hwc
-from tests._tiny_rewards import save_tiny_clip, save_tiny_owlvit
+from tests.helpers.rewards import save_tiny_clip, save_tiny_owlvit
 
 COUNT_2_CATS = {"tag": "counting", "include": [{"class": "cat", "count": 2}], "exclude": [{"class": "cat", "count": 3}]}
 DOG_THEN_CAT_LEFT = {"tag": "position", "include": [{"class": "dog", "count": 1},

@@ -86,7 +86,7 @@ def test_bench_keep_going_drops_a_failing_variant_and_keeps_the_others(monkeypat
     from diffgrpo.studies.engines import bench_engines
     from diffgrpo.engines.single_step import SingleStepEngine
     from diffgrpo.models.tiny import build_tiny_policy
-    from tests.conftest import TINY
+    from tests.helpers.tiny import TINY
 
     def oom(self, ctx, rollout, epoch=0):
         raise RuntimeError("CUDA out of memory. Tried to allocate 80.00 GiB\nmore detail")

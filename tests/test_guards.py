@@ -16,8 +16,9 @@ from diffgrpo.cli.app import main
 from diffgrpo.config import ConfigError
 from diffgrpo.rewards import image as image_rewards
 from diffgrpo.rewards import verifiers
-from tests.conftest import TINY, perturb
-from tests.test_dllm import make_dllm_trainer
+from tests.helpers.tensors import perturb
+from tests.helpers.tiny import TINY
+from tests.helpers.tiny import make_dllm_trainer
 
 CALLS = {"falling": 0}
 

@@ -20,7 +20,7 @@ from diffgrpo.engines.recompute import RecomputeEngine
 from diffgrpo.losses import aggregation_weights
 from diffgrpo.samplers import flow_sde
 from diffgrpo.types import FlowTrajectory, Rollout
-from tests.conftest import flat_grad, rel_err
+from tests.helpers.tensors import flat_grad, rel_err
 
 SHAPE = (1, 4, 4)  # *S of the toy models
 D = 16

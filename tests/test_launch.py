@@ -2,8 +2,11 @@
 otherwise, an explicit dist.mode=none under torchrun is one line before anything loads, and model.device=auto
 is the accelerator when there is one."""
 import os
-import socket
 import tempfile
+import signal
+import subprocess
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,13 +16,8 @@ from diffgrpo import RunConfig, Trainer, distributed
 from diffgrpo.distributed import resolve_device, resolve_mode
 from diffgrpo.errors import ConfigError
 from diffgrpo.models import POLICIES
-from tests.conftest import TINY
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.helpers.distributed import free_port, subprocess_env, torchrun
+from tests.helpers.tiny import FAST_CLI, TINY
 
 
 # ------------------------------------------------------------------------------------------ model.device=auto
@@ -107,7 +105,7 @@ def test_auto_under_torchrun_trains_as_ddp():
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_auto_worker, args=(2, _free_port(), d), nprocs=2, join=True)
+        mp.spawn(_auto_worker, args=(2, free_port(), d), nprocs=2, join=True)
         r0, r1 = (torch.load(os.path.join(d, f"rank{r}.pt"), weights_only=False) for r in range(2))
     assert r0["world"] == (0, 2, 0) and r1["world"] == (1, 2, 1)
     assert r0["mode"] == r1["mode"] == "ddp" and r0["ddp"] and r1["ddp"] and r0["backend"] == "gloo"
@@ -126,3 +124,55 @@ def test_resume_and_sample_pick_the_device_again():
 
     assert fresh_device({"model": {"device": "cuda:0"}}, ["train.num_iterations=9"])["model"]["device"] == "auto"
     assert fresh_device({"model": {"device": "cuda:0"}}, ["model.device=cpu"])["model"]["device"] == "cuda:0"
+
+
+# --------------------------------------------------------------- issue 25, a high one found later: SIGTERM to one rank
+def _children_with_rank(parent: int, rank: int) -> list[int]:
+    """The pids of the processes below ``parent`` whose environment has RANK=<rank> (torchrun's workers)."""
+    found = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            env = (d / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == parent and f"RANK={rank}".encode() in env:
+            found.append(int(d.name))
+    return found
+
+
+@pytest.mark.slow
+def test_sigterm_on_one_rank_stops_every_rank_at_the_same_iteration(tmp_path):
+    """SIGTERM to rank 1 only (not torchrun, not rank 0): both ranks stop after the same iteration and write one
+    sharded (DCP) checkpoint together; before, rank 1 alone entered the checkpoint's collectives and the job hung."""
+    import json
+
+    from diffgrpo.run.checkpoint import latest_complete
+
+    out = tmp_path / "run"
+    env = subprocess_env()
+    p = subprocess.Popen([*torchrun(2), "-m", "diffgrpo.cli", "train", *FAST_CLI,
+                          "dist.mode=ddp", "dist.backend=gloo", "train.num_iterations=200", "train.save_every=0",
+                          "train.checkpoint_format=dcp", "eval.every=0", f"log.output_dir={out}"],
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.time() + 400
+        metrics = out / "metrics.jsonl"
+        while time.time() < deadline and p.poll() is None and not (
+                metrics.is_file() and len(metrics.read_text().splitlines()) >= 3):
+            time.sleep(0.1)  # the start evaluation and two iterations: inside the training loop
+        rank1 = _children_with_rank(p.pid, 1)
+        assert p.poll() is None and len(rank1) == 1, (rank1, p.poll())
+        os.kill(rank1[0], signal.SIGTERM)
+        text = p.communicate(timeout=240)[0]
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    ckpt = latest_complete(out, log=lambda *a: None)
+    assert ckpt is not None, text[-3000:]
+    state = json.loads((ckpt / "state.json").read_text())
+    assert state["format"] == "dcp" and 2 <= state["iteration"] < 200, text[-3000:]
+    assert "interrupted by signal 15; resume with" in text, text[-3000:]  # rank 0 stopped on rank 1's signal
+    assert "[rank0]: Traceback" not in text and "[rank1]: Traceback" not in text, text[-3000:]

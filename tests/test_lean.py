@@ -7,7 +7,7 @@ from diffgrpo.engines._graph import retained_velocity
 from diffgrpo.engines._per_sample import PerSampleGrads, per_sample_grads_loop
 from diffgrpo.engines.recompute import RecomputeEngine
 from diffgrpo.losses import aggregation_weights
-from tests.conftest import flat_grad, perturb, rel_err
+from tests.helpers.tensors import flat_grad, perturb, rel_err
 
 TOL = 1e-5
 

@@ -17,7 +17,7 @@ from diffgrpo.losses import (
 )
 from diffgrpo.samplers import flow_sde
 from diffgrpo.validation import validate
-from tests.conftest import flat_grad, perturb, rel_err
+from tests.helpers.tensors import flat_grad, perturb, rel_err
 
 
 def _gauss_logp(x, mu, s):

@@ -8,7 +8,7 @@ from diffgrpo import RunConfig
 from diffgrpo.errors import ConfigError
 from diffgrpo.trainer import lr_factor
 
-from .conftest import flat_grad, rel_err
+from tests.helpers.tensors import flat_grad, rel_err
 
 
 def test_lr_factor_shapes():

@@ -3,7 +3,6 @@ CPU offload (two gloo ranks), fp16 loss scaling through every engine, activation
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 
 import pytest
@@ -17,12 +16,14 @@ from diffgrpo.engines import ENGINES
 from diffgrpo.metering import MemoryMeter
 from diffgrpo.models.diffusers_adapter import DiffusersFlowPolicy, PolicyOptions
 from diffgrpo.models.tiny import build_tiny_policy
-from tests.conftest import TINY, flat_grad, rel_err
-from tests.test_diffusers_models import (
+from tests.helpers.distributed import free_port
+from tests.helpers.tensors import flat_grad, rel_err
+from tests.helpers.tiny import TINY
+from tests.helpers.pipelines import (
     LATENTS,
     PROMPTS,
-    _clip_tokenizer,
-    _t5_tokenizer,
+    clip_tokenizer,
+    t5_tokenizer,
     stub_decoder,
     stub_encoder,
     tiny_transformer,
@@ -49,11 +50,11 @@ def _sd3_pipeline():
                 pad_token_id=1)
     return StableDiffusion3Pipeline(
         transformer=tiny_transformer("sd3"), scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=None,
-        text_encoder=CLIPTextModelWithProjection(CLIPTextConfig(**clip)), tokenizer=_clip_tokenizer(),
-        text_encoder_2=CLIPTextModelWithProjection(CLIPTextConfig(**clip)), tokenizer_2=_clip_tokenizer(),
+        text_encoder=CLIPTextModelWithProjection(CLIPTextConfig(**clip)), tokenizer=clip_tokenizer(),
+        text_encoder_2=CLIPTextModelWithProjection(CLIPTextConfig(**clip)), tokenizer_2=clip_tokenizer(),
         text_encoder_3=T5EncoderModel(T5Config(vocab_size=100, d_model=16, d_kv=8, d_ff=32, num_layers=1,
                                                num_heads=2)),
-        tokenizer_3=_t5_tokenizer()).to(torch.float32)
+        tokenizer_3=t5_tokenizer()).to(torch.float32)
 
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -265,12 +266,6 @@ def _fsdp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow  # two torchrun launches; FSDP2 equality itself runs by default in test_distributed
 def test_fsdp2_bf16_mixed_precision_and_cpu_offload_match_fp32_gradients():
     """FSDP2 with MixedPrecisionPolicy(bf16 parameters, fp32 reduction) computes in bf16, keeps fp32 shards and
@@ -281,7 +276,7 @@ def test_fsdp2_bf16_mixed_precision_and_cpu_offload_match_fp32_gradients():
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_fsdp_worker, args=(2, _free_port(), d), nprocs=2, join=True)
+        mp.spawn(_fsdp_worker, args=(2, free_port(), d), nprocs=2, join=True)
         res = [torch.load(os.path.join(d, f"rank{r}.pt"), weights_only=True) for r in range(2)]
     flat = {r: {k: torch.cat([g.flatten().double() for g in v["grads"]]) for k, v in res[r].items()} for r in (0, 1)}
     for r in (0, 1):

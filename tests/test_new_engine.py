@@ -17,7 +17,8 @@ from diffgrpo.engines.base import (
     unit_sample_weights,
 )
 from diffgrpo.metering import engine_run
-from tests.conftest import TINY, flat_grad
+from tests.helpers.tensors import flat_grad
+from tests.helpers.tiny import TINY
 
 
 def check_toy_config(cfg: RunConfig) -> None:

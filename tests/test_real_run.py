@@ -12,8 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from diffgrpo.cli.app import main
-from tests._tiny_rewards import save_tiny_clip
-from tests.test_diffusers_models import sd3_dir  # noqa: F401 - the tiny pipeline fixture
+from tests.helpers.rewards import save_tiny_clip
 
 RECORDS = [{"prompt": "a sign that says open", "text": "open"}, {"prompt": "a red cat", "text": "cat"},
            {"prompt": "the sun over the sea", "text": "sun"}]

@@ -10,7 +10,7 @@ from diffgrpo.engines.base import reference_velocity, step_loss
 from diffgrpo.engines.jagg import anchor_mask
 from diffgrpo.rewards import REWARDS, RewardError
 from diffgrpo.samplers.flow_sde import step
-from tests.conftest import flat_grad, perturb, rel_err
+from tests.helpers.tensors import flat_grad, perturb, rel_err
 
 
 @pytest.mark.parametrize("sde_type", ["flow_sde", "dance_sde", "cps"])

@@ -2,12 +2,11 @@
 import json
 import os
 import random
-import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
+import sys
 
 import pytest
 import torch
@@ -22,18 +21,10 @@ from diffgrpo.run.checkpoint import (
 from diffgrpo.cli.app import main
 from diffgrpo.rewards import REWARDS, RewardError
 from diffgrpo.trainer import TrainingError
+from tests.helpers.cli import browser, run_cli
+from tests.helpers.tiny import FAST_CLI, TINY_CLI
 
-TINY_CLI = ["model.image_size=8", "model.num_layers=1", "model.num_heads=2", "model.head_dim=8", "model.text_dim=16",
-            "pretrain.steps=20", "pretrain.batch_size=16", "sampler.num_steps=4", "train.prompts_per_batch=2",
-            "train.group_size=2", "eval.seeds_per_prompt=1", "eval.every=2", "log.progress=false",
-            "reward.weights={jpeg_incompressibility: 1.0}", "train.lr=1e-3", "train.ema_decay=0.5"]
 VOLATILE = ("time/", "peak_memory_bytes")  # wall-clock and allocator readings differ between any two runs
-
-
-def _cli(args, env_extra=None, **kw):
-    env = dict(os.environ, OMP_NUM_THREADS="1", **(env_extra or {}))
-    return subprocess.Popen([sys.executable, "-m", "diffgrpo.cli", *args], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, **kw)
 
 
 def _stable_rows(run: Path) -> list[dict]:
@@ -51,12 +42,12 @@ def test_sigkill_mid_run_then_resume_matches_uninterrupted_run(tmp_path, schedul
     n_iter = 6
     args = [*TINY_CLI, f"train.num_iterations={n_iter}", "train.save_every=1", *schedule]
     ref, crash = tmp_path / "ref", tmp_path / "crash"
-    p = _cli(["train", *args, f"log.output_dir={ref}"])
+    p = run_cli(["train", *args, f"log.output_dir={ref}"])
     assert p.wait(timeout=300) == 0, p.stdout.read()
 
     rng = random.Random(1234)
     target = rng.choice([2, 3, 4])
-    p = _cli(["train", *args, f"log.output_dir={crash}"])
+    p = run_cli(["train", *args, f"log.output_dir={crash}"])
     deadline = time.time() + 300
     while time.time() < deadline:
         m = crash / "checkpoints" / "latest.json"
@@ -70,7 +61,7 @@ def test_sigkill_mid_run_then_resume_matches_uninterrupted_run(tmp_path, schedul
     killed_at = json.loads((crash / "checkpoints" / "latest.json").read_text())["iteration"]
     assert killed_at < n_iter
 
-    p = _cli(["train", "--resume", str(crash)])
+    p = run_cli(["train", "--resume", str(crash)])
     out = p.communicate(timeout=300)[0]
     assert p.returncode == 0, out
     assert f"resumed from {crash / 'checkpoints'}" in out
@@ -296,18 +287,6 @@ def test_html_report_is_self_contained(make_trainer, tmp_path, capsys):
     assert "src='http" not in html and "src=\"http" not in html  # nothing fetched from outside
 
 
-def browser() -> str:
-    """A headless Chromium (Debian's chromium-headless-shell, or chromium); skips when none is installed, but fails
-    under CI (CI=true: .ci/run installs it), so the browser test cannot silently stop running there."""
-    for name in ("chromium-headless-shell", "chromium", "chromium-browser"):
-        found = shutil.which(name)
-        if found:
-            return found
-    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-        pytest.fail("CI=true but no chromium-headless-shell / chromium on PATH (apt-get install chromium-headless-shell)")
-    pytest.skip("chromium not installed (apt-get install chromium-headless-shell)")
-
-
 @pytest.mark.browser
 def test_html_report_renders_in_headless_chromium(make_trainer, tmp_path):
     chromium = browser()
@@ -334,3 +313,26 @@ def test_sample_writes_text_completions_for_diffusion_lms(tmp_path, capsys):
     lines = (tmp_path / "completions.txt").read_text().splitlines()
     assert [line.split("\t")[0] for line in lines] == ["3+4=", "3+4=", "9-2=", "9-2="]
     assert lines[0] == lines[1]  # greedy decoding by default: same prompt, same completion
+
+
+# ----------------------------------------------------------------------------- issue 25 M-10: a signal delivered twice
+def test_a_signal_delivered_twice_still_checkpoints(tmp_path):  # M-10
+    from diffgrpo.run.checkpoint import latest_complete
+
+    out = tmp_path / "run"
+    p = subprocess.Popen([sys.executable, "-m", "diffgrpo.cli", "train", *FAST_CLI, "train.num_iterations=200",
+                          "train.save_every=50", f"log.output_dir={out}"], env=dict(os.environ, OMP_NUM_THREADS="1"),
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 240
+    while time.time() < deadline and p.poll() is None and not (out / "metrics.jsonl").is_file():
+        time.sleep(0.05)
+    while time.time() < deadline and p.poll() is None and len((out / "metrics.jsonl").read_text().splitlines()) < 2:
+        time.sleep(0.05)  # the start evaluation and one iteration: inside the training loop
+    p.send_signal(signal.SIGTERM)
+    time.sleep(0.3)  # handled apart (two signals sent at once may merge into one in the kernel)
+    p.send_signal(signal.SIGTERM)  # e.g. a scheduler signalling the process group, then the process
+    text = p.communicate(timeout=120)[0]
+    # 143: the stop, once; -15: the second signal arrived after the run had restored the default handlers on its
+    # way out, its checkpoint written. Never 130 (stopped before a checkpoint could be written).
+    assert p.returncode in (143, -signal.SIGTERM) and "received signal 15" in text, text[-2000:]
+    assert latest_complete(out) is not None

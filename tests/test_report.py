@@ -14,7 +14,7 @@ from PIL import Image
 from diffgrpo import RunConfig, __version__
 from diffgrpo.cli.app import main
 from diffgrpo.cli.report import changed_keys, family_keys
-from tests.test_reliability import browser
+from tests.helpers.cli import browser
 
 
 def _run_dir(tmp: Path, *, completions: bool = False) -> Path:
@@ -95,3 +95,34 @@ def test_masked_lm_report_renders_completions_in_chromium(tmp_path):
     shot = Image.open(_render(run, tmp_path, dump=False)).convert("L")
     colours = shot.getcolors(maxcolors=1 << 16)
     assert colours is not None and len(colours) > 50  # plots rendered, not a blank page
+
+
+# --------------------------------------------------- issue 25 M-16, M-17: odd metric rows and links in a run directory
+def test_report_survives_odd_rows_and_never_follows_links(small_run, tmp_path):  # M-16, M-17
+    import shutil
+
+    from diffgrpo.cli.report import write_report
+
+    run = tmp_path / "run"
+    shutil.copytree(small_run, run, symlinks=True)
+    good = (run / "metrics.jsonl").read_text()
+    odd = ['[1, 2]', '"text"', '{"iteration": "x", "reward": 1.0}', '{"iteration": 2, "reward": NaN}',
+           '{"iteration": 3, "reward": Infinity, "time/rollout": Infinity}', '{"iteration": 4, "eval/reward": NaN}']
+    (run / "metrics.jsonl").write_text(good + "\n".join(odd) + "\n")
+    secret = tmp_path / "secret.txt"
+    secret.write_text("TOP-SECRET-CONTENT")
+    (run / "config.yaml").unlink()
+    (run / "config.yaml").symlink_to(secret)
+    (run / "samples_start.png").unlink(missing_ok=True)
+    (run / "samples_start.png").symlink_to(secret)
+    page = write_report(run).read_text()
+    assert "TOP-SECRET-CONTENT" not in page and base64_of(secret) not in page
+    (run / "config.yaml").unlink()
+    (run / "config.yaml").write_bytes(b"model:\n  name: \xff\xfe tiny\n")
+    assert "tiny" in write_report(run).read_text()
+
+
+def base64_of(path: Path) -> str:
+    import base64
+
+    return base64.b64encode(path.read_bytes()).decode()

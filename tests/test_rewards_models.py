@@ -13,7 +13,7 @@ from diffgrpo import RunConfig
 from diffgrpo.errors import ConfigError
 from diffgrpo.rewards import MODEL_REWARDS, ModelReward, compute_rewards, make_rewards
 from diffgrpo.rewards.loading import LOADS, clear_cache, to_uint8_hwc
-from tests._tiny_rewards import aesthetic_state, save_tiny_clip
+from tests.helpers.rewards import aesthetic_state, save_tiny_clip
 
 PROMPTS = ["a red cat", "a blue dog", "the sun", "two birds", "a tree"]
 

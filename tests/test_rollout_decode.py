@@ -20,7 +20,7 @@ from diffgrpo.models.kv_cache import KVCache
 from diffgrpo.samplers import masked
 from diffgrpo.tasks import VOCAB, get_task
 
-from .dllm_remote_models import SPECIALS, build_remote_model
+from tests.helpers.remote_models import SPECIALS, build_remote_model
 
 RECORDS = ("commit_step", "block_rank", "order")
 FLOAT_RECORDS = ("confidence", "entropy", "margin", "step_log_prob")

@@ -17,7 +17,8 @@ from diffgrpo.cli.app import main
 from diffgrpo.errors import TrainingError
 from diffgrpo.fileio import append_line, atomic_write, read_jsonl
 from diffgrpo.rewards import REWARDS
-from tests.test_reliability import TINY_CLI, _cli
+from tests.helpers.cli import run_cli
+from tests.helpers.tiny import FAST_CLI, TINY_CLI
 
 FAST = [*TINY_CLI, "train.ema_decay=0.0"]
 
@@ -35,7 +36,7 @@ def _eval_rows(run: Path) -> list[dict]:
 # ------------------------------------------------------------------------------------------ exit codes
 def test_sigterm_checkpoints_and_exits_143(tmp_path):
     out = tmp_path / "run"
-    p = _cli(["train", *FAST, "train.num_iterations=200", "train.save_every=1", f"log.output_dir={out}"])
+    p = run_cli(["train", *FAST, "train.num_iterations=200", "train.save_every=1", f"log.output_dir={out}"])
     deadline = time.time() + 300
     while time.time() < deadline and not (out / "checkpoints" / "latest.json").is_file():
         time.sleep(0.05)
@@ -82,7 +83,7 @@ def test_non_finite_weights_after_an_update_stop_the_run(make_trainer, monkeypat
 # ------------------------------------------------------------------------------------------ run directories
 def test_a_live_run_directory_is_locked(tmp_path, capsys):
     out = tmp_path / "run"
-    p = _cli(["train", *FAST, "train.num_iterations=500", "train.save_every=0", f"log.output_dir={out}"])
+    p = run_cli(["train", *FAST, "train.num_iterations=500", "train.save_every=0", f"log.output_dir={out}"])
     try:
         deadline = time.time() + 300
         while time.time() < deadline and not (out / "metrics.jsonl").is_file():
@@ -276,7 +277,7 @@ def test_a_full_disk_ends_the_run_in_one_line_and_it_resumes(tmp_path, capsys):
     def cap():
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
-    p = _cli(["train", *FAST, "train.num_iterations=12", "train.save_every=0", "log.save_images=false",
+    p = run_cli(["train", *FAST, "train.num_iterations=12", "train.save_every=0", "log.save_images=false",
               f"log.output_dir={out}"], preexec_fn=cap)
     text = p.communicate(timeout=300)[0]
     assert p.returncode == 1, text
@@ -289,7 +290,7 @@ def test_a_full_disk_ends_the_run_in_one_line_and_it_resumes(tmp_path, capsys):
     # a checkpoint that cannot be written is one line too, and leaves the earlier ones intact
     ck = tmp_path / "ck"
     _run(tmp_path, "ck", "train.num_iterations=1", "train.save_every=1")
-    p = _cli(["train", "--resume", str(ck), "train.num_iterations=3", "log.save_images=false"], preexec_fn=cap)
+    p = run_cli(["train", "--resume", str(ck), "train.num_iterations=3", "log.save_images=false"], preexec_fn=cap)
     text = p.communicate(timeout=300)[0]
     assert p.returncode == 1 and "error: cannot write checkpoint 2 into" in text, text
     assert latest_complete(ck) == list_checkpoints(ck)[0] and load_checkpoint(latest_complete(ck)).iteration == 1
@@ -335,3 +336,14 @@ def test_atomic_write_on_a_full_disk_is_one_line_and_keeps_the_old_file(tmp_path
                        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096)))
     assert p.stdout.strip() == f"{target}: cannot write (File too large); free space and resume the run", p.stderr
     assert target.read_text() == "old\n" and [f.name for f in tmp_path.iterdir()] == ["config.yaml"]
+
+
+# ---------------------------------------------------------------- issue 25, a low one: a short run that trains nothing
+def test_a_run_shorter_than_max_bad_updates_that_trains_nothing_fails(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", *FAST_CLI, "train.num_iterations=2", "train.max_bad_updates=3", "eval.every=0",
+                 "reward.weights={tests.helpers.rewards:nan_reward: 1.0}", f"log.output_dir={out}"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [("error: no update was applied in iterations 1..2 (each was skipped: see the warnings above); "
+                    "the run trained nothing")]
+    assert not (out / "summary.json").exists()

@@ -20,7 +20,7 @@ from diffgrpo.engines.single_step import (
 from diffgrpo.losses import aggregation_weights
 from diffgrpo.samplers import flow_sde
 from diffgrpo.types import FlowTrajectory, Rollout
-from tests.conftest import flat_grad, rel_err
+from tests.helpers.tensors import flat_grad, rel_err
 
 
 # ---------------------------------------------------------------------- rectification

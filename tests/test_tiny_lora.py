@@ -8,7 +8,7 @@ from diffgrpo.engines.jagg import JaggEngine
 from diffgrpo.engines.recompute import RecomputeEngine
 from diffgrpo.engines.single_step import SingleStepEngine
 from diffgrpo.run.job import resume
-from tests.conftest import flat_grad, rel_err
+from tests.helpers.tensors import flat_grad, rel_err
 
 TOL = 1e-5
 LORA = ["model.lora_rank=4", "model.lora_alpha=8"]

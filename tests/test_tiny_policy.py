@@ -16,7 +16,7 @@ from diffgrpo.models.tiny import (
     load_or_pretrain,
     tokenize,
 )
-from tests.conftest import TINY
+from tests.helpers.tiny import TINY
 
 PROMPTS = ["a handwritten digit 3", "digit 7", "the number five"]
 

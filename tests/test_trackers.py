@@ -3,13 +3,17 @@ after the end evaluation, however the run ends."""
 import json
 import math
 import signal
-import struct
+from pathlib import Path
 
 import pytest
 import torch
 
 from diffgrpo.run import job as job_mod
 from diffgrpo.run.runlog import MetricsWriter
+from tests.helpers.trackers import wandb_records
+from diffgrpo.cli.app import main
+from diffgrpo.errors import TrainingError
+from tests.helpers.tiny import FAST_CLI
 
 RUN = ("train.num_iterations=2", "eval.every=1", "eval.seeds_per_prompt=1")
 
@@ -96,29 +100,6 @@ def test_the_trackers_finish_once_on_an_error_and_on_a_signal(make_trainer, tmp_
     assert rec.calls[-1] == ("finish",) and rec.calls.count(("finish",)) == 1
 
 
-def _wandb_records(path):
-    """The records of an offline run's ``.wandb`` transaction log: a LevelDB-style log (a 7-byte file header, 32 KiB
-    blocks of chunks with a 7-byte header: crc32, length, FULL/FIRST/MIDDLE/LAST) of ``Record`` protobufs."""
-    from wandb.proto import wandb_internal_pb2 as pb
-
-    data = path.read_bytes()
-    assert data[:4] == b":W&B"
-    pos, block, buf = 7, 32768, b""
-    while pos + 7 <= len(data):
-        left = block - pos % block
-        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7]) if left >= 7 else (0, 0, 0)
-        if kind == 0:  # a block's zero padding
-            pos += left
-            continue
-        buf += data[pos + 7: pos + 7 + length]
-        pos += 7 + length
-        if kind in (1, 4):  # FULL, LAST
-            record = pb.Record()
-            record.ParseFromString(buf)
-            yield record
-            buf = b""
-
-
 def test_wandb_offline_run_holds_the_end_evaluation(make_trainer, tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     for k, v in {"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true",
@@ -131,7 +112,7 @@ def test_wandb_offline_run_holds_the_end_evaluation(make_trainer, tmp_path, monk
     assert len(offline) == 1, offline
     logs = list(offline[0].glob("*.wandb"))
     assert len(logs) == 1, logs
-    records = list(_wandb_records(logs[0]))
+    records = list(wandb_records(logs[0]))
     kinds = [r.WhichOneof("record_type") for r in records]
     assert kinds.count("exit") == 1 and "history" not in kinds[kinds.index("exit"):]  # finished once, at the end
     history = [{(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in r.history.item}
@@ -158,3 +139,52 @@ def test_tensorboard_run_is_one_event_file_with_the_end_evaluation(make_trainer,
     assert scalars[-1].value == pytest.approx(end["eval/reward"], rel=1e-6)
     assert [i.step for i in ea.Images("eval/samples")] == [0, 1, 2]
     assert [s.step for s in ea.Scalars("reward")] == [1, 2]
+
+
+# ------------------------------------------------------------------------------- issue 25 M-11: tracker setup problems
+def _tracker_run(tmp_path: Path, plant) -> Path:
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / ".diffgrpo-run").write_text('{"tool": "diffgrpo"}')
+    plant(run)
+    return run
+
+
+@pytest.mark.parametrize("plant, key, why", [
+    (lambda r: (r / "tensorboard").write_text("x"), "log.tensorboard", "exists and is not a directory"),
+    (lambda r: (r / "tensorboard").symlink_to(r.parent, target_is_directory=True), "log.tensorboard",
+     "is a symbolic link"),
+    (lambda r: (r / "wandb_id").write_text("bad/id:#"), "log.wandb", "not a W&B run id"),
+    (lambda r: (r / "wandb_id").symlink_to(r / ".diffgrpo-run"), "log.wandb", "is not a regular file")])
+def test_tracker_setup_problems_are_one_line_before_the_model_loads(tmp_path, capsys, monkeypatch, plant, key,
+                                                                    why):  # M-11, and the low TensorBoard/wandb ones
+    import diffgrpo.trainer
+
+    run = _tracker_run(tmp_path, plant)
+    monkeypatch.setattr(diffgrpo.trainer, "Trainer", lambda *a, **k: pytest.fail("the model was loaded"))
+    tracker = "log.tensorboard=true" if key == "log.tensorboard" else "log.wandb=true"
+    assert main(["train", *FAST_CLI, "train.num_iterations=1", tracker, f"log.output_dir={run}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {key}: ") and why in err[0], err
+    assert sorted(p.name for p in run.iterdir()) == sorted(p.name for p in run.iterdir() if p.name in
+                                                            (".diffgrpo-run", "tensorboard", "wandb_id"))
+
+
+def test_a_tracker_that_fails_to_start_is_one_line(tmp_path):  # M-11: whatever else a tracker raises
+    from diffgrpo.run.runlog import MetricsWriter, WandBTracker
+
+    class Broken(WandBTracker):
+        def __init__(self, *a):
+            raise RuntimeError("api_key not configured (no-tty)\ncall wandb.login()")
+
+    from diffgrpo.run import runlog
+
+    orig = runlog.WandBTracker
+    runlog.WandBTracker = Broken
+    try:
+        with pytest.raises(TrainingError) as err:
+            MetricsWriter(tmp_path, wandb=True)
+    finally:
+        runlog.WandBTracker = orig
+    assert str(err.value).startswith("log.wandb: the tracker could not start (RuntimeError: api_key not configured")
+    assert "\n" not in str(err.value)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,13 +28,9 @@ from safetensors.torch import load_file
 
 from diffgrpo.run.checkpoint import latest_complete
 from diffgrpo.cli.app import main
-from tests.dllm_remote_models import build_remote_model
-from tests.test_diffusers_models import (  # noqa: F401
-    PROMPTS,
-    _t5_tokenizer,
-    sd3_dir,
-    tiny_transformer,
-)
+from tests.helpers.distributed import free_port
+from tests.helpers.remote_models import build_remote_model
+from tests.helpers.pipelines import PROMPTS, t5_tokenizer, tiny_transformer
 
 LAUNCHES = ("one", "ddp", "fsdp2")
 MODELS = ("builtin", "sd3", "wan", "mlm", "llada")
@@ -61,7 +56,7 @@ def wan_dir(tmp_path_factory):
     vae = AutoencoderKLWan(base_dim=8, z_dim=4, dim_mult=[1, 2], num_res_blocks=1, attn_scales=[],
                            temperal_downsample=[True], latents_mean=[0.0] * 4, latents_std=[1.0] * 4)
     enc = UMT5EncoderModel(UMT5Config(vocab_size=100, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2))
-    pipe = WanPipeline(tokenizer=_t5_tokenizer(), text_encoder=enc, transformer=tiny_transformer("wan"), vae=vae,
+    pipe = WanPipeline(tokenizer=t5_tokenizer(), text_encoder=enc, transformer=tiny_transformer("wan"), vae=vae,
                        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0))
     d = tmp_path_factory.mktemp("tiny-wan")
     pipe.save_pretrained(str(d))
@@ -103,18 +98,12 @@ def _model_args(model: str, lora: bool, request) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------ launching
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launcher(launch: str) -> tuple[list[str], list[str]]:
     """(command prefix, extra overrides) of a launch mode."""
     if launch == "one":
         return [sys.executable, "-m", "diffgrpo.cli"], []
     return ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-             "--master_port", str(_free_port()), "-m", "diffgrpo.cli"],
+             "--master_port", str(free_port()), "-m", "diffgrpo.cli"],
             [f"dist.mode={launch}", "dist.backend=gloo"])
 
 

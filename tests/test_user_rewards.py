@@ -6,11 +6,14 @@ from __future__ import annotations
 import base64
 import io
 import json
+import signal
 import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+import os
+import subprocess
 
 import numpy as np
 import pytest
@@ -23,7 +26,8 @@ from diffgrpo.errors import ConfigError, RewardError
 from diffgrpo.models.tiny import build_tiny_policy
 from diffgrpo.rewards import SUPPLIED, calling, make_rewards
 from diffgrpo.rewards.http import http
-from tests.test_reliability import TINY_CLI
+from tests.helpers.tiny import FAST_CLI, TINY_CLI
+from tests.helpers.rewards import HANG_MARK
 
 FAST = [*TINY_CLI, "train.ema_decay=0.0", "train.num_iterations=2", "eval.every=0", "train.save_every=0"]
 # the built-in task's reward: mean pixel brightness, computed independently of the library
@@ -135,7 +139,7 @@ def test_trainer_takes_rewards_as_callables(monkeypatch):
         seen.append(list(digit))
         return 1.0 - completions.flatten(1).mean(1)
 
-    from tests.conftest import TINY
+    from tests.helpers.tiny import TINY
 
     cfg = RunConfig.from_overrides([*TINY, "train.prompts_per_batch=2", "train.group_size=2"])
     policy = build_tiny_policy(cfg, progress=False, log=lambda *a: None, pretrained=False)
@@ -310,3 +314,88 @@ def test_http_reward_options_are_checked_at_validation():
         RunConfig.from_overrides(["reward.weights={http: 1.0}", "reward.options={http: {url: 'ftp://x'}}"])
     with pytest.raises(ConfigError, match="timeout: value -1.0 is out of range"):
         RunConfig.from_overrides(["reward.weights={http: 1.0}", "reward.options={http: {url: 'http://h/s', timeout: -1.0}}"])
+
+
+# ----------------------------------------------------------------------------------------- issue 25 H-2: a hung reward
+def test_hung_reward_stops_at_reward_timeout(make_trainer):
+    tr = make_trainer("sampler.batch_size=2", "reward.background=true", "reward.timeout=0.5",
+                      "reward.weights={tests.helpers.rewards:hang: 1.0}")
+    t0 = time.perf_counter()
+    with pytest.raises(RewardError, match=r"returned nothing within reward\.timeout=0\.5 s") as err:
+        tr.rollout()
+    assert time.perf_counter() - t0 < 30 and "\n" not in str(err.value)
+    tr = make_trainer("reward.timeout=0.5", "reward.weights={tests.helpers.rewards:hang: 1.0}")
+    with pytest.raises(RewardError, match=r"reward\.timeout"):  # without background too, and never retried
+        tr.rollout()
+
+
+def test_timeout_keeps_scores_and_grad_mode(make_trainer):
+    slow = make_trainer("reward.timeout=60", "reward.weights={tests.helpers.rewards:brightness: 1.0}").rollout()
+    plain = make_trainer("reward.timeout=0", "reward.weights={tests.helpers.rewards:brightness: 1.0}").rollout()
+    assert torch.equal(slow.rewards, plain.rewards)
+
+
+def test_two_sigterms_end_a_run_whose_background_reward_hangs(tmp_path):
+    out, mark = tmp_path / "run", tmp_path / "mark"
+    env = dict(os.environ, OMP_NUM_THREADS="1", **{HANG_MARK: str(mark)})
+    p = subprocess.Popen([sys.executable, "-m", "diffgrpo.cli", "train", *FAST_CLI, "sampler.batch_size=2",
+                          "reward.background=true", "reward.timeout=0", "eval.seeds_per_prompt=1",
+                          "reward.weights={tests.helpers.rewards:hang: 1.0}", f"log.output_dir={out}"],
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 240
+    while time.time() < deadline and not mark.exists() and p.poll() is None:
+        time.sleep(0.05)
+    assert mark.exists(), p.communicate()[0] if p.poll() is not None else "the reward was never called"
+    p.send_signal(signal.SIGTERM)
+    time.sleep(2.0)  # later than 1 s (job.Job._on_signal): a second request, which stops at once
+    p.send_signal(signal.SIGTERM)
+    try:
+        text = p.communicate(timeout=30)[0]
+    except subprocess.TimeoutExpired:
+        p.kill()
+        pytest.fail("two SIGTERMs did not end a run whose reward hangs")
+    assert p.returncode == 130, text
+
+
+# --------------------------------------------------------------------------- issue 25 M-3: a reward editing its inputs
+def test_a_reward_editing_its_input_cannot_change_other_rewards_or_the_samples():  # M-3
+    from diffgrpo.rewards import compute_rewards
+
+    images = torch.rand(3, 1, 8, 8, generator=torch.Generator().manual_seed(0))
+    before, meta = images.clone(), [{"digit": d} for d in (1, 2, 3)]
+    _, comps = compute_rewards({"tests.helpers.rewards:zap": 1.0, "tests.helpers.rewards:brightness": 1.0},
+                               images, ["a", "b", "c"], meta, log=lambda *a: None)
+    assert torch.equal(images, before) and [m["digit"] for m in meta] == [1, 2, 3]
+    assert torch.equal(comps["tests.helpers.rewards:brightness"], before.flatten(1).mean(1))
+
+
+# ------------------------------------------------- issue 25, low ones: KeyboardInterrupt and float32 range in a reward
+@pytest.mark.parametrize("timeout", [0, 60])
+def test_a_reward_raising_keyboard_interrupt_is_a_reward_error(make_trainer, timeout, monkeypatch):
+    import signal as sig
+
+    monkeypatch.setattr(sig, "getsignal", lambda s: (lambda *a: None))  # as inside a run: its own handler
+    tr = make_trainer(f"reward.timeout={timeout}", "reward.weights={tests.helpers.rewards:interrupting: 1.0}")
+    with pytest.raises(RewardError, match="raised KeyboardInterrupt"):
+        tr.rollout()
+
+
+def test_a_finite_reward_beyond_float32_is_named_so():
+    from diffgrpo.rewards import compute_rewards
+
+    with pytest.raises(RewardError, match=r"returned 1e\+39, a finite number beyond float32's range"):
+        compute_rewards({"tests.helpers.rewards:huge": 1.0}, torch.zeros(2, 1, 8, 8), ["a", "b"], [{}, {}],
+                        log=lambda *a: None)
+
+
+# ---------------------------------------------------------- issue 25, a low one: text guard rewards and reward.timeout
+def test_text_guard_rewards_honour_reward_timeout():
+    from diffgrpo import RunConfig, Trainer
+
+    cfg = RunConfig.from_overrides(["model.name=tiny_mlm", "pretrain.steps=20", "dllm.eval_size=4", "log.progress=false",
+                                    "reward.timeout=0.5", "eval.guard_rewards=[tests.helpers.rewards:hang]"])
+    tr = Trainer(cfg, log=lambda *a: None)
+    t0 = time.perf_counter()
+    with pytest.raises(RewardError, match=r"returned nothing within reward\.timeout=0\.5 s"):
+        tr.evaluate()
+    assert time.perf_counter() - t0 < 60

@@ -21,8 +21,8 @@ from diffgrpo.models.diffusers_adapter import (
 from diffgrpo.models.pipelines import wan
 from diffgrpo.models.pipelines.wan import WanExperts
 from diffgrpo.samplers.rollout import sample_trajectories
-from tests.conftest import flat_grad, rel_err
-from tests.test_diffusers_models import PROMPTS, _t5_tokenizer
+from tests.helpers.tensors import flat_grad, rel_err
+from tests.helpers.pipelines import PROMPTS, t5_tokenizer
 
 T = 4
 RES, FRAMES = 32, 5
@@ -56,7 +56,7 @@ def _wan_pipeline(two_experts: bool):
     text = UMT5EncoderModel(UMT5Config(vocab_size=100, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2))
     kw = dict(transformer_2=_wan_transformer(1), boundary_ratio=BOUNDARY) if two_experts else \
         dict(expand_timesteps=True)
-    return WanPipeline(tokenizer=_t5_tokenizer(), text_encoder=text, vae=vae,
+    return WanPipeline(tokenizer=t5_tokenizer(), text_encoder=text, vae=vae,
                        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), transformer=_wan_transformer(0), **kw)
 
 

@@ -1,8 +1,11 @@
-"""Tiny random-weight image-editing pipelines built from the pipelines' own classes and saved locally, with a
-JSONL of (source image, instruction) pairs: ``QwenImageEditPipeline`` / ``QwenImageEditPlusPipeline`` (a tiny
-Qwen2.5-VL text encoder with its vision tower, a Qwen2-VL processor over a character-level tokenizer with the
-chat's special tokens, the Qwen-Image VAE and transformer) and ``FluxKontextPipeline`` (CLIP + T5, a KL VAE,
-the FLUX transformer).
+"""Tiny random-weight diffusers pipelines built from the pipelines' own classes, nothing downloaded.
+
+Text-to-image: character-level CLIP and T5 tokenizers, a one-block transformer of each family (SD3, FLUX, Wan,
+Qwen-Image) with a stub text encoding and a stub decoder for adapter-level tests, and a full
+``StableDiffusion3Pipeline`` saved to a directory. Image editing, with a JSONL of (source image, instruction)
+pairs: ``QwenImageEditPipeline`` / ``QwenImageEditPlusPipeline`` (a tiny Qwen2.5-VL text encoder with its vision
+tower, a Qwen2-VL processor over a character-level tokenizer with the chat's special tokens, the Qwen-Image VAE and
+transformer) and ``FluxKontextPipeline`` (CLIP + T5, a KL VAE, the FLUX transformer).
 
 Without torchvision (this project's CPU test machines) transformers cannot build Qwen2-VL's video processor, which
 ``Qwen2VLProcessor`` requires; :func:`image_only_processor` lets the processor hold its image processor and
@@ -13,6 +16,7 @@ import contextlib
 import importlib.util
 import json
 import string
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +27,136 @@ T = 2
 SPECIAL = ["<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>",
            "<|endoftext|>"]
 INSTRUCTIONS = ["make it red", "add a hat", "turn it blue"]
+PROMPTS = ["a red cat", "a blue dog on the grass", "the sun"]
+
+
+# ------------------------------------------------------------------------------------------- text-to-image
+def clip_tokenizer():
+    from transformers import CLIPTokenizer
+
+    chars = list(string.ascii_lowercase + string.digits + ".,!?'-")
+    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
+    for suffix in ("", "</w>"):
+        for c in chars:
+            vocab[c + suffix] = len(vocab)
+    return CLIPTokenizer(vocab=vocab, merges=[], model_max_length=16)
+
+
+def t5_tokenizer():
+    from transformers import T5Tokenizer
+
+    chars = list(string.ascii_lowercase + string.digits + ".,!?'-")
+    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
+    vocab += [(c, -3.0) for c in chars] + [("\u2581" + c, -2.5) for c in chars]
+    return T5Tokenizer(vocab=vocab, extra_ids=0)
+
+
+def tiny_transformer(family: str):
+    torch.manual_seed(0)
+    if family == "sd3":
+        from diffusers import SD3Transformer2DModel
+
+        return SD3Transformer2DModel(sample_size=8, patch_size=2, in_channels=4, out_channels=4, num_layers=1,
+                                     attention_head_dim=8, num_attention_heads=2, joint_attention_dim=16,
+                                     caption_projection_dim=16, pooled_projection_dim=16, pos_embed_max_size=8)
+    if family == "flux":
+        from diffusers import FluxTransformer2DModel
+
+        return FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1,
+                                      attention_head_dim=8, num_attention_heads=2, joint_attention_dim=16,
+                                      pooled_projection_dim=8, guidance_embeds=True, axes_dims_rope=(2, 2, 4))
+    if family == "wan":
+        from diffusers import WanTransformer3DModel
+
+        return WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12,
+                                     in_channels=4, out_channels=4, text_dim=16, freq_dim=16, ffn_dim=32,
+                                     num_layers=1, rope_max_seq_len=32)
+    if family == "qwenimage":
+        from diffusers import QwenImageTransformer2DModel
+
+        return QwenImageTransformer2DModel(patch_size=2, in_channels=16, out_channels=4, num_layers=1,
+                                           attention_head_dim=8, num_attention_heads=2, joint_attention_dim=16,
+                                           axes_dims_rope=(2, 2, 4))
+    raise ValueError(family)
+
+
+LATENTS = {"sd3": (4, 8, 8), "flux": (4, 8, 8), "wan": (4, 2, 8, 8), "qwenimage": (4, 8, 8)}
+
+
+def stub_encoder(family: str):
+    """Deterministic per-prompt embeddings of the shapes the family's pipeline produces (Qwen: varying length)."""
+
+    def encode(prompts):
+        out = {}
+        for p in prompts:
+            g = torch.Generator().manual_seed(zlib.crc32(p.encode()))
+            L = 3 + len(p.split()) if family == "qwenimage" else 6
+            item = {"prompt_embeds": torch.randn(1, L, 16, generator=g)}
+            if family in ("sd3", "flux"):
+                item["pooled"] = torch.randn(1, 16 if family == "sd3" else 8, generator=g)
+            if family == "qwenimage":
+                item["prompt_mask"] = torch.ones(1, L, dtype=torch.long)
+            for k, v in item.items():
+                out.setdefault(k, []).append(v)
+        if family == "qwenimage":  # the pipeline pads a batch to its longest prompt and masks the padding
+            L = max(v.shape[1] for v in out["prompt_embeds"])
+            out["prompt_embeds"] = [torch.nn.functional.pad(v, (0, 0, 0, L - v.shape[1])) for v in out["prompt_embeds"]]
+            out["prompt_mask"] = [torch.nn.functional.pad(v, (0, L - v.shape[1])) for v in out["prompt_mask"]]
+        return {k: torch.cat(v) for k, v in out.items()}
+
+    return encode
+
+
+def stub_decoder(z):
+    """Latents → a 3-channel image in [0, 1] (first frame for video)."""
+    if z.dim() == 5:
+        z = z[:, :, 0]
+    return torch.sigmoid(z[:, :3].float()).repeat_interleave(2, -1).repeat_interleave(2, -2)
+
+
+def adapter_policy(family, **kw):
+    """A policy of the table row ``family`` over its tiny transformer; ``kw``: its ``PolicyOptions``."""
+    from diffgrpo.models.diffusers_adapter import DiffusersFlowPolicy, PolicyOptions
+
+    return DiffusersFlowPolicy(tiny_transformer(family), family, PolicyOptions(**kw), latent_shape=LATENTS[family],
+                               encoder=stub_encoder(family), decoder=stub_decoder)
+
+
+def save_sd3_pipeline(d: Path) -> Path:
+    """A full StableDiffusion3Pipeline of tiny random components saved at ``d`` (save_pretrained), with
+    ``PROMPTS`` in ``d/prompts.txt``."""
+    from diffusers import (
+        AutoencoderKL,
+        FlowMatchEulerDiscreteScheduler,
+        StableDiffusion3Pipeline,
+    )
+    from transformers import (
+        CLIPTextConfig,
+        CLIPTextModelWithProjection,
+        T5Config,
+        T5EncoderModel,
+    )
+
+    torch.manual_seed(0)
+    clip = dict(hidden_size=8, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
+                max_position_embeddings=16, projection_dim=8, vocab_size=100, bos_token_id=0, eos_token_id=1,
+                pad_token_id=1)
+    vae = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
+                        up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(8, 16), layers_per_block=1,
+                        latent_channels=4, norm_num_groups=8, sample_size=16, scaling_factor=1.5, shift_factor=0.06,
+                        use_quant_conv=False, use_post_quant_conv=False)
+    pipe = StableDiffusion3Pipeline(
+        transformer=tiny_transformer("sd3"), scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=vae,
+        text_encoder=CLIPTextModelWithProjection(CLIPTextConfig(**clip)), tokenizer=clip_tokenizer(),
+        text_encoder_2=CLIPTextModelWithProjection(CLIPTextConfig(**clip)), tokenizer_2=clip_tokenizer(),
+        text_encoder_3=T5EncoderModel(T5Config(vocab_size=100, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2)),
+        tokenizer_3=t5_tokenizer())
+    pipe.save_pretrained(str(d))
+    (d / "prompts.txt").write_text("\n".join(PROMPTS) + "\n")
+    return d
+
+
+# ------------------------------------------------------------------------------------------- image editing
 
 
 @contextlib.contextmanager
@@ -119,8 +253,6 @@ def kontext_pipeline():
     )
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
-    from tests.test_diffusers_models import _clip_tokenizer, _t5_tokenizer
-
     torch.manual_seed(0)
     clip = {"hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
                 "max_position_embeddings": 16, "projection_dim": 8, "vocab_size": 100, "bos_token_id": 0, "eos_token_id": 1,
@@ -135,10 +267,10 @@ def kontext_pipeline():
     sched = FlowMatchEulerDiscreteScheduler(shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9,
                                             base_image_seq_len=16, max_image_seq_len=256)
     return _eval(FluxKontextPipeline(
-        scheduler=sched, vae=vae, text_encoder=CLIPTextModel(CLIPTextConfig(**clip)), tokenizer=_clip_tokenizer(),
+        scheduler=sched, vae=vae, text_encoder=CLIPTextModel(CLIPTextConfig(**clip)), tokenizer=clip_tokenizer(),
         text_encoder_2=T5EncoderModel(T5Config(vocab_size=100, d_model=16, d_kv=8, d_ff=32, num_layers=1,
                                                num_heads=2)),
-        tokenizer_2=_t5_tokenizer(), transformer=tr))
+        tokenizer_2=t5_tokenizer(), transformer=tr))
 
 
 def write_sources(d: Path, n: int = 3, seed: int = 0, side: int = RES) -> list[str]:

@@ -1,14 +1,19 @@
-"""Tiny, seeded reward models the reward tests build and ``save_pretrained`` locally (nothing is downloaded):
-a CLIP with its processor (the PickScore / CLIPScore / aesthetic / colour towers), an aesthetic MLP head, and an
-OWL-ViT zero-shot detector with its processor."""
+"""Rewards the tests use. Tiny, seeded reward models built and ``save_pretrained`` locally (nothing is
+downloaded): a CLIP with its processor (the PickScore / CLIPScore / aesthetic / colour towers), an aesthetic MLP
+head, and an OWL-ViT zero-shot detector with its processor. And reward callables named by dotted path
+(``tests.helpers.rewards:<name>``) that misbehave as careless users' rewards do: hang, edit their inputs, raise
+KeyboardInterrupt, return NaN or values beyond float32."""
 from __future__ import annotations
 
+import os
 import string
+import threading
 from pathlib import Path
 
 import torch
 
 SIDE = 32  # the tiny image towers' input side
+HANG_MARK = "DIFFGRPO_TEST_HANG_MARK"
 
 
 def clip_tokenizer(max_length: int = 16):
@@ -78,3 +83,39 @@ def save_tiny_owlvit(path: Path, seed: int = 0, v2: bool = False) -> Path:
            OwlViTImageProcessor(size={"height": SIDE, "width": SIDE}, crop_size={"height": SIDE, "width": SIDE}))
     OwlViTProcessor(image_processor=img, tokenizer=tok).save_pretrained(str(path))
     return path
+
+
+# ------------------------------------------------------------------------------------------ reward callables
+def brightness(images, prompts, metadata):
+    return images.flatten(1).mean(1)
+
+
+def hang(images, prompts, metadata):
+    """A reward that never returns (after touching the file named by $DIFFGRPO_TEST_HANG_MARK, if set); with
+    $DIFFGRPO_TEST_HANG_MARK set it scores the evaluations (main thread) and hangs in the background scorer only."""
+    mark = os.environ.get(HANG_MARK)
+    if mark and not threading.current_thread().name.startswith("diffgrpo-reward"):
+        return images.flatten(1).mean(1)
+    if mark:
+        Path(mark).write_text("scoring")
+    threading.Event().wait()
+
+
+def zap(images, prompts, metadata):
+    """A careless reward: edits its inputs in place."""
+    images.mul_(0)
+    for m in metadata:
+        m["digit"] = -1
+    return torch.zeros(len(prompts))
+
+
+def interrupting(images, prompts, metadata):
+    raise KeyboardInterrupt
+
+
+def huge(images, prompts, metadata):
+    return torch.full((len(prompts),), 1e39, dtype=torch.float64)
+
+
+def nan_reward(images, prompts, metadata):
+    return torch.full((len(prompts),), float("nan"))
