@@ -379,8 +379,8 @@ def test_cli_edit_run_exports_what_diffusers_reloads_and_samples(pipe_dirs, sour
     assert main(["export", str(run), "--out", str(out)]) == 0
     cfg = RunConfig.from_yaml(str(run / "config.yaml"), [])
     trained = build_diffusers_policy(cfg, progress=False, log=lambda *a: None)
-    assert trained.family.name == {"edit": "qwenimage_edit", "plus": "qwenimage_edit_plus",
-                                   "kontext": "flux_kontext"}[kind]
+    assert trained.row.name == {"edit": "qwenimage_edit", "plus": "qwenimage_edit_plus",
+                                "kontext": "flux_kontext"}[kind]
     trained.load_state_dict(load_file(str(run / "weights.safetensors")))
     x = _noise(len(recs))
     g = GUIDANCE[kind]
