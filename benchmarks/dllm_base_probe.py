@@ -2,9 +2,14 @@
 greedy accuracy, T = 1 sample reward and the share of reward groups with variance (is there anything for GRPO
 to learn?). Usage: OMP_NUM_THREADS=1 python benchmarks/dllm_base_probe.py <task> <pretrain.steps>
 """
-import sys, time, torch
+import sys
+import time
+
+import torch
+
 torch.set_num_threads(1)
-from diffgrpo import RunConfig, Trainer
+from diffgrpo import RunConfig, Trainer  # noqa: E402 (after the thread count is set)
+
 task, steps = sys.argv[1], int(sys.argv[2])
 cfg = RunConfig.from_overrides(["model.name=tiny_mlm", f"dllm.task={task}", "dllm.eval_size=0", "log.progress=false",
     "log.save_images=false", f"pretrain.steps={steps}", "pretrain.batch_size=64", "dllm.p_mask_prompt=0",

@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 from diffgrpo import RunConfig
-from diffgrpo.studies.engines import bench_engines
 from diffgrpo.engines import _per_sample
+from diffgrpo.studies.engines import bench_engines
 
 
 def run(variants: list[str], repeats: int, overrides: list[str]) -> dict:

@@ -6,8 +6,8 @@ import torch
 import yaml
 
 from diffgrpo import RunConfig
-from diffgrpo.run.checkpoint import is_complete, latest_complete, list_checkpoints
 from diffgrpo.models.tiny import build_tiny_policy
+from diffgrpo.run.checkpoint import is_complete, latest_complete, list_checkpoints
 from tests.helpers.tiny import TINY
 
 LORA = ["model.lora_rank=4", "model.lora_alpha=8"]

@@ -14,10 +14,10 @@ import yaml
 from diffgrpo import RunConfig
 from diffgrpo.cli.app import main, parse_args
 from diffgrpo.cli.configdoc import reference_markdown
-from diffgrpo.errors import ConfigError
 from diffgrpo.cli.flags import accelerate_overrides
 from diffgrpo.cli.hub import check_hub, needed
 from diffgrpo.cli.runtime import apply_cpu_threads, cpu_threads
+from diffgrpo.errors import ConfigError
 from diffgrpo.validation import applies
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -5,8 +5,8 @@ import sys
 import time
 
 import pytest
-import yaml
 import torch
+import yaml
 
 from diffgrpo import ConfigError, RunConfig
 from diffgrpo.cli.app import main

@@ -5,17 +5,18 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from collections import Counter
-from pathlib import Path
 import os
 import subprocess
 import sys
 import time
+from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
 
 from diffgrpo import RunConfig
+from diffgrpo.cli.app import main
 from diffgrpo.data_sources import EpochSampler, load_prompts, split_hf_spec
 from diffgrpo.distributed import WorldInfo
 from diffgrpo.errors import ConfigError
@@ -23,7 +24,6 @@ from diffgrpo.flow.family import FlowFamily
 from diffgrpo.rewards import REWARDS
 from diffgrpo.tasks import TASKS, get_task
 from tests.helpers.tiny import FAST_CLI, make_dllm_trainer
-from diffgrpo.cli.app import main
 
 HAS_DATASETS = importlib.util.find_spec("datasets") is not None
 

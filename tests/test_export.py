@@ -13,8 +13,8 @@ import torch
 from diffgrpo import RunConfig
 from diffgrpo.cli.app import main
 from tests.helpers.pipelines import PROMPTS
-from tests.helpers.tiny import QUIET
 from tests.helpers.runs import copy_run, edit_state
+from tests.helpers.tiny import QUIET
 
 T = 3  # sampler.num_steps in QUIET
 

@@ -11,17 +11,17 @@ import torch
 
 from diffgrpo import RunConfig
 from diffgrpo.errors import ConfigError
-from diffgrpo.models.pipelines import flux2
 from diffgrpo.models.diffusers_adapter import (
     DiffusersFlowPolicy,
     PolicyOptions,
     build_diffusers_policy,
     detect_pipeline,
 )
+from diffgrpo.models.pipelines import flux2
 from diffgrpo.samplers.flow_sde import sigma_grid
 from diffgrpo.samplers.rollout import sample_trajectories
-from tests.helpers.tensors import flat_grad
 from tests.helpers.pipelines import PROMPTS
+from tests.helpers.tensors import flat_grad
 
 T, RES, SEQ = 3, 32, 48
 LATENT = (16, 4, 4)  # 4 VAE channels 2×2-patchified; VAE factor 4 → 32 px / 8

@@ -83,9 +83,9 @@ def test_bench_keep_going_drops_a_failing_variant_and_keeps_the_others(monkeypat
     """At real sizes one engine may run out of memory; with keep_going the others are still measured and the
     failure is reported, without it the benchmark stops."""
     from diffgrpo import RunConfig
-    from diffgrpo.studies.engines import bench_engines
     from diffgrpo.engines.single_step import SingleStepEngine
     from diffgrpo.models.tiny import build_tiny_policy
+    from diffgrpo.studies.engines import bench_engines
     from tests.helpers.tiny import TINY
 
     def oom(self, ctx, rollout, epoch=0):

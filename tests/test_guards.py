@@ -17,8 +17,7 @@ from diffgrpo.config import ConfigError
 from diffgrpo.rewards import image as image_rewards
 from diffgrpo.rewards import verifiers
 from tests.helpers.tensors import perturb
-from tests.helpers.tiny import TINY
-from tests.helpers.tiny import make_dllm_trainer
+from tests.helpers.tiny import TINY, make_dllm_trainer
 
 CALLS = {"falling": 0}
 

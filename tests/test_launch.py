@@ -2,9 +2,9 @@
 otherwise, an explicit dist.mode=none under torchrun is one line before anything loads, and model.device=auto
 is the accelerator when there is one."""
 import os
-import tempfile
 import signal
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 

@@ -7,7 +7,6 @@ import torch
 from diffgrpo import RunConfig
 from diffgrpo.errors import ConfigError
 from diffgrpo.trainer import lr_factor
-
 from tests.helpers.tensors import flat_grad, rel_err
 
 

@@ -10,24 +10,24 @@ import torch
 import torch.distributed as dist
 
 from diffgrpo import RunConfig, Trainer
-from diffgrpo.run.checkpoint import latest_complete, load_checkpoint
 from diffgrpo.config import ConfigError
 from diffgrpo.engines import ENGINES
 from diffgrpo.metering import MemoryMeter
 from diffgrpo.models.diffusers_adapter import DiffusersFlowPolicy, PolicyOptions
 from diffgrpo.models.tiny import build_tiny_policy
+from diffgrpo.run.checkpoint import latest_complete, load_checkpoint
 from tests.helpers.distributed import free_port
-from tests.helpers.tensors import flat_grad, rel_err
-from tests.helpers.tiny import TINY
 from tests.helpers.pipelines import (
     LATENTS,
     PROMPTS,
     clip_tokenizer,
-    t5_tokenizer,
     stub_decoder,
     stub_encoder,
+    t5_tokenizer,
     tiny_transformer,
 )
+from tests.helpers.tensors import flat_grad, rel_err
+from tests.helpers.tiny import TINY
 
 QUIET = ["log.progress=false", "log.save_images=false", "reward.weights={jpeg_incompressibility: 1.0}",
          "sampler.num_steps=5", "train.prompts_per_batch=2", "train.group_size=2", "model.device=cpu"]

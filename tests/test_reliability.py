@@ -4,22 +4,22 @@ import os
 import random
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
-import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from diffgrpo.cli.app import main
+from diffgrpo.rewards import REWARDS, RewardError
 from diffgrpo.run.checkpoint import (
     latest_complete,
     list_checkpoints,
     load_checkpoint,
     save_checkpoint,
 )
-from diffgrpo.cli.app import main
-from diffgrpo.rewards import REWARDS, RewardError
 from diffgrpo.trainer import TrainingError
 from tests.helpers.cli import browser, run_cli
 from tests.helpers.tiny import FAST_CLI, TINY_CLI

@@ -19,7 +19,6 @@ from diffgrpo.models.hf_masked_lm import MaskedLMPolicy, load_hf_masked_lm, tiny
 from diffgrpo.models.kv_cache import KVCache
 from diffgrpo.samplers import masked
 from diffgrpo.tasks import VOCAB, get_task
-
 from tests.helpers.remote_models import SPECIALS, build_remote_model
 
 RECORDS = ("commit_step", "block_rank", "order")

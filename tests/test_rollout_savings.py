@@ -177,7 +177,8 @@ def test_tail_with_every_step_equals_full_rollout(make_trainer):
 def test_heun_tail_against_closed_form():
     """Heun on v(x, σ) = a·x + σ over one interval [σ0, σ1 > 0] equals the trapezoid predictor–corrector."""
     a = 0.3
-    vel = lambda x, s: a * x + s.reshape(-1, 1)
+    def vel(x, s):
+        return a * x + s.reshape(-1, 1)
     x = torch.tensor([[1.0, -2.0]])
     sub = torch.tensor([0.8, 0.5])
     got, calls = savings.solve_tail(vel, x, sub, "heun")

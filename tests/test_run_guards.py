@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from diffgrpo import distributed
-from diffgrpo.run.checkpoint import latest_complete, list_checkpoints, load_checkpoint
 from diffgrpo.cli.app import main
 from diffgrpo.errors import TrainingError
 from diffgrpo.fileio import append_line, atomic_write, read_jsonl
 from diffgrpo.rewards import REWARDS
+from diffgrpo.run.checkpoint import latest_complete, list_checkpoints, load_checkpoint
 from tests.helpers.cli import run_cli
 from tests.helpers.tiny import FAST_CLI, TINY_CLI
 

@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from diffgrpo.run import job as job_mod
-from diffgrpo.run.runlog import MetricsWriter
-from tests.helpers.trackers import wandb_records
 from diffgrpo.cli.app import main
 from diffgrpo.errors import TrainingError
+from diffgrpo.run import job as job_mod
+from diffgrpo.run.runlog import MetricsWriter
 from tests.helpers.tiny import FAST_CLI
+from tests.helpers.trackers import wandb_records
 
 RUN = ("train.num_iterations=2", "eval.every=1", "eval.seeds_per_prompt=1")
 

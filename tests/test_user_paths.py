@@ -26,11 +26,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from diffgrpo.run.checkpoint import latest_complete
 from diffgrpo.cli.app import main
+from diffgrpo.run.checkpoint import latest_complete
 from tests.helpers.distributed import free_port
-from tests.helpers.remote_models import build_remote_model
 from tests.helpers.pipelines import PROMPTS, t5_tokenizer, tiny_transformer
+from tests.helpers.remote_models import build_remote_model
 
 LAUNCHES = ("one", "ddp", "fsdp2")
 MODELS = ("builtin", "sd3", "wan", "mlm", "llada")

@@ -6,14 +6,14 @@ from __future__ import annotations
 import base64
 import io
 import json
+import os
 import signal
+import subprocess
 import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-import os
-import subprocess
 
 import numpy as np
 import pytest
@@ -26,8 +26,8 @@ from diffgrpo.errors import ConfigError, RewardError
 from diffgrpo.models.tiny import build_tiny_policy
 from diffgrpo.rewards import SUPPLIED, calling, make_rewards
 from diffgrpo.rewards.http import http
-from tests.helpers.tiny import FAST_CLI, TINY_CLI
 from tests.helpers.rewards import HANG_MARK
+from tests.helpers.tiny import FAST_CLI, TINY_CLI
 
 FAST = [*TINY_CLI, "train.ema_decay=0.0", "train.num_iterations=2", "eval.every=0", "train.save_every=0"]
 # the built-in task's reward: mean pixel brightness, computed independently of the library

@@ -21,8 +21,8 @@ from diffgrpo.models.diffusers_adapter import (
 from diffgrpo.models.pipelines import wan
 from diffgrpo.models.pipelines.wan import WanExperts
 from diffgrpo.samplers.rollout import sample_trajectories
-from tests.helpers.tensors import flat_grad, rel_err
 from tests.helpers.pipelines import PROMPTS, t5_tokenizer
+from tests.helpers.tensors import flat_grad, rel_err
 
 T = 4
 RES, FRAMES = 32, 5
@@ -333,7 +333,8 @@ def test_two_ranks_train_both_experts_as_one_process(two_rank_wan, wan_dirs, tmp
     assert parts[0]["experts"] == ["high", "low"]
     if mode == "fsdp2":
         assert parts[0]["sharded"] == parts[0]["n_params"] > 0  # every adapter weight of both experts is sharded
-    cat = lambda k: torch.cat([p[k] for p in parts])
+    def cat(k):
+        return torch.cat([p[k] for p in parts])
     B = len(parts[0]["prompts"])
     cfg = RunConfig.from_overrides([*WAN_DIST_COMMON, f"model.pretrained={wan_dirs['a14b']}", "seed=0",
                                     f"train.prompts_file={wan_dirs['a14b'] / 'prompts.txt'}",

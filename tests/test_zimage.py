@@ -16,8 +16,8 @@ from diffgrpo.models.diffusers_adapter import (
     detect_pipeline,
 )
 from diffgrpo.samplers.rollout import sample_trajectories
-from tests.helpers.tensors import flat_grad
 from tests.helpers.pipelines import PROMPTS
+from tests.helpers.tensors import flat_grad
 
 T, RES = 3, 32
 LATENT = (4, 8, 8)

@@ -37,10 +37,10 @@ from benchmarks.gpu import mlm  # noqa: E402
 from benchmarks.gpu.models import MODELS, build_policy, build_transformer, parameter_count  # noqa: E402
 from benchmarks.gpu.throughput import annotate, flow_forward_flops, fraction, peak_bf16  # noqa: E402
 from diffgrpo import RunConfig  # noqa: E402
-from diffgrpo.studies.engines import bench_engines  # noqa: E402
 from diffgrpo.distributed import resolve_device  # noqa: E402
 from diffgrpo.engines import ENGINES, FORWARD_ENGINES  # noqa: E402
 from diffgrpo.models.regional_compile import repeated_blocks  # noqa: E402
+from diffgrpo.studies.engines import bench_engines  # noqa: E402
 
 # cell name → (LoRA adapter, gradient checkpointing, engine.micro_batch_size); the rank is the size's lora_rank.
 # "<cell>+compile": the same cell with model.compile (regional, the size's compile_backend), compared with <cell>;

@@ -471,8 +471,8 @@ class RunConfig:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_overrides(cls, overrides: list[str] | None = None, base: "RunConfig | None" = None, *,
-                       purpose: str = "train") -> "RunConfig":
+    def from_overrides(cls, overrides: list[str] | None = None, base: RunConfig | None = None, *,
+                       purpose: str = "train") -> RunConfig:
         """Defaults (or ``base``) with ``key=value`` overrides; values are parsed as YAML scalars/lists; validated
         for ``purpose`` (``validation.PURPOSES``)."""
         cfg = from_dict(cls, to_dict(base)) if base is not None else cls()  # deep copy
@@ -487,7 +487,7 @@ class RunConfig:
         return cfg
 
     @classmethod
-    def from_yaml(cls, path: str | Path, overrides: list[str] | None = None, *, purpose: str = "train") -> "RunConfig":
+    def from_yaml(cls, path: str | Path, overrides: list[str] | None = None, *, purpose: str = "train") -> RunConfig:
         p = Path(path)
         if not _is_file(p):
             raise ConfigError(f"--config: file {str(p)!r} does not exist")
@@ -524,7 +524,7 @@ def _is_file(p: Path) -> bool:
 
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _hints(cls) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 

@@ -16,8 +16,9 @@ A new family is one package implementing :class:`Family` (with its ``rules.py``)
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import torch
 

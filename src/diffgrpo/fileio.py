@@ -74,7 +74,7 @@ def share_tree(root: str | Path) -> None:
     links are neither followed nor changed."""
     root = Path(root)
     fmode, dmode = file_mode(), dir_mode()
-    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+    for dirpath, _dirnames, filenames in os.walk(root, followlinks=False):
         os.chmod(dirpath, dmode)  # os.walk does not descend into links (followlinks=False)
         for name in filenames:
             p = Path(dirpath) / name

@@ -18,8 +18,8 @@ Exact: in one process without waves the weights are ``aggregation_weights(traine
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

@@ -21,9 +21,7 @@ from pathlib import Path
 
 import torch
 
-from .run import checkpoint, job, rundir
 from . import distributed
-from .run.checkpoint import RunState
 from .config import MODEL_FAMILIES, RunConfig
 from .console import emit
 from .ema import EMA
@@ -32,6 +30,8 @@ from .families import FAMILIES
 from .family import Family, Sync
 from .models import POLICIES
 from .rewards import with_supplied
+from .run import checkpoint, job, rundir
+from .run.checkpoint import RunState
 from .types import EngineStats, Rollout
 from .validation import validate
 

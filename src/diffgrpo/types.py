@@ -8,8 +8,9 @@ Shape notation used across the package:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -147,7 +148,7 @@ class EngineStats:
     seconds: dict[str, float] = field(default_factory=dict)  # phase -> seconds
     metrics: dict[str, float] = field(default_factory=dict)  # clip_ratio, kl, ratio_mean, …
 
-    def merge(self, other: "EngineStats") -> "EngineStats":
+    def merge(self, other: EngineStats) -> EngineStats:
         """Add counters of ``other`` into ``self`` (peak memory takes the max)."""
         for f in dataclasses.fields(self):
             if f.name in ("engine", "seconds", "metrics"):

@@ -28,7 +28,6 @@ from .distributed import launched_world_size
 from .errors import ConfigError
 from .families import FAMILIES
 
-
 # What a config is validated for: the command that will use it. Every purpose runs every check but these two.
 PURPOSES = {
     "train": "a run that trains (the default): the prompt sources load, an editing model's prompts name sources",
@@ -155,7 +154,7 @@ def _importable(name: str) -> bool:
         return False
 
 
-def _validate_logging(log: "LogConfig") -> None:
+def _validate_logging(log: LogConfig) -> None:
     if log.wandb and not _importable("wandb"):
         raise ConfigError("log.wandb: value True needs the wandb package, which is not installed; pip install wandb, "
                           "or set log.wandb=false")

@@ -101,7 +101,8 @@ def model_card(config: dict, iteration: int, held_out: dict | None, kind: str) -
 def _policy(cfg):
     """The policy the run trained, built as the run built it (pretrained base weights; the built-in models at
     random init: they are fully fine-tuned, so the checkpoint overwrites every weight)."""
-    quiet = lambda *a, **k: None
+    def quiet(*a, **k):
+        return None
     build = POLICIES[cfg.model.name]
     if build in BUILT_IN:  # no pretraining: the checkpoint holds every weight of a built-in model
         return build(cfg, progress=False, log=quiet, pretrained=False)

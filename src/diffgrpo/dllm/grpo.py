@@ -43,8 +43,9 @@ wd1) and B·M for ℓ_ref when β > 0.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 

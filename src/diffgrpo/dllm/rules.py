@@ -35,7 +35,7 @@ def extra_rewards(cfg: RunConfig) -> bool:
     return cfg.reward.weights != RewardConfig().weights
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _answer_tokens(task_name: str) -> int:
     """Tokens (built-in character vocabulary) of the task's longest reference answer, over both splits."""
     task = get_task(task_name)

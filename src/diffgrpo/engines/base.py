@@ -8,8 +8,9 @@ of the policy's trainable parameters. It decides which forwards run with grad, h
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import torch
 

@@ -41,8 +41,8 @@ from .latents import pack_2x2, unpack_2x2
 from .lora import adapter_disabled, add_lora, load_lora_state_dict, lora_state_dict
 from .pipelines import PIPELINES, ForwardArgs, PipelineSpec
 from .pipelines.detect import detect_pipeline, pipeline_of, resolve_row
-from .pipelines.load import load_pipeline
 from .pipelines.editing import keys as source_keys
+from .pipelines.load import load_pipeline
 from .pipelines.spec import pad_seq
 from .pipelines.wan import EXPERTS, WanExperts, expert_weights, experts
 from .placement import TEXT_ENCODER_NAMES, ScaleGrad, TextEncoderOffload, weight_dtype
@@ -72,7 +72,7 @@ class PolicyOptions:
     train_experts: str = "both"  # two experts: both, high (transformer) or low (transformer_2)
 
     @classmethod
-    def from_model(cls, m: ModelConfig, device: torch.device, keep_reference: bool) -> "PolicyOptions":
+    def from_model(cls, m: ModelConfig, device: torch.device, keep_reference: bool) -> PolicyOptions:
         """The options of the ``model.*`` section ``m``."""
         return cls(guidance_scale=m.guidance_scale, guidance_scale_2=m.guidance_scale_low or None,
                    negative_prompt=m.negative_prompt, max_sequence_length=m.max_sequence_length, device=device,

@@ -17,12 +17,12 @@ import torch
 from filelock import FileLock, Timeout
 from safetensors.torch import save_file
 
-from . import checkpoint, rundir
 from .. import distributed, guards, threads
 from ..console import Progress
 from ..errors import TrainingError
 from ..fileio import atomic_write, run_root
 from ..media import SampleTable, caption_of, side_by_side
+from . import checkpoint, rundir
 from .runlog import MetricsWriter, plot_curves, read_metrics, save_grid
 from .saved_config import check_checkpoint
 

@@ -8,7 +8,7 @@ trajectory itself always continues from detached tensors so graphs never chain a
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -128,10 +128,12 @@ def _run_partial(policy, cond, x, sigmas, k, kernel, generator, sde_mask, grad_m
     noise[inactive, k] = 0.0
     if len(act) == 0:
         return x_next
-    sub = lambda t: None if t is None else t[act]
+    def sub(t):
+        return None if t is None else t[act]
     hook = None
     if on_grad_step is not None:
-        hook = lambda kk, idx, v, xk, xn: on_grad_step(kk, act[idx], v, xk, xn)
+        def hook(kk, idx, v, xk, xn):
+            return on_grad_step(kk, act[idx], v, xk, xn)
     v_k = torch.empty_like(x[act])
     l_k = torch.zeros(len(act), device=x.device)
     z_k = torch.zeros_like(x[act])
