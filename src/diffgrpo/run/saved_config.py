@@ -10,7 +10,7 @@ from pathlib import Path
 import yaml
 
 from .. import yamlio
-from ..config import RunConfig, from_dict
+from ..config import RENAMED, RunConfig, from_dict
 from ..errors import ConfigError
 
 # Keys a resume may change: how long, how fast and how the run is logged, and where it runs. Anything else would
@@ -66,6 +66,20 @@ def distrust(data: dict, overrides: list[str], *, path: Path, command: str, stri
     return data
 
 
+def renamed(data: dict) -> dict:
+    """A config saved before a key was renamed (``config.RENAMED``, e.g. ``model.family`` → ``model.pipeline``)
+    read under the key's new name: a run directory of an earlier version still resumes, samples and exports."""
+    for old, new in RENAMED.items():
+        (sec, key), (new_sec, new_key) = old.split("."), new.split(".")
+        section = data.get(sec)
+        if isinstance(section, dict) and key in section:
+            value = section.pop(key)
+            target = data.setdefault(new_sec, {})
+            if isinstance(target, dict):
+                target.setdefault(new_key, value)
+    return data
+
+
 def fresh_device(data: dict, overrides: list[str]) -> dict:
     """The saved config records the device the run used (e.g. rank 0's cuda:0); a resume or a sample picks the
     device of this machine and rank again (model.device=auto) unless the command line sets model.device."""
@@ -95,7 +109,8 @@ def load(run: Path, overrides: list[str], *, command: str) -> RunConfig:
     if command == "--weights" and not ((run / "config.yaml").is_file() and (run / "weights.safetensors").is_file()):
         raise ConfigError(f"--weights: run directory {str(run)!r} has no config.yaml + weights.safetensors")
     data = (json.loads((run / name).read_text())["config"] if name == "state.json" else saved_data(run, command))
-    data = fresh_device(distrust(data, overrides, path=run / name, command=command, strict=strict), overrides)
+    data = fresh_device(distrust(renamed(data), overrides, path=run / name, command=command, strict=strict),
+                        overrides)
     if command == "--resume":
         return _resumed(run, from_dict(RunConfig, data), overrides)
     if isinstance(data.get("log"), dict):  # writes no run directory (the saved one may be elsewhere)
@@ -153,4 +168,4 @@ def check_checkpoint(ckpt: Path, cfg: RunConfig) -> None:
 
 
 __all__ = ["CODE_KEYS", "IDENTITY", "RESUMABLE", "check_checkpoint", "distrust", "flat", "fresh_device", "load",
-           "saved_data"]
+           "renamed", "saved_data"]
