@@ -23,6 +23,8 @@ from ..rewards import MODEL_REWARDS
 
 # options of the model rewards that name a model: hub id (or ``repo:file`` for a head), or a local path
 _MODEL_OPTIONS = ("model", "processor", "head", "detector", "clip")
+# the keys that name the policy's own hub model, per model.name (the built-in models load nothing)
+_POLICY_KEYS = {"diffusers": ("model.pretrained",), "hf_masked_lm": ("dllm.model_path",)}
 PROBE_TIMEOUT = 8.0  # seconds for the one metadata request per model
 
 
@@ -42,22 +44,20 @@ def needed(cfg) -> list[tuple[str, str, str | None]]:
         if all(r != repo or f != file for _, r, f in out):
             out.append((key, repo, file))
 
-    if cfg.model.name == "diffusers":
-        add("model.pretrained", cfg.model.pretrained)
-    if cfg.model.name == "hf_masked_lm":
-        add("dllm.model_path", cfg.dllm.model_path)
-    if cfg.model.name in ("tiny", "diffusers"):  # the flow family's rewards
-        for name in cfg.reward.weights:
-            spec = MODEL_REWARDS.get(name)
-            if spec is None:
-                continue
-            params = inspect.signature(spec.build).parameters
-            opts = dict(cfg.reward.options.get(name) or {})
-            for opt in _MODEL_OPTIONS:
-                if opt in params:
-                    value = opts.get(opt, params[opt].default)
-                    if isinstance(value, str):
-                        add(f"reward.options.{name}.{opt}", value, with_file=opt == "head")
+    for key in _POLICY_KEYS.get(cfg.model.name, ()):
+        section, field = key.split(".")
+        add(key, getattr(getattr(cfg, section), field))
+    for name in cfg.reward.weights:  # the model rewards (text rewards and verifiers load nothing from the hub)
+        spec = MODEL_REWARDS.get(name)
+        if spec is None:
+            continue
+        params = inspect.signature(spec.build).parameters
+        opts = dict(cfg.reward.options.get(name) or {})
+        for opt in _MODEL_OPTIONS:
+            if opt in params:
+                value = opts.get(opt, params[opt].default)
+                if isinstance(value, str):
+                    add(f"reward.options.{name}.{opt}", value, with_file=opt == "head")
     return out
 
 
