@@ -28,21 +28,35 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="diffgrpo", description="GRPO post-training for diffusion models")
     p.add_argument("--version", action="version", version=f"diffgrpo {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
+    for add in (_add_train, _add_pretrain, _add_sample, _add_bench, _add_report, _add_export, _add_print_config,
+                _add_configs, _add_download):
+        add(sub)
+    return p
 
-    def common(sp):
-        sp.add_argument("--config", help="YAML config file (sections as in `diffgrpo print-config`), or the name of "
-                                         "a shipped one (`diffgrpo configs list`)")
-        sp.add_argument("overrides", nargs="*", help="dotted overrides, e.g. engine.name=recompute seed=1")
 
+def _common(sp: argparse.ArgumentParser) -> None:
+    """The arguments of every command that builds a run: ``--config`` and the dotted overrides."""
+    sp.add_argument("--config", help="YAML config file (sections as in `diffgrpo print-config`), or the name of "
+                                     "a shipped one (`diffgrpo configs list`)")
+    sp.add_argument("overrides", nargs="*", help="dotted overrides, e.g. engine.name=recompute seed=1")
+
+
+def _add_train(sub) -> None:
     sp = sub.add_parser("train", help="run GRPO (default: the built-in digits model)")
-    common(sp)
+    _common(sp)
     sp.add_argument("--resume", metavar="RUN_DIR|auto", help="continue a run from its last complete checkpoint")
     sp.set_defaults(func=cmd_train)
+
+
+def _add_pretrain(sub) -> None:
     sp = sub.add_parser("pretrain", help="pretrain and cache the built-in model and reward classifier")
-    common(sp)
+    _common(sp)
     sp.add_argument("--task", choices=["arithmetic", "sudoku", "countdown", "json_schema", "code_toy"],
                     help="pretrain the built-in masked diffusion LM on this task instead")
     sp.set_defaults(func=cmd_pretrain)
+
+
+def _add_sample(sub) -> None:
     sp = sub.add_parser("sample", help="write samples (an image grid, or text completions for diffusion LMs) "
                                        "from a run directory or weights file")
     sp.add_argument("--weights", help="run directory or weights.safetensors (default: the pretrained model)")
@@ -56,17 +70,28 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--out", default="samples.png")
     sp.add_argument("overrides", nargs="*")
     sp.set_defaults(func=cmd_sample)
+
+
+def _add_bench(sub) -> None:
     sp = sub.add_parser("bench", help="benchmarks")
     bsub = sp.add_subparsers(dest="what", required=True)
+    _add_bench_engines(bsub)
+    _add_bench_quality(bsub)
+
+
+def _add_bench_engines(bsub) -> None:
     be = bsub.add_parser("engines", help="every engine side by side on the same rollout")
-    common(be)
+    _common(be)
     be.add_argument("--variants", help="';'-separated name[:key=value,...], e.g. 'recompute;jagg:window=4'")
     be.add_argument("--repeats", type=int, default=3)
     be.add_argument("--out", help="output directory (default runs/bench)")
     be.set_defaults(func=cmd_bench)
+
+
+def _add_bench_quality(bsub) -> None:
     bq = bsub.add_parser("quality", help="time to quality of config variants × seeds against a reference, inside "
                                          "start-anchored guards (see docs/guards.md)")
-    common(bq)
+    _common(bq)
     bq.add_argument("--variant", action="append", default=[], metavar="NAME[=key=value,...]",
                     help="a variant: overrides on the base config (repeatable; the first is the reference unless "
                          "--reference names another)")
@@ -87,10 +112,16 @@ def build_parser() -> argparse.ArgumentParser:
                          "--metric), training nothing")
     bq.add_argument("--out", default=str(Path("runs") / "bench_quality"), help="output directory")
     bq.set_defaults(func=cmd_bench_quality)
+
+
+def _add_report(sub) -> None:
     sp = sub.add_parser("report", help="write a self-contained HTML report of a run")
     sp.add_argument("run_dir")
     sp.add_argument("--out", help="output file (default RUN_DIR/report.html)")
     sp.set_defaults(func=cmd_report)
+
+
+def _add_export(sub) -> None:
     sp = sub.add_parser("export", help="write a run's checkpoint as a LoRA adapter (diffusers format), the trained "
                                        "weights, or with --merge a full pipeline directory; with a model card")
     sp.add_argument("source", metavar="RUN_DIR|CHECKPOINT_DIR")
@@ -99,25 +130,33 @@ def build_parser() -> argparse.ArgumentParser:
                     help="fuse the LoRA adapter into the base weights and write the whole pipeline (save_pretrained)")
     sp.add_argument("overrides", nargs="*", help="config overrides, e.g. model.pretrained=PATH if the base moved")
     sp.set_defaults(func=cmd_export)
+
+
+def _add_print_config(sub) -> None:
     sp = sub.add_parser("print-config", help="print the resolved config as YAML")
-    common(sp)
+    _common(sp)
     sp.add_argument("--check-data", action="store_true",
                     help="also check that train.prompts_file / eval.prompts_file exist and parse")
     sp.add_argument("--changed", action="store_true", help="only the keys that differ from the defaults")
     sp.add_argument("--docs", action="store_true", help="every key with its type, default, allowed values and doc "
                                                         "(Markdown; docs/config.md)")
     sp.set_defaults(func=cmd_print_config)
+
+
+def _add_configs(sub) -> None:
     sp = sub.add_parser("configs", help="the configs shipped with the package: list them, copy one out")
     sp.add_argument("action", choices=["list", "cp"])
     sp.add_argument("name", nargs="?", help="cp: the config to copy (a name from `diffgrpo configs list`)")
     sp.add_argument("dest", nargs="?", help="cp: destination directory or file (default: the current directory)")
     sp.set_defaults(func=cmd_configs)
+
+
+def _add_download(sub) -> None:
     sp = sub.add_parser("download", help="fetch every model a config needs (policy, rewards) into the Hugging Face "
                                          "cache ahead of time (for clusters whose compute nodes are offline)")
-    common(sp)
+    _common(sp)
     sp.add_argument("--dry-run", action="store_true", help="list what would be fetched, fetch nothing")
     sp.set_defaults(func=cmd_download)
-    return p
 
 
 _OVERRIDE = re.compile(r"^[A-Za-z_][\w-]*(\.[\w-]+)*=")  # key=value (a run directory named so is a path)
