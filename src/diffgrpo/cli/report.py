@@ -214,26 +214,28 @@ def _summary(run: Path) -> dict:
     return data if isinstance(data, dict) else {}
 
 
-def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
-    """Write ``report.html`` (or ``out``) for a run directory; returns its path."""
-    run = Path(run_dir)
-    if not (run / "metrics.jsonl").is_file():
-        raise FileNotFoundError(f"{run} has no metrics.jsonl: not a diffgrpo run directory")
-    rows = [r for r in read_metrics(run / "metrics.jsonl") if isinstance(r, dict)]
-    train = [r for r in rows if "reward" in r]
-    evals = [r for r in rows if any(isinstance(k, str) and k.startswith("eval/") for k in r)]
+_STYLE = ("<style>body{font-family:sans-serif;max-width:1000px;margin:2em auto;color:#222}"
+          "pre{background:#f6f6f6;padding:1em;overflow:auto;font-size:12px}"
+          "table{border-collapse:collapse;margin:.5em 0}td,th{border:1px solid #ccc;padding:3px 8px;"
+          "text-align:left;font-size:13px;vertical-align:top}td.n{text-align:right}"
+          "figure{margin:1em 0}figcaption{font-size:13px;color:#555;margin-top:.3em}"
+          "img{max-width:100%;image-rendering:pixelated}</style></head><body>")
+
+
+def _saved_config(run: Path) -> tuple[bytes | None, str, dict]:
+    """The run's ``config.yaml``: its bytes (None when absent), its text and its parsed mapping ({} if none)."""
     raw = _read_own(run / "config.yaml")
     config = raw.decode("utf-8", errors="replace") if raw is not None else "(no config.yaml)"
     try:
         saved = yaml.safe_load(config) if raw is not None else None
     except yaml.YAMLError:
         saved = None
-    saved = saved if isinstance(saved, dict) else {}
+    return raw, config, saved if isinstance(saved, dict) else {}
+
+
+def _header_section(run: Path, train: list[dict], saved: dict) -> list[str]:
+    """The page's head and the header table: run, date, version, commit, wall time, model, device."""
     model = saved.get("model") if isinstance(saved.get("model"), dict) else {}
-    eval_keys = sorted({k for r in evals for k in r if isinstance(k, str) and k.startswith("eval/")})
-    timing_keys = sorted({k for r in train for k in r if isinstance(k, str) and k.startswith("time/")})
-    timing = [(k, statistics.mean(r[k] for r in train if _num(r.get(k)))) for k in timing_keys
-              if any(_num(r.get(k)) for r in train)]
     wall = sum(r["time/iteration"] for r in train if _num(r.get("time/iteration")))
     stamp = datetime.datetime.fromtimestamp((run / "metrics.jsonl").stat().st_mtime).astimezone()
     header = [("run", run.name), ("last written", stamp.strftime("%Y-%m-%d %H:%M %Z")),
@@ -243,72 +245,109 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
               ("model", f"{model.get('name', '?')} {model.get('pretrained') or ''}".strip()),
               ("device", f"{model.get('device', '?')} (from the run's config; report written on "
                          f"{platform.machine()} {platform.system()}, {os.cpu_count()} CPU cores)")]
-    parts = ["<!doctype html><html><head><meta charset='utf-8'><title>diffgrpo run report</title>",
-             "<style>body{font-family:sans-serif;max-width:1000px;margin:2em auto;color:#222}"
-             "pre{background:#f6f6f6;padding:1em;overflow:auto;font-size:12px}"
-             "table{border-collapse:collapse;margin:.5em 0}td,th{border:1px solid #ccc;padding:3px 8px;"
-             "text-align:left;font-size:13px;vertical-align:top}td.n{text-align:right}"
-             "figure{margin:1em 0}figcaption{font-size:13px;color:#555;margin-top:.3em}"
-             "img{max-width:100%;image-rendering:pixelated}</style></head><body>",
+    parts = ["<!doctype html><html><head><meta charset='utf-8'><title>diffgrpo run report</title>", _STYLE,
              f"<h1>Run report: {html.escape(run.name)}</h1><table>"]
     parts += [f"<tr><th>{html.escape(k)}</th><td>{html.escape(str(v))}</td></tr>" for k, v in header]
     parts.append("</table>")
-    summary = _summary(run)
+    return parts
+
+
+def _summary_section(run: Path) -> list[str]:
+    """A guard's stop and the best weights inside the guards, from ``summary.json``."""
+    summary, parts = _summary(run), []
     if summary.get("stopped"):
         parts.append(f"<p><b>Stopped by a guard (train.on_hacking=stop):</b> {html.escape(summary['stopped'])}</p>")
     if summary.get("best"):
         b = summary["best"]
         parts.append(f"<p>Best weights inside the guards: {html.escape(str(b['metric']))} = {b['value']:.4f} at "
                      f"iteration {b['iteration']} (<code>best/weights.safetensors</code>).</p>")
-    if evals:
-        first, last = evals[0], evals[-1]
-        parts.append("<h2>Held-out evaluation, start → end</h2><table><tr><th>metric</th><th>start</th>"
-                     "<th>end</th><th>change</th></tr>")
-        for k in eval_keys:
-            if _num(first.get(k)) and _num(last.get(k)):
-                parts.append(f"<tr><td>{html.escape(k)}</td><td class=n>{first[k]:.4f}</td><td class=n>"
-                             f"{last[k]:.4f}</td><td class=n>{last[k] - first[k]:+.4f}</td></tr>")
-        parts.append("</table>")
+    return parts
+
+
+def _eval_section(evals: list[dict]) -> list[str]:
+    """The held-out metrics at the first and the last evaluation, with their change."""
+    if not evals:
+        return []
+    eval_keys = sorted({k for r in evals for k in r if isinstance(k, str) and k.startswith("eval/")})
+    first, last = evals[0], evals[-1]
+    parts = ["<h2>Held-out evaluation, start → end</h2><table><tr><th>metric</th><th>start</th>"
+             "<th>end</th><th>change</th></tr>"]
+    for k in eval_keys:
+        if _num(first.get(k)) and _num(last.get(k)):
+            parts.append(f"<tr><td>{html.escape(k)}</td><td class=n>{first[k]:.4f}</td><td class=n>"
+                         f"{last[k]:.4f}</td><td class=n>{last[k] - first[k]:+.4f}</td></tr>")
+    parts.append("</table>")
+    return parts
+
+
+def _figures_section(rows: list[dict]) -> list[str]:
+    """One captioned figure per metric family present in the run."""
+    parts = []
     for title, caption, keys in family_keys(rows):
         b64 = _figure_b64(rows, keys, title)
         if b64:
             parts.append(f"<h2>{html.escape(title)}</h2><figure><img alt='{html.escape(title)}' "
                          f"src='data:image/png;base64,{b64}'><figcaption>{html.escape(caption)}</figcaption>"
                          "</figure>")
+    return parts
+
+
+def _samples_section(run: Path) -> list[str]:
+    """The start and end samples: side by side when the run wrote the pair, else each on its own."""
     pair = _png_b64(run / "samples_start_end.png")
     if pair:
-        parts.append("<h2>Samples, start and end</h2><figure><img alt='samples start and end' "
-                     f"src='data:image/png;base64,{pair}'><figcaption>Held-out samples at the start (left) and the "
-                     "end (right): the same prompts and seeds, so each tile pairs with the one beside it."
-                     "</figcaption></figure>")
-    else:
-        for tag in ("start", "end"):
-            b64 = _png_b64(run / f"samples_{tag}.png")
-            if b64:
-                parts.append(f"<h2>Samples at the {tag}</h2><figure><img alt='samples {tag}' "
-                             f"src='data:image/png;base64,{b64}'><figcaption>Held-out samples at the {tag} (fixed "
-                             "prompts and seeds).</figcaption></figure>")
+        return ["<h2>Samples, start and end</h2><figure><img alt='samples start and end' "
+                f"src='data:image/png;base64,{pair}'><figcaption>Held-out samples at the start (left) and the "
+                "end (right): the same prompts and seeds, so each tile pairs with the one beside it."
+                "</figcaption></figure>"]
+    parts = []
+    for tag in ("start", "end"):
+        b64 = _png_b64(run / f"samples_{tag}.png")
+        if b64:
+            parts.append(f"<h2>Samples at the {tag}</h2><figure><img alt='samples {tag}' "
+                         f"src='data:image/png;base64,{b64}'><figcaption>Held-out samples at the {tag} (fixed "
+                         "prompts and seeds).</figcaption></figure>")
+    return parts
+
+
+def _completions_section(run: Path, rows: list[dict]) -> list[str]:
+    """A masked-LM run's completions at the first and the last evaluation, with reference and reward."""
     completions = _completions(run, rows)
-    if completions:
-        parts.append("<h2>Completions, start and end</h2>")
-        for label, recs in completions:
-            parts.append(f"<h3>{html.escape(label)}</h3><table><tr><th>prompt</th><th>completion</th>"
-                         "<th>reference</th><th>reward</th></tr>")
-            for rec in recs:
-                meta = rec.get("metadata") if isinstance(rec.get("metadata"), dict) else {}
-                reward = rec.get("reward")
-                parts.append(f"<tr><td>{_cell(rec.get('prompt', ''))}</td><td>{_cell(rec['completion'])}</td>"
-                             f"<td>{_cell(meta.get('answer', ''))}</td><td class=n>"
-                             f"{f'{reward:.3f}' if _num(reward) else 'n/a'}</td></tr>")
-            parts.append("</table>")
-        parts.append("<p style='font-size:13px;color:#555'>The first evaluation prompts with their decoded "
-                     "completions, the reference answer and the reward.</p>")
-    if timing:
-        parts.append("<h2>Time per phase (mean seconds per iteration)</h2><table><tr><th>phase</th><th>s</th></tr>")
-        parts += [f"<tr><td>{html.escape(k)}</td><td class=n>{v:.3f}</td></tr>" for k, v in timing]
+    if not completions:
+        return []
+    parts = ["<h2>Completions, start and end</h2>"]
+    for label, recs in completions:
+        parts.append(f"<h3>{html.escape(label)}</h3><table><tr><th>prompt</th><th>completion</th>"
+                     "<th>reference</th><th>reward</th></tr>")
+        for rec in recs:
+            meta = rec.get("metadata") if isinstance(rec.get("metadata"), dict) else {}
+            reward = rec.get("reward")
+            parts.append(f"<tr><td>{_cell(rec.get('prompt', ''))}</td><td>{_cell(rec['completion'])}</td>"
+                         f"<td>{_cell(meta.get('answer', ''))}</td><td class=n>"
+                         f"{f'{reward:.3f}' if _num(reward) else 'n/a'}</td></tr>")
         parts.append("</table>")
+    parts.append("<p style='font-size:13px;color:#555'>The first evaluation prompts with their decoded "
+                 "completions, the reference answer and the reward.</p>")
+    return parts
+
+
+def _timing_section(train: list[dict]) -> list[str]:
+    """The mean seconds per iteration of every ``time/`` phase."""
+    timing_keys = sorted({k for r in train for k in r if isinstance(k, str) and k.startswith("time/")})
+    timing = [(k, statistics.mean(r[k] for r in train if _num(r.get(k)))) for k in timing_keys
+              if any(_num(r.get(k)) for r in train)]
+    if not timing:
+        return []
+    parts = ["<h2>Time per phase (mean seconds per iteration)</h2><table><tr><th>phase</th><th>s</th></tr>"]
+    parts += [f"<tr><td>{html.escape(k)}</td><td class=n>{v:.3f}</td></tr>" for k, v in timing]
+    parts.append("</table>")
+    return parts
+
+
+def _config_section(raw: bytes | None, config: str) -> list[str]:
+    """The keys the run changed from the defaults, then the whole resolved config folded; closes the page."""
     changed = changed_keys(config) if raw is not None else None
-    parts.append("<h2>Config: the keys this run changed</h2>")
+    parts = ["<h2>Config: the keys this run changed</h2>"]
     if changed:
         parts.append("<table><tr><th>key</th><th>default</th><th>this run</th></tr>")
         parts += [f"<tr><td>{html.escape(k)}</td><td>{_cell(d)}</td><td>{_cell(v)}</td></tr>" for k, d, v in changed]
@@ -317,6 +356,21 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
         parts.append("<p>Every key at its default.</p>" if changed == [] else "<p>(no readable config.yaml)</p>")
     parts.append(f"<details><summary>Resolved config</summary><pre>{html.escape(config)}</pre></details>"
                  "</body></html>")
+    return parts
+
+
+def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
+    """Write ``report.html`` (or ``out``) for a run directory; returns its path."""
+    run = Path(run_dir)
+    if not (run / "metrics.jsonl").is_file():
+        raise FileNotFoundError(f"{run} has no metrics.jsonl: not a diffgrpo run directory")
+    rows = [r for r in read_metrics(run / "metrics.jsonl") if isinstance(r, dict)]
+    train = [r for r in rows if "reward" in r]
+    evals = [r for r in rows if any(isinstance(k, str) and k.startswith("eval/") for k in r)]
+    raw, config, saved = _saved_config(run)
+    parts = (_header_section(run, train, saved) + _summary_section(run) + _eval_section(evals)
+             + _figures_section(rows) + _samples_section(run) + _completions_section(run, rows)
+             + _timing_section(train) + _config_section(raw, config))
     dest = Path(out) if out else run / "report.html"
     atomic_write(dest, "\n".join(parts))  # never through a symlink planted at the destination
     return dest
