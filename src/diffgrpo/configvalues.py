@@ -61,76 +61,114 @@ def range_text(lo, hi, gt) -> str:
     return "must be finite"
 
 
-def coerce(key: str, value, tp, meta):
-    """Check ``value`` against the annotated type ``tp`` and the field's metadata; return the coerced value."""
-    origin = typing.get_origin(tp) or tp
-    try:
-        if origin is bool:
-            if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no", "on", "off"):
-                value = value.lower() in ("true", "1", "yes", "on")
-            if isinstance(value, int) and not isinstance(value, bool) and value in (0, 1):  # 1 / 0 are ints
-                value = bool(value)
-            if not isinstance(value, bool):
-                raise TypeError
-        elif origin is int:
-            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
-                raise TypeError
-            if not isinstance(value, (int, float, str)):
-                raise TypeError
-            value = int(value)
-        elif origin is float:
-            if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-                raise TypeError
-            value = float(value)
-        elif origin is str:
-            value = yamlio.text_of(value)  # a number as it was typed: 001 stays "001"
-            if value is None:
-                value = ""
-            if isinstance(value, bool):  # YAML 1.1 reads no / yes / true / off as booleans: the word was meant
-                words = ("true", "yes", "on") if value else ("false", "no", "off")
-                value = next((w for w in words if w in (meta.get("choices") or ())), words[0])
-            if isinstance(value, (list, tuple)):
-                if not all(isinstance(v, SCALARS) for v in value):
-                    raise TypeError
-                value = ",".join(str(yamlio.text_of(v)) for v in value)
-            if not isinstance(value, SCALARS):
-                raise TypeError
-            value = str(value)
-            if meta.get("path") and value.startswith("~"):
-                try:
-                    value = os.path.expanduser(value)
-                except (ValueError, OSError):  # e.g. an embedded NUL byte: refused by the path checks
-                    pass
-        elif origin is dict and typing.get_args(tp)[1:] == (dict,):  # {name: {option: value}}: reward.options
-            if not isinstance(value, dict):
-                raise TypeError
-            value = {str(k): v for k, v in value.items()}
-            for k, v in value.items():
-                if not isinstance(v, dict):
-                    raise ConfigError(f"{show_key(f'{key}.{k}')}: value {v!r} must be a mapping of options, "
-                                      "e.g. {batch_size: 8}")
-        elif origin is dict:
-            if not isinstance(value, dict):
-                raise TypeError
-            value = {str(k): v for k, v in value.items()}
-            for k, v in value.items():
-                entry = show_key(f"{key}.{k}")
-                if not isinstance(v, (int, float)) or isinstance(v, bool):
-                    raise ConfigError(f"{entry}: weight {v!r} must be a number")
-                if not math.isfinite(v):
-                    raise ConfigError(f"{entry}: weight {v!r} must be a finite number")
-        elif origin is list:
-            if isinstance(value, (int, float, str)) and not isinstance(value, bool):
-                value = [value]
-            if not isinstance(value, (list, tuple)) or not all(isinstance(v, SCALARS) for v in value):
-                raise TypeError
-            value = list(value)
-    except (TypeError, ValueError, OverflowError) as e:
-        if isinstance(e, ConfigError):
-            raise
-        raise ConfigError(f"{key}: value {yamlio.short(yamlio.echo(value))} is not a valid {origin.__name__}"
-                          ) from None
-    value = yamlio.plain(value)
+def _as_bool(value) -> bool:
+    """A bool from a bool, a 0 / 1 int or a word (true/false, 1/0, yes/no, on/off); TypeError otherwise."""
+    if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no", "on", "off"):
+        value = value.lower() in ("true", "1", "yes", "on")
+    if isinstance(value, int) and not isinstance(value, bool) and value in (0, 1):  # 1 / 0 are ints
+        value = bool(value)
+    if not isinstance(value, bool):
+        raise TypeError
+    return value
+
+
+def _as_int(value) -> int:
+    """An int from an int, a whole float or a string of one (not a bool)."""
+    if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+        raise TypeError
+    if not isinstance(value, (int, float, str)):
+        raise TypeError
+    return int(value)
+
+
+def _as_float(value) -> float:
+    """A float from a number or a string of one (not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise TypeError
+    return float(value)
+
+
+def _as_str(value, meta) -> str:
+    """Text from a scalar as it was typed, a list of scalars joined by commas, or a YAML boolean read back as the
+    word meant (one of the field's choices when one fits); a path field's ``~`` expanded."""
+    value = yamlio.text_of(value)  # a number as it was typed: 001 stays "001"
+    if value is None:
+        value = ""
+    if isinstance(value, bool):  # YAML 1.1 reads no / yes / true / off as booleans: the word was meant
+        words = ("true", "yes", "on") if value else ("false", "no", "off")
+        value = next((w for w in words if w in (meta.get("choices") or ())), words[0])
+    if isinstance(value, (list, tuple)):
+        if not all(isinstance(v, SCALARS) for v in value):
+            raise TypeError
+        value = ",".join(str(yamlio.text_of(v)) for v in value)
+    if not isinstance(value, SCALARS):
+        raise TypeError
+    value = str(value)
+    if meta.get("path") and value.startswith("~"):
+        try:
+            value = os.path.expanduser(value)
+        except (ValueError, OSError):  # e.g. an embedded NUL byte: refused by the path checks
+            pass
+    return value
+
+
+def _as_option_maps(key: str, value) -> dict:
+    """``{name: {option: value}}`` (reward.options): a mapping of mappings, the names as strings."""
+    if not isinstance(value, dict):
+        raise TypeError
+    value = {str(k): v for k, v in value.items()}
+    for k, v in value.items():
+        if not isinstance(v, dict):
+            raise ConfigError(f"{show_key(f'{key}.{k}')}: value {v!r} must be a mapping of options, "
+                              "e.g. {batch_size: 8}")
+    return value
+
+
+def _as_weights(key: str, value) -> dict:
+    """``{name: number}``: a mapping of finite numbers (not bools), the names as strings."""
+    if not isinstance(value, dict):
+        raise TypeError
+    value = {str(k): v for k, v in value.items()}
+    for k, v in value.items():
+        entry = show_key(f"{key}.{k}")
+        if not isinstance(v, (int, float)) or isinstance(v, bool):
+            raise ConfigError(f"{entry}: weight {v!r} must be a number")
+        if not math.isfinite(v):
+            raise ConfigError(f"{entry}: weight {v!r} must be a finite number")
+    return value
+
+
+def _as_list(value) -> list:
+    """A list of scalars; a single number or string is a list of one."""
+    if isinstance(value, (int, float, str)) and not isinstance(value, bool):
+        value = [value]
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, SCALARS) for v in value):
+        raise TypeError
+    return list(value)
+
+
+def _as_type(key: str, value, tp, origin, meta):
+    """``value`` as the annotated type ``tp`` (``origin``: its unsubscripted form); TypeError, ValueError or
+    OverflowError when it is not one, a ConfigError naming the entry for a bad entry of a mapping."""
+    if origin is bool:
+        return _as_bool(value)
+    if origin is int:
+        return _as_int(value)
+    if origin is float:
+        return _as_float(value)
+    if origin is str:
+        return _as_str(value, meta)
+    if origin is dict and typing.get_args(tp)[1:] == (dict,):  # {name: {option: value}}: reward.options
+        return _as_option_maps(key, value)
+    if origin is dict:
+        return _as_weights(key, value)
+    if origin is list:
+        return _as_list(value)
+    return value
+
+
+def _check_allowed(key: str, value, meta) -> None:
+    """The coerced ``value`` against the field's choices and bounds (``lo`` <=, ``hi`` >=, ``gt`` >)."""
     choices, lo, hi, gt = meta.get("choices"), meta.get("lo"), meta.get("hi"), meta.get("gt")
     if choices is not None and value not in choices:
         raise ConfigError(f"{key}: value {yamlio.short(value)} is not allowed; choose one of {list(choices)}")
@@ -142,7 +180,21 @@ def coerce(key: str, value, tp, meta):
         raise ConfigError(f"{key}: value {value!r} is out of range; must be <= {hi}")
     if gt is not None and not value > gt:
         raise ConfigError(f"{key}: value {value!r} is out of range; must be > {gt}")
-    return value
+
+
+def coerce(key: str, value, tp, meta):
+    """Check ``value`` against the annotated type ``tp`` and the field's metadata; return the coerced value."""
+    origin = typing.get_origin(tp) or tp
+    try:
+        coerced = _as_type(key, value, tp, origin, meta)
+    except (TypeError, ValueError, OverflowError) as e:
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(f"{key}: value {yamlio.short(yamlio.echo(value))} is not a valid {origin.__name__}"
+                          ) from None
+    coerced = yamlio.plain(coerced)
+    _check_allowed(key, coerced, meta)
+    return coerced
 
 
 __all__ = ["SCALARS", "coerce", "one_line", "parse_value", "range_text", "show_key", "yaml_problem"]
