@@ -317,7 +317,6 @@ LONG_MODULES = {
     "config.py": (700, "the whole run schema: every section's dataclass with its field docs, kept a leaf"),
 }
 LONG_FUNCTIONS = {
-    "samplers/masked.py:sample": (86, "the block-wise masked decoding loop with its cache and decode modes"),
     "studies/engines.py:bench_engines": (106, "the bench's variant loop with its skip and keep-going paths"),
 }
 LONG_INITS: dict[str, tuple[int, str]] = {}

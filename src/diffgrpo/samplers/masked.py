@@ -141,23 +141,10 @@ def sample(logits_fn, prompt_ids: torch.Tensor, *, mask_id: int, gen_length: int
     (every masked block token with confidence >= ``threshold``, at least the most confident one, per step;
     ``steps`` unused). ``cache``: a :class:`DecodeCache` used on every step of a block but its first (and every
     ``cache_refresh``-th when > 0, where the cache is rebuilt by a full forward)."""
-    if remasking not in REMASKING:
-        raise ValueError(f"remasking must be one of {REMASKING}, got {remasking!r}")
-    if decode not in DECODERS:
-        raise ValueError(f"decode must be one of {DECODERS}, got {decode!r}")
-    if decode == "threshold" and not 0 < threshold <= 1:
-        raise ValueError(f"threshold must be in (0, 1], got {threshold}")
+    _check_options(remasking, decode, threshold)
     B, P = prompt_ids.shape
     L, dev = gen_length, prompt_ids.device
-    if decode == "schedule":
-        sched = schedule(gen_length, block_length, steps)
-        per_block = len(sched) // (L // block_length)
-        counts = [[k for blk, k in sched if blk == b] for b in range(L // block_length)]
-    else:
-        if gen_length % block_length:
-            raise ValueError(f"gen_length {gen_length} must be a multiple of block_length {block_length}")
-        per_block = block_length  # at most: at least one token per step
-        counts = None
+    per_block, counts = _block_plan(decode, gen_length, block_length, steps)
     x = torch.cat([prompt_ids, torch.full((B, L), mask_id, dtype=torch.long, device=dev)], 1)  # (B, P+L)
     rec = _Records(B, L, dev)
     pos = torch.arange(L, device=dev)
@@ -172,51 +159,91 @@ def sample(logits_fn, prompt_ids: torch.Tensor, *, mask_id: int, gen_length: int
             rows = all_rows if counts is not None else all_rows[masked.any(1)]
             if rows.numel() == 0:
                 break
-            # logits of completion positions [w0, w0 + W) for ``rows``, <mask> removed
-            if cache is None:
-                raw, w0 = logits_fn(x if rows.numel() == B else x[rows])[:, P:], 0
-                rec.forwards += rows.numel()
-                rec.query_tokens += rows.numel() * (P + L)
-            elif i == 0 or (cache_refresh > 0 and i % cache_refresh == 0):
-                raw, w0 = cache.begin(x, rows, start, end), 0
-                rec.forwards += rows.numel()
-                rec.query_tokens += rows.numel() * (P + L)
-            else:
-                raw, w0 = cache.step(x, rows)
-                rec.forwards += rows.numel()
-                rec.query_tokens += rows.numel() * cache.query_length()
-            logits = token_logits(raw.float(), mask_id)  # (n, W, V)
-            W = logits.shape[1]
-            # the random draws are made for all (B, L) positions every step whatever is computed, so every
-            # decoder and cache setting consumes the generator alike
-            if temperature > 0:
-                u = torch.rand((B, L, logits.shape[-1]), generator=generator, device=dev, dtype=torch.float64)
-                u = u[rows, w0:w0 + W]
-            u_rank = torch.rand(B, L, generator=generator, device=dev) if remasking == "random" else None
-            p, e, m = predictive_stats(logits)  # (n, W, V), (n, W), (n, W)
-            x0 = gumbel_argmax(logits, temperature, None, noise=u if temperature > 0 else None)  # (n, W)
-            p0 = p.gather(-1, x0.unsqueeze(-1)).squeeze(-1)  # (n, W)
-            if remasking == "random" and decode == "schedule":
-                score = u_rank[rows, w0:w0 + W]
-            else:
-                score = p0.clone()
-            cand = masked[rows, w0:w0 + W]  # (n, W)
-            score = torch.where(cand, score, torch.full_like(score, -float("inf")))
-            if counts is not None:
-                k = torch.full((rows.numel(),), counts[blk][i], dtype=torch.long, device=dev)
-            else:  # every candidate at or above the threshold, at least one
-                k = (cand & (p0 >= threshold)).sum(1).clamp_min(1)
-            kmax = int(k.max())
-            pick = score.topk(kmax, dim=-1).indices  # (n, kmax) highest score first
-            valid = torch.arange(kmax, device=dev) < k.unsqueeze(1)  # (n, kmax)
-            slp = None
-            if temperature > 0:
-                slp = torch.log_softmax(logits.double() / temperature, -1).gather(-1, x0.unsqueeze(-1)).squeeze(-1)
-            rec.commit(x, P, rows, pick, valid, w0, s, x0=x0, p0=p0, ent=e, marg=m, slp=slp)
+            refresh = i == 0 or (cache_refresh > 0 and i % cache_refresh == 0)
+            raw, w0 = _window_logits(logits_fn, cache, x, rows, P, refresh, start, end, rec)
+            _decode_step(raw, x, P, rows, masked, w0, s, rec, mask_id=mask_id, temperature=temperature,
+                         remasking=remasking, decode=decode, threshold=threshold, generator=generator,
+                         count=None if counts is None else counts[blk][i])
             s += 1
     return MaskedSample(sequences=x, commit_step=rec.commit_step, confidence=rec.conf, entropy=rec.ent,
                         margin=rec.marg, block_rank=rec.rank, order=rec.order, step_log_prob=rec.slp, num_steps=s,
                         forwards=rec.forwards, query_tokens=rec.query_tokens)
+
+
+def _check_options(remasking: str, decode: str, threshold: float) -> None:
+    """ValueError on an unknown remasking or decoder, or a threshold outside (0, 1] for the threshold decoder."""
+    if remasking not in REMASKING:
+        raise ValueError(f"remasking must be one of {REMASKING}, got {remasking!r}")
+    if decode not in DECODERS:
+        raise ValueError(f"decode must be one of {DECODERS}, got {decode!r}")
+    if decode == "threshold" and not 0 < threshold <= 1:
+        raise ValueError(f"threshold must be in (0, 1], got {threshold}")
+
+
+def _block_plan(decode: str, gen_length: int, block_length: int, steps: int) -> tuple[int, list[list[int]] | None]:
+    """(steps per block at most, tokens to commit per block and step or None when the threshold decides).
+    Raises ValueError on inconsistent sizes."""
+    if decode == "schedule":
+        sched = schedule(gen_length, block_length, steps)
+        n_blocks = gen_length // block_length
+        return len(sched) // n_blocks, [[k for blk, k in sched if blk == b] for b in range(n_blocks)]
+    if gen_length % block_length:
+        raise ValueError(f"gen_length {gen_length} must be a multiple of block_length {block_length}")
+    return block_length, None  # at most: at least one token per step
+
+
+def _window_logits(logits_fn, cache: DecodeCache | None, x: torch.Tensor, rows: torch.Tensor, P: int,
+                   refresh: bool, start: int, end: int, rec: _Records) -> tuple[torch.Tensor, int]:
+    """Raw logits (n, W, V) of completion positions [w0, w0 + W) for ``rows`` (n,), and w0: a full forward
+    without a cache, else the cache rebuilt (``refresh``) or its query window; the cost counted in ``rec``."""
+    N = x.shape[1]  # P + L
+    if cache is None:
+        raw, w0 = logits_fn(x if rows.numel() == x.shape[0] else x[rows])[:, P:], 0
+        query = N
+    elif refresh:
+        raw, w0 = cache.begin(x, rows, start, end), 0
+        query = N
+    else:
+        raw, w0 = cache.step(x, rows)
+        query = cache.query_length()
+    rec.forwards += rows.numel()
+    rec.query_tokens += rows.numel() * query
+    return raw, w0
+
+
+def _decode_step(raw: torch.Tensor, x: torch.Tensor, P: int, rows: torch.Tensor, masked: torch.Tensor, w0: int,
+                 step: int, rec: _Records, *, mask_id: int, temperature: float, remasking: str, decode: str,
+                 threshold: float, generator: torch.Generator | None, count: int | None) -> None:
+    """One decoding step from the window's raw logits (n, W, V): propose a token per position, score the masked
+    candidates and commit ``count`` of them per row (None: those at or above ``threshold``, at least one)."""
+    B, L = masked.shape
+    dev = x.device
+    logits = token_logits(raw.float(), mask_id)  # (n, W, V), <mask> removed
+    W = logits.shape[1]
+    # the random draws are made for all (B, L) positions every step whatever is computed, so every
+    # decoder and cache setting consumes the generator alike
+    u = None
+    if temperature > 0:
+        u = torch.rand((B, L, logits.shape[-1]), generator=generator, device=dev, dtype=torch.float64)
+        u = u[rows, w0:w0 + W]
+    u_rank = torch.rand(B, L, generator=generator, device=dev) if remasking == "random" else None
+    p, e, m = predictive_stats(logits)  # (n, W, V), (n, W), (n, W)
+    x0 = gumbel_argmax(logits, temperature, None, noise=u)  # (n, W)
+    p0 = p.gather(-1, x0.unsqueeze(-1)).squeeze(-1)  # (n, W)
+    score = u_rank[rows, w0:w0 + W] if remasking == "random" and decode == "schedule" else p0.clone()
+    cand = masked[rows, w0:w0 + W]  # (n, W)
+    score = torch.where(cand, score, torch.full_like(score, -float("inf")))
+    if count is not None:
+        k = torch.full((rows.numel(),), count, dtype=torch.long, device=dev)
+    else:  # every candidate at or above the threshold, at least one
+        k = (cand & (p0 >= threshold)).sum(1).clamp_min(1)
+    kmax = int(k.max())
+    pick = score.topk(kmax, dim=-1).indices  # (n, kmax) highest score first
+    valid = torch.arange(kmax, device=dev) < k.unsqueeze(1)  # (n, kmax)
+    slp = None
+    if temperature > 0:
+        slp = torch.log_softmax(logits.double() / temperature, -1).gather(-1, x0.unsqueeze(-1)).squeeze(-1)
+    rec.commit(x, P, rows, pick, valid, w0, step, x0=x0, p0=p0, ent=e, marg=m, slp=slp)
 
 
 class _Records:
