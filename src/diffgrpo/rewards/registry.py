@@ -18,6 +18,7 @@ from ..errors import ConfigError, suggest
 from . import calling, clip_models, edit, geneval, ocr, verifiers
 from .http import http as http_reward
 from .image import digit_alignment, jpeg_compressibility, jpeg_incompressibility
+from .shapes import shapes_correct, shapes_score
 
 RewardFn = Callable[..., object]
 
@@ -25,6 +26,8 @@ REWARDS: dict[str, RewardFn] = {
     "digit_alignment": digit_alignment,
     "jpeg_compressibility": jpeg_compressibility,
     "jpeg_incompressibility": jpeg_incompressibility,
+    "shapes_correct": shapes_correct,  # the shapes task's checker: every constraint met (0/1)
+    "shapes_score": shapes_score,  # the fraction of its constraints met
     # text verifiers (completions are strings; the reference is read from the prompt and metadata["answer"])
     "verify_gsm8k": verifiers.verify_gsm8k,
     "verify_countdown": verifiers.verify_countdown,
