@@ -109,14 +109,7 @@ def bench_engines(cfg: RunConfig, variants: list[str], *, repeats: int = 3, out_
     base = Trainer(RunConfig.from_overrides(["engine.name=recompute"], base=cfg), policy=policy, log=log)
     base_state = {k: v.clone() for k, v in base.policy.state_dict().items()}
     rng_state = base.family.rng_state()  # every variant replays the same prompts, noise and steps
-    trainers = {}
-    for spec in variants:
-        label, ov = parse_variant(spec)
-        vcfg = RunConfig.from_overrides(ov, base=cfg)
-        if needs_reference(vcfg):  # e.g. dgpo: the reference is part of its loss
-            base.policy.ensure_reference()
-        t = Trainer(vcfg, policy=base.policy, log=log)
-        trainers[label] = t
+    trainers = _variant_trainers(cfg, variants, base, log)
     results = {label: [] for label in trainers}
     errors: dict[str, str] = {}  # keep_going: variants that raised, with the first line of their error
     for r in range(repeats + 1):  # first round is warm-up
@@ -125,68 +118,21 @@ def bench_engines(cfg: RunConfig, variants: list[str], *, repeats: int = 3, out_
             if label in errors:
                 continue
             try:
-                res = _run_variant(trainers[label], base_state, rng_state)
-                if r == 0:
-                    # exact reference: recompute on this variant's own rollout (same selected steps)
-                    ro = res["ro"]
-                    base.optimizer.zero_grad(set_to_none=True)
-                    RecomputeEngine().backward(trainers[label].family.ctx, ro, 0)
-                    res["ref_cos"], res["ref_relerr"] = _compare(res["grad"], [p.grad for p in base.params])
-                    base.optimizer.zero_grad(set_to_none=True)
+                res = _measure(trainers[label], base, base_state, rng_state, reference=r == 0)
             except Exception as e:  # e.g. out of memory at a real size: drop this variant, keep the others
                 if not keep_going or label == "recompute":
                     raise
-                errors[label] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
-                res = None
-                for t in (trainers[label], base):
-                    t.optimizer.zero_grad(set_to_none=True)
-                if torch.cuda.is_available():
-                    torch.cuda.empty_cache()
-                log(f"bench engines: {label} failed ({errors[label]}); the other variants go on")
+                errors[label] = _drop(label, e, (trainers[label], base), log)
                 continue
             results[label].append(res)
             res.pop("ro", None)
             res.pop("grad", None)
     base.policy.load_state_dict(base_state)
-    rows = []
-    labels = [lab for lab in trainers if lab not in errors]
-    base_label = next((lab for lab in labels if lab == "recompute"), None)
-    for label in labels:
-        runs = results[label]
-        timed = runs[1:] if len(runs) > 1 else runs
-        row = {
-            "variant": label,
-            "rollout_s": statistics.median(x["t_rollout"] for x in timed),
-            "train_s": statistics.median(x["t_train"] for x in timed),
-            "iteration_s": statistics.median(x["t_iter"] for x in timed),
-            # sampling (without an engine's rollout-time backwards, which count as train), reward, and the warm-up
-            # iteration (compilation, first-call allocations)
-            "sample_s": statistics.median(x["t_sample"] for x in timed),
-            "reward_s": statistics.median(x["t_reward"] for x in timed),
-            "first_iteration_s": runs[0]["t_iter"],
-            "peak_memory_bytes": max(x["peak"] for x in timed),
-            # the timed runs' counters (an engine's work may differ on the warm-up: nft's θ_old equals θ bit for
-            # bit on its first rollout and needs no θ_old forwards then); the warm-up's are kept if they differ
-            "counters": timed[-1]["counters"],
-            **({"counters_first": runs[0]["counters"]} if runs[0]["counters"] != timed[-1]["counters"] else {}),
-            "grad_cos_vs_recompute": runs[0]["ref_cos"],
-            "grad_relerr_vs_recompute": runs[0]["ref_relerr"],
-            "metrics": runs[0]["metrics"],
-        }
-        rows.append(row)
-    if base_label is not None:
-        b = next(r for r in rows if r["variant"] == base_label)
+    rows = [_row(label, results[label]) for label in trainers if label not in errors]
+    b = next((row for row in rows if row["variant"] == "recompute"), None)
+    if b is not None:
         for row in rows:
-            row["train_speedup"] = b["train_s"] / max(row["train_s"], 1e-12)
-            row["iteration_speedup"] = b["iteration_s"] / max(row["iteration_s"], 1e-12)
-            bc, rc = b["counters"], row["counters"]
-            tb = bc["train_forwards_grad"] + bc["train_forwards_nograd"] + 2 * bc["sample_backwards"]
-            tr = rc["train_forwards_grad"] + rc["train_forwards_nograd"] + 2 * rc["sample_backwards"]
-            row["ideal_train_speedup"] = tb / max(tr, 1e-12)
-            row["ideal_iteration_speedup"] = _cost(bc) / max(_cost(rc), 1e-12)
-            row["train_efficiency"] = row["train_speedup"] / row["ideal_train_speedup"]
-            row["iteration_efficiency"] = row["iteration_speedup"] / row["ideal_iteration_speedup"]
-            row["memory_vs_recompute"] = row["peak_memory_bytes"] / max(b["peak_memory_bytes"], 1)
+            row.update(_versus_recompute(row, b))
     report = {
         "config": cfg.to_dict(), "repeats": repeats, "device": str(base.device),
         "torch_threads": torch.get_num_threads(), "batch": cfg.train.prompts_per_batch * cfg.train.group_size,
@@ -201,6 +147,83 @@ def bench_engines(cfg: RunConfig, variants: list[str], *, repeats: int = 3, out_
         atomic_write(out / "engines.md", md)
     log(md)
     return report
+
+
+def _variant_trainers(cfg: RunConfig, variants: list[str], base: Trainer, log) -> dict[str, Trainer]:
+    """label → a trainer of that variant sharing ``base``'s policy (its reference made when the variant needs it)."""
+    trainers = {}
+    for spec in variants:
+        label, ov = parse_variant(spec)
+        vcfg = RunConfig.from_overrides(ov, base=cfg)
+        if needs_reference(vcfg):  # e.g. dgpo: the reference is part of its loss
+            base.policy.ensure_reference()
+        trainers[label] = Trainer(vcfg, policy=base.policy, log=log)
+    return trainers
+
+
+def _measure(trainer: Trainer, base: Trainer, base_state: dict, rng_state: dict, *, reference: bool) -> dict:
+    """One measured iteration of ``trainer``; with ``reference`` also its gradient's cosine and relative error
+    against the exact one: recompute on this variant's own rollout (same selected steps), in ``base``."""
+    res = _run_variant(trainer, base_state, rng_state)
+    if reference:
+        ro = res["ro"]
+        base.optimizer.zero_grad(set_to_none=True)
+        RecomputeEngine().backward(trainer.family.ctx, ro, 0)
+        res["ref_cos"], res["ref_relerr"] = _compare(res["grad"], [p.grad for p in base.params])
+        base.optimizer.zero_grad(set_to_none=True)
+    return res
+
+
+def _drop(label: str, e: Exception, trainers: tuple[Trainer, ...], log) -> str:
+    """A variant that raised leaves the benchmark: its gradients and the cached device memory are freed, the
+    others go on. → the first line of its error."""
+    error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+    for t in trainers:
+        t.optimizer.zero_grad(set_to_none=True)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    log(f"bench engines: {label} failed ({error}); the other variants go on")
+    return error
+
+
+def _row(label: str, runs: list[dict]) -> dict:
+    """A variant's row: medians over the timed runs (the warm-up when it is the only one), the warm-up's
+    gradient comparison and metrics."""
+    timed = runs[1:] if len(runs) > 1 else runs
+    return {
+        "variant": label,
+        "rollout_s": statistics.median(x["t_rollout"] for x in timed),
+        "train_s": statistics.median(x["t_train"] for x in timed),
+        "iteration_s": statistics.median(x["t_iter"] for x in timed),
+        # sampling (without an engine's rollout-time backwards, which count as train), reward, and the warm-up
+        # iteration (compilation, first-call allocations)
+        "sample_s": statistics.median(x["t_sample"] for x in timed),
+        "reward_s": statistics.median(x["t_reward"] for x in timed),
+        "first_iteration_s": runs[0]["t_iter"],
+        "peak_memory_bytes": max(x["peak"] for x in timed),
+        # the timed runs' counters (an engine's work may differ on the warm-up: nft's θ_old equals θ bit for
+        # bit on its first rollout and needs no θ_old forwards then); the warm-up's are kept if they differ
+        "counters": timed[-1]["counters"],
+        **({"counters_first": runs[0]["counters"]} if runs[0]["counters"] != timed[-1]["counters"] else {}),
+        "grad_cos_vs_recompute": runs[0]["ref_cos"],
+        "grad_relerr_vs_recompute": runs[0]["ref_relerr"],
+        "metrics": runs[0]["metrics"],
+    }
+
+
+def _versus_recompute(row: dict, b: dict) -> dict:
+    """A row's measured and ideal speed-ups (counted cost), efficiencies and memory against recompute's row ``b``."""
+    out = {"train_speedup": b["train_s"] / max(row["train_s"], 1e-12),
+           "iteration_speedup": b["iteration_s"] / max(row["iteration_s"], 1e-12)}
+    bc, rc = b["counters"], row["counters"]
+    tb = bc["train_forwards_grad"] + bc["train_forwards_nograd"] + 2 * bc["sample_backwards"]
+    tr = rc["train_forwards_grad"] + rc["train_forwards_nograd"] + 2 * rc["sample_backwards"]
+    out["ideal_train_speedup"] = tb / max(tr, 1e-12)
+    out["ideal_iteration_speedup"] = _cost(bc) / max(_cost(rc), 1e-12)
+    out["train_efficiency"] = out["train_speedup"] / out["ideal_train_speedup"]
+    out["iteration_efficiency"] = out["iteration_speedup"] / out["ideal_iteration_speedup"]
+    out["memory_vs_recompute"] = row["peak_memory_bytes"] / max(b["peak_memory_bytes"], 1)
+    return out
 
 
 def to_markdown(report: dict) -> str:
