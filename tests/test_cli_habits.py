@@ -252,3 +252,18 @@ def test_a_gated_model_fails_in_one_line_before_anything_loads(tmp_path, monkeyp
         with pytest.raises(ConfigError, match="no model 'org/missing' on the hub"):
             check_hub(RunConfig.from_overrides(["model.name=diffusers", "model.pretrained=org/missing",
                                                 "reward.weights={jpeg_compressibility: 1.0}"]))
+
+
+def test_a_closed_pipe_ends_a_command_quietly():
+    """`diffgrpo configs list | head -1`: the reader goes away; the command stops without a
+    traceback (exit 128 + SIGPIPE, as a shell reports a command ended by a closed pipe)."""
+    import os
+    import subprocess
+    import sys
+
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the first line is written
+    p = subprocess.Popen([sys.executable, "-m", "diffgrpo", "configs", "list"], stdout=write, stderr=subprocess.PIPE)
+    os.close(write)
+    err = p.communicate(timeout=60)[1].decode()
+    assert p.returncode == 141 and "Traceback" not in err and "Exception ignored" not in err, err

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import signal
 import sys
 from pathlib import Path
 
@@ -221,7 +222,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     try:
         args = parse_args(argv)
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # a closed pipe surfaces here, inside the handlers, not at the interpreter's exit
+        return code
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -231,6 +234,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # a second SIGINT while the current iteration finishes
         print("error: interrupted before a checkpoint could be written", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader of stdout went away (`diffgrpo configs list | head -1`): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes
+        return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":
