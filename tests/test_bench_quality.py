@@ -200,7 +200,9 @@ def test_an_interrupted_benchmark_reads_as_one_with_the_budget_every_cell_reache
 
 def test_sigterm_stops_a_benchmark_from_the_cli_with_its_outputs(tmp_path):
     """SIGTERM while the cells train: the current step ends, the outputs are written for the evaluation marks every
-    cell passed, the command exits 143 (128 + SIGTERM), and the table says where it stopped."""
+    cell passed, the command exits 143 (128 + SIGTERM), and the table says where it stopped. The progress lines reach
+    the pipe as they are printed (no PYTHONUNBUFFERED), so the signal comes while the cells train."""
+    import os
     import signal
     import subprocess
     import sys
@@ -212,7 +214,7 @@ def test_sigterm_stops_a_benchmark_from_the_cli_with_its_outputs(tmp_path):
     p = subprocess.Popen([sys.executable, "-m", "diffgrpo.cli", "bench", "quality", *tiny, "--variant", "a=",
                           "--variant", "b=engine.name=single_step", "--seeds", "0", "1", "--iterations", "40",
                           "--evals", "8", "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         text=True)
+                         text=True, env={k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"})
     lines = []
     for line in p.stdout:
         lines.append(line)

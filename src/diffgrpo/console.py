@@ -6,6 +6,11 @@ iterations elsewhere (a piped log or a scheduler's file gets no carriage returns
   Progress(...)        ``update(row)`` per iteration: a tqdm bar when ``bar`` is set and stderr is a terminal, else a
                        line ``iteration 10/40  reward 0.8123  1.52 s/it  eta 45 s`` every ``every`` iterations
                        (0 = about ten lines per run); nothing when disabled (ranks > 0).
+  Steps(total, desc)   the steps of a first-time pretraining: a tqdm bar on a terminal, else a line
+                       ``pretraining ...: step 500/5000  loss 0.0312  12.0 s  eta 108 s`` about every tenth of
+                       the steps (``set_postfix(loss=...)`` as on a tqdm bar); nothing when disabled.
+  stream_lines()       stdout written through at every line break, also into a pipe or a file, so a scheduler's
+                       log or ``| tee`` shows each progress line as it is printed, not at the end of the run.
   end_summary(...)     the closing lines: wall time, train reward first → last, every held-out reward and guard
                        start → end, and the paths of the outputs.
 """
@@ -42,7 +47,7 @@ class Progress:
                  log: Callable[[str], None] = emit, stream=None, desc: str = "GRPO"):
         self.total, self.done, self.log = total, initial, log
         stream = sys.stderr if stream is None else stream
-        self.tty = bool(getattr(stream, "isatty", lambda: False)())
+        self.tty = _is_tty(stream)
         self.enabled = enabled
         self.every = every or auto_every(total)
         self.bar = tqdm(total=total, initial=initial, desc=desc, file=stream) if enabled and bar and self.tty else None
@@ -68,6 +73,60 @@ class Progress:
             self.bar.close()
 
 
+def _is_tty(stream) -> bool:
+    return bool(getattr(stream, "isatty", lambda: False)())
+
+
+def stream_lines(stream=None) -> None:
+    """Make ``stream`` (default stdout) flush at every line break; a no-op for a stream that cannot (a test's
+    capture)."""
+    stream = sys.stdout if stream is None else stream
+    reconfigure = getattr(stream, "reconfigure", None)
+    if reconfigure is not None:
+        try:
+            reconfigure(line_buffering=True)
+        except (ValueError, OSError):  # a closed or detached stream
+            pass
+
+
+class Steps:
+    """Iterate over ``range(total)`` reporting progress (see the module docstring): a bar when ``stream`` (stderr)
+    is a terminal, else ``log`` lines every ``every`` steps (0: about ten). ``set_postfix(loss=...)`` sets what the
+    next line shows."""
+
+    def __init__(self, total: int, desc: str, *, enabled: bool = True, every: int = 0,
+                 log: Callable[[str], None] = emit, stream=None):
+        stream = sys.stderr if stream is None else stream
+        self.total, self.desc, self.log, self.postfix = total, desc, log, {}
+        self.lines = enabled and not _is_tty(stream)
+        self.every = every or auto_every(total)
+        self.bar = tqdm(total=total, desc=desc, file=stream, leave=False) if enabled and not self.lines else None
+
+    def set_postfix(self, **values) -> None:
+        self.postfix = values
+        if self.bar is not None:
+            self.bar.set_postfix(**values)
+
+    def __iter__(self):
+        t0 = time.perf_counter()
+        try:
+            for i in range(self.total):
+                yield i
+                done = i + 1
+                if self.bar is not None:
+                    self.bar.update(1)
+                elif self.lines and (done % self.every == 0 or done == self.total):
+                    self.log(self._line(done, time.perf_counter() - t0))
+        finally:
+            if self.bar is not None:
+                self.bar.close()
+
+    def _line(self, done: int, seconds: float) -> str:
+        shown = "".join(f"  {k} {v}" for k, v in self.postfix.items())
+        eta = seconds / done * (self.total - done)
+        return f"{self.desc}: step {done}/{self.total}{shown}  {seconds:.1f} s  eta {eta:.0f} s"
+
+
 def _fmt(v) -> str:
     return "n/a" if v is None else f"{v:.4f}"
 
@@ -91,4 +150,4 @@ def end_summary(run_dir: Path, summary: dict, *, wall_seconds: float, train_rows
     return lines
 
 
-__all__ = ["LOGGER", "Progress", "auto_every", "emit", "end_summary"]
+__all__ = ["LOGGER", "Progress", "Steps", "auto_every", "emit", "end_summary", "stream_lines"]

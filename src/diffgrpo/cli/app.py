@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from .._version import __version__
+from ..console import stream_lines
 from ..errors import ConfigError, RewardError, TrainingError
 from . import flags
 from .bench import cmd_bench, cmd_bench_quality
@@ -220,6 +221,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    stream_lines()  # progress reaches a pipe (| tee, a scheduler's log) line by line, as it is printed
     try:
         args = parse_args(argv)
         code = args.func(args)

@@ -34,6 +34,7 @@ import torch.nn as nn
 
 from ..cache import cache_lock, cache_root, save_dir_atomic
 from ..config import PretrainConfig, RunConfig
+from ..console import Steps
 from ..distributed import launched_local_rank, resolve_device
 from ..errors import ConfigError
 from ..tasks import VOCAB, get_task, pad_right
@@ -229,8 +230,6 @@ def pretrain_tiny_mlm(task, pcfg: PretrainConfig, *, progress: bool = True, arch
     in sudoku; another example's answer for tasks without one). The base then answers in the right format but
     wrongly about ρ of the time when sampled: one habit shared by all prompts, which GRPO with a verifiable
     reward can train away and which therefore shows on held-out prompts too."""
-    from tqdm.auto import tqdm
-
     g = torch.Generator().manual_seed(pcfg.seed)
     torch.manual_seed(pcfg.seed)
     net = tiny_bert(len(VOCAB), max_positions=task.prompt_length + task.gen_length, **(arch or {}))
@@ -248,7 +247,7 @@ def pretrain_tiny_mlm(task, pcfg: PretrainConfig, *, progress: bool = True, arch
     def fn(x):
         return net(input_ids=x, attention_mask=(x != VOCAB.pad_id).long()).logits
 
-    bar = tqdm(range(pcfg.steps), desc=f"pretraining tiny dLLM ({task.name})", disable=not progress, leave=False)
+    bar = Steps(pcfg.steps, f"pretraining tiny dLLM ({task.name})", enabled=progress)  # a bar only on a terminal
     ema = None
     for _ in bar:
         idx = torch.randint(len(pool), (pcfg.batch_size,), generator=g)  # (b,)

@@ -22,11 +22,13 @@ import torch.nn.functional as F
 
 from ..cache import cache_lock, cache_root, save_dir_atomic
 from ..config import ModelConfig, PretrainConfig, RunConfig
+from ..console import Steps
 from ..data import NUMBER_WORDS, digits_split
 from ..distributed import launched_local_rank, resolve_device
 from .diffusers_adapter import DiffusersFlowPolicy, PolicyOptions
 from .pretraining import pretrain_step
 from .reference import needs_reference
+from .tiny_shapes import ShapesFlowNet, load_or_pretrain_shapes
 
 VOCAB = ["<pad>", "<bos>", "<unk>", "a", "an", "the", "handwritten", "digit", "number", "of", "image", "picture",
          *[str(i) for i in range(10)], *NUMBER_WORDS]
@@ -114,8 +116,6 @@ def _training_prompts(y: torch.Tensor, g: torch.Generator, dropout: float) -> li
 
 def pretrain(mcfg: ModelConfig, pcfg: PretrainConfig, *, progress: bool = True) -> TinyFlowNet:
     """Rectified-flow pretraining on the digits train split; returns the trained network (CPU, eval mode)."""
-    from tqdm.auto import tqdm
-
     g = torch.Generator().manual_seed(pcfg.seed)
     torch.manual_seed(pcfg.seed)
     (x_tr, y_tr), _ = digits_split(mcfg.image_size)
@@ -125,7 +125,7 @@ def pretrain(mcfg: ModelConfig, pcfg: PretrainConfig, *, progress: bool = True) 
     warm = max(1, pcfg.steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(  # linear warm-up, cosine decay to 0
         opt, lambda i: min(1.0, (i + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(i, pcfg.steps) / pcfg.steps)))
-    bar = tqdm(range(pcfg.steps), desc="pretraining built-in model", disable=not progress, leave=False)
+    bar = Steps(pcfg.steps, "pretraining built-in model", enabled=progress)  # a bar only on a terminal
     ema = None
     for _ in bar:
         idx = torch.randint(len(y_tr), (pcfg.batch_size,), generator=g)
@@ -178,17 +178,21 @@ def build_tiny_policy(cfg: RunConfig, *, progress=True, log=print, pretrained=Tr
     LoRA adapter on it (default targets: SD3's joint-attention projections).
     """
     m = cfg.model
-    net = load_or_pretrain(m, cfg.pretrain, progress=progress, log=log) if pretrained else \
-        TinyFlowNet(**arch_kwargs(m))
+    cls, load = BUILT_IN_NETS[cfg.train.task]
+    net = load(m, cfg.pretrain, progress=progress, log=log) if pretrained else cls(**arch_kwargs(m))
     device = resolve_device(m.device, launched_local_rank())  # the Trainer passes it resolved already
     text = net.text.to(device).eval().requires_grad_(False)  # frozen, as text encoders are in SD3 post-training
     options = PolicyOptions(guidance_scale=m.guidance_scale, negative_prompt="", device=device,
                             lora_rank=m.lora_rank, lora_alpha=m.lora_alpha, lora_target_modules=m.lora_target_modules,
                             keep_reference=needs_reference(cfg), mixed_precision=m.mixed_precision,
                             gradient_checkpointing=m.gradient_checkpointing)
-    return DiffusersFlowPolicy(net.transformer, "sd3", options, latent_shape=(1, net.image_size, net.image_size),
+    channels = net.transformer.config.in_channels  # 1 (digits) or 3 (shapes)
+    return DiffusersFlowPolicy(net.transformer, "sd3", options, latent_shape=(channels, net.image_size, net.image_size),
                                encoder=text.encode, decoder=decode_pixels)
 
 
-__all__ = ["TinyFlowNet", "PromptEncoder", "build_tiny_policy", "decode_pixels", "load_or_pretrain", "pretrain",
+# train.task → (network class, cached loader) of the built-in image model
+BUILT_IN_NETS = {"digits": (TinyFlowNet, load_or_pretrain), "shapes": (ShapesFlowNet, load_or_pretrain_shapes)}
+
+__all__ = ["BUILT_IN_NETS", "TinyFlowNet", "PromptEncoder", "build_tiny_policy", "decode_pixels", "load_or_pretrain", "pretrain",
            "tokenize"]

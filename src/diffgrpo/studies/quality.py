@@ -52,6 +52,7 @@ import torch
 
 from .. import guards
 from ..config import MODEL_FAMILIES, RunConfig
+from ..console import emit
 from ..errors import ConfigError, TrainingError
 from ..fileio import atomic_write, claim_folder, run_root
 from ..trainer import Trainer
@@ -125,7 +126,7 @@ class Cell:
             self.phases[k] += float(row.get(f"time/{k}", 0.0))
 
 
-def build_cells(base: RunConfig, variants: dict[str, list[str]], seeds: list[int], log=print) -> list[Cell]:
+def build_cells(base: RunConfig, variants: dict[str, list[str]], seeds: list[int], log=emit) -> list[Cell]:
     """Every (variant, seed) cell, configs validated before any model loads."""
     cfgs = [(v, s, RunConfig.from_overrides([*ov, f"seed={s}"], base=base)) for s in seeds
             for v, ov in variants.items()]
@@ -133,7 +134,7 @@ def build_cells(base: RunConfig, variants: dict[str, list[str]], seeds: list[int
 
 
 def interleave(cells: list[Cell], reference: str, *, iterations: int = 0, budget_cost: float = 0.0, evals: int = 4,
-               spacing: str = "linear", max_iterations: int = 0, stop=lambda: False, log=print) -> float:
+               spacing: str = "linear", max_iterations: int = 0, stop=lambda: False, log=emit) -> float:
     """Step the unfinished cell with the least cost until every cell has spent the budget (→ the budget in cost):
     ``budget_cost``, or ``iterations`` of the reference (its seeds' mean cost of one iteration × iterations).
     Each cell is evaluated at the start and when its cost passes each of :func:`eval_marks`. ``stop()`` true
@@ -219,7 +220,7 @@ def run(base: RunConfig, variants: dict[str, list[str]], seeds: list[int], *, ou
         iterations: int = 0, budget_cost: float = 0.0, evals: int = 4, eval_spacing: str = "linear",
         target_fraction: float = 0.95,
         target: float | None = None, metric: str = METRIC, title: str = "", command: str = "",
-        max_iterations: int = 0, log=print) -> dict:
+        max_iterations: int = 0, log=emit) -> dict:
     """The whole benchmark; writes the outputs under ``out`` and returns the summary (see the module docstring)."""
     reference = reference or next(iter(variants))
     if reference not in variants:
@@ -327,7 +328,7 @@ def _write(out: Path, meta: dict, s: dict, cells_json: list, command: str) -> st
 
 
 def resummarize(out: str | Path, *, target_fraction: float | None = None, target: float | None = None,
-                metric: str | None = None, command: str = "", log=print) -> dict:
+                metric: str | None = None, command: str = "", log=emit) -> dict:
     """Summarise a finished benchmark's cells again (``diffgrpo bench quality --from DIR``): another target fraction,
     target or metric, without training anything. Rewrites ``table.md``, ``summary.json`` and ``curves.png``;
     ``command.txt`` keeps the command that trained the cells and gains this one."""
