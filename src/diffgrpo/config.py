@@ -452,6 +452,21 @@ class DistConfig:
 
 
 @dataclass
+class DiversityConfig:
+    """Diversity-preserving objectives (flow): they change rewards, trained samples or advantages, not the engine."""
+    FAMILY: ClassVar[str] = "flow"
+    method: str = _f("off", doc="off, gardo, diversegrpo, drift, or a list of them (applied in that order)")
+    gardo_amplify: float = _f(1.0, lo=0.0, doc="gardo: λ in A' = A·(1 + λ·d̂) for A > 0 (d̂: group-normalised "
+                                                "nearest-neighbour feature distance)")
+    cluster_bonus: float = _f(0.1, lo=0.0, doc="diversegrpo: λ of the reward bonus λ/|cluster| per sample")
+    cluster_threshold: float = _f(0.05, gt=0.0, hi=2.0, doc="diversegrpo: cosine distance below which two samples "
+                                                           "of a group share a cluster")
+    drift_subset: float = _f(0.75, gt=0.0, hi=1.0, doc="drift: share of each group kept, nearest its median reward")
+    drift_shaping: float = _f(0.5, lo=0.0, doc="drift: λ of the reward bonus λ·(Φ(G) − Φ(G∖i)), Φ = mean pairwise "
+                                                "cosine distance")
+
+
+@dataclass
 class RunConfig:
     seed: int = _f(0)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -468,6 +483,7 @@ class RunConfig:
     dllm: DLLMConfig = field(default_factory=DLLMConfig)
     daca: DACAConfig = field(default_factory=DACAConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    diversity: DiversityConfig = field(default_factory=DiversityConfig)
 
     # ------------------------------------------------------------------ construction
     @classmethod

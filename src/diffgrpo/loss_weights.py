@@ -44,7 +44,9 @@ def grpo_loss_weights(rewards: torch.Tensor, group_ids: torch.Tensor, planned: t
                       aggregation: str, world: distributed.WorldInfo, spread: bool = False,
                       std_mode: str | None = None, baseline: str | None = None,
                       sample_weights: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
-                      wave: tuple | None = None, components: dict | None = None, log=print) -> GRPOWeights:
+                      wave: tuple | None = None, components: dict | None = None, log=print,
+                      bonus: torch.Tensor | None = None, subset: torch.Tensor | None = None,
+                      adjust: Callable[[torch.Tensor], torch.Tensor] | None = None) -> GRPOWeights:
     """rewards (B,), group_ids (B,), planned (B, N) bool → :class:`GRPOWeights` (tensors on ``planned``'s device).
 
     ``adv_cfg``: the ``advantage`` config section (clip, eps, filter_zero_std, and std_mode / baseline unless
@@ -53,7 +55,10 @@ def grpo_loss_weights(rewards: torch.Tensor, group_ids: torch.Tensor, planned: t
     waves: the normaliser then counts the whole batch's planned units (samples dropped in other waves count as
     planned), so that the waves sum to the one-wave objective. ``components``: {name: (weight, scores (B,))} of a
     weighted sum of rewards, normalised one by one (``advantages.per_reward_advantages``) when
-    ``adv_cfg.per_reward_norm``. A collective when W > 1 (every rank calls it).
+    ``adv_cfg.per_reward_norm``. Diversity objectives (``diversity.compose``): ``bonus`` (B,) added to the rewards
+    the advantages are formed from (``batch_rewards`` stay the scored ones), ``subset`` (B,) bool: the samples that
+    enter the statistics and the loss, ``adjust``: this rank's advantages (B,) → (B,). A collective when W > 1
+    (every rank calls it).
     """
     W, rank, B = world.world_size, world.rank, len(rewards)
     dev = planned.device
@@ -61,7 +66,8 @@ def grpo_loss_weights(rewards: torch.Tensor, group_ids: torch.Tensor, planned: t
     all_rewards, all_gids = rewards, group_ids.cpu()
     if W > 1:
         all_rewards, all_gids = distributed.gather_groups(rewards, all_gids, spread=spread)
-    kw = dict(valid=torch.isfinite(all_rewards), std_mode=std_mode or adv_cfg.std_mode,
+    shaped, in_stats = _diversity_inputs(all_rewards, group_ids, bonus, subset, W > 1, spread)
+    kw = dict(valid=in_stats, std_mode=std_mode or adv_cfg.std_mode,
               baseline=baseline or adv_cfg.baseline, clip=adv_cfg.clip, eps=adv_cfg.eps, std=adv_cfg.std)
     if adv_cfg.per_reward_norm and components:
         scores = torch.stack([v.float().cpu() for _, v in components.values()])  # (K, B)
@@ -70,9 +76,13 @@ def grpo_loss_weights(rewards: torch.Tensor, group_ids: torch.Tensor, planned: t
         w_k = torch.tensor([float(w) for w, _ in components.values()])
         adv, stats = per_reward_advantages(scores.to(all_rewards.device), w_k.to(all_rewards.device), all_gids, **kw)
     else:
-        adv, stats = group_advantages(all_rewards, all_gids, **kw)
+        adv, stats = group_advantages(shaped, all_gids, **kw)
     adv = adv[rank * B:(rank + 1) * B] if W > 1 else adv
+    if adjust is not None:
+        adv = adjust(adv)
     keep = valid.clone()
+    if subset is not None:
+        keep &= subset.to(keep.device)
     if adv_cfg.filter_zero_std:
         keep &= adv != 0
     if int((~valid).sum()):
@@ -100,6 +110,21 @@ def grpo_loss_weights(rewards: torch.Tensor, group_ids: torch.Tensor, planned: t
     selected = planned if (W > 1 and bool(full.any())) else trained
     return GRPOWeights(advantages=adv.to(dev), valid=valid.to(dev), trained=trained, selected=selected,
                        loss_weights=weights, batch_rewards=all_rewards, stats=stats)
+
+
+def _diversity_inputs(all_rewards: torch.Tensor, group_ids: torch.Tensor, bonus: torch.Tensor | None,
+                      subset: torch.Tensor | None, gather: bool, spread: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(W·B,) rewards the advantages are formed from (with ``bonus``) and the samples in their statistics (finite,
+    and in ``subset``); this rank's (B,) bonus and subset gathered like the rewards."""
+    def every_rank(x: torch.Tensor) -> torch.Tensor:
+        x = x.to(all_rewards.device).float()
+        return distributed.gather_groups(x, group_ids.cpu(), spread=spread)[0] if gather else x
+
+    valid = torch.isfinite(all_rewards)
+    shaped = all_rewards if bonus is None else all_rewards + every_rank(bonus)
+    if subset is not None:
+        valid = valid & (every_rank(subset) > 0)
+    return shaped, valid
 
 
 def apply(ro, w: GRPOWeights) -> None:

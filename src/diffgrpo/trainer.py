@@ -223,6 +223,7 @@ class Trainer:
                 **({"loss": info["first_epoch/loss"]} if "first_epoch/loss" in info else {}),
                 "frac_reward_zero_std": ro.advantage_stats["frac_reward_zero_std"],
                 "adv_clip_frac": ro.advantage_stats["adv_clip_frac"],
+                **{k: v for k, v in ro.advantage_stats.items() if k.startswith("diversity/")},
                 "kl": stats.metrics.get("kl", 0.0), "clip_ratio": stats.metrics.get("clip_ratio", 0.0),
                 "ratio_mean": stats.metrics.get("ratio_mean", 1.0), **info,
                 "forwards_grad": stats.forwards_grad, "forwards_nograd": stats.forwards_nograd,

@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from .. import distributed, guards, sources
+from .. import distributed, diversity, guards, sources
 from ..config import RunConfig
 from ..data import digit_prompt, prompt_digit
 from ..data_sources import EpochSampler, load_prompts, prompt_metadata
@@ -82,6 +82,9 @@ class FlowFamily:
         self.reward_fns = make_rewards(cfg.reward.weights, cfg.reward.options, self.device, timeout=cfg.reward.timeout)
         self.guards = guards.EvalGuards.for_flow(cfg, self.device, log=lambda *a: self.log(*a))  # eval/guard/*
         self.plans_made = 0  # training batches planned (the sliding SDE window's clock)
+        # diversity objectives: their parts act on the rewards, trained samples and advantages of ``weigh``
+        self.diversity = diversity.parse_methods(cfg.diversity.method, diversity.METHODS)
+        self.features = guards.image_feature_fn(cfg, self.device) if self.diversity else None
 
     # ------------------------------------------------------------------ the family protocol
     check_config = staticmethod(rules.check)  # the family's rules (rules.py), run by validation.validate
@@ -292,13 +295,28 @@ class FlowFamily:
 
     def weigh(self, ro: Rollout, wave: tuple | None = None) -> None:
         """Advantages, trained steps and loss weights of a scored rollout (``ro.selected`` = the planned steps),
-        with the engine's per-sample weights; ``wave`` as in :func:`~diffgrpo.loss_weights.grpo_loss_weights`."""
+        with the engine's per-sample weights and the diversity objectives' parts; ``wave`` as in
+        :func:`~diffgrpo.loss_weights.grpo_loss_weights`."""
+        part = self.diversity_part(ro)
+        kw = {} if part is None else dict(bonus=part.bonus, subset=part.subset, adjust=part.adjust)
         apply(ro, grpo_loss_weights(
             ro.rewards, ro.group_ids, ro.selected, adv_cfg=self.cfg.advantage, aggregation=self.cfg.loss.aggregation,
             world=self.world, spread=self.spread, wave=wave, log=self.log,
             components=({k: (w, ro.reward_components[k]) for k, w in self.cfg.reward.weights.items()}
                         if self.cfg.advantage.per_reward_norm else None),
-            sample_weights=lambda trained: self.engine.sample_weights(self.ctx, ro.traj, trained)))
+            sample_weights=lambda trained: self.engine.sample_weights(self.ctx, ro.traj, trained), **kw))
+        if part is not None:
+            ro.advantage_stats.update(part.stats)
+
+    @torch.no_grad()
+    def diversity_part(self, ro: Rollout) -> diversity.Part | None:
+        """The composed part of ``diversity.method`` for a scored rollout (None when off): each objective on the
+        samples' features in the guards' feature space (one feature pass over the decoded samples)."""
+        if not self.diversity:
+            return None
+        feats = self.features(ro.traj.images).float()  # (B, D)
+        return diversity.compose([diversity.DIVERSITY[m](self.cfg.diversity, feats, ro.rewards, ro.group_ids)
+                                  for m in self.diversity])
 
     # ------------------------------------------------------------------ evaluation
     def eval_prompts(self) -> tuple[list[str], list[int], list[dict]]:

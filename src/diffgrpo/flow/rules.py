@@ -6,7 +6,7 @@ from __future__ import annotations
 import inspect
 from pathlib import Path
 
-from .. import guards, plugins
+from .. import diversity, guards, plugins
 from ..config import EngineConfig, LossConfig, RunConfig
 from ..engines import ENGINES, FORWARD_ENGINES
 from ..errors import ConfigError, suggest
@@ -21,8 +21,28 @@ def check(cfg: RunConfig, purpose: str = "train") -> None:
     check_compile(cfg.model, cfg.dist.mode)
     _validate_flow(cfg)
     check_editing(cfg, purpose)  # an editing pipeline needs a source image per prompt
+    check_diversity(cfg)
     held_out = guards.check_config(cfg, "flow")  # eval.guard_*, train.keep_best; guard rewards take reward.options
     check_rewards({**cfg.reward.weights, **held_out}, cfg.reward.options, model_name=cfg.model.name)
+
+
+def check_diversity(cfg: RunConfig) -> None:
+    """``diversity.method``: known names, a feature space to measure samples in, whole groups on each rank."""
+    try:
+        methods = diversity.parse_methods(cfg.diversity.method, diversity.METHODS)
+    except ValueError as e:
+        raise ConfigError(f"diversity.method: {e}") from None
+    if not methods:
+        return
+    if guards.feature_kind(cfg) == "none":
+        raise ConfigError("diversity.method: needs a feature space for the samples; eval.guard_features=none gives "
+                          "none (use digits, clip or a module:function)")
+    if cfg.dist.group_layout == "spread":
+        raise ConfigError("diversity.method: the objectives compare the samples of a whole group; "
+                          "dist.group_layout=spread splits groups over ranks (use local)")
+    if cfg.advantage.per_reward_norm and {"diversegrpo", "drift"} & set(methods):
+        raise ConfigError("diversity.method: diversegrpo / drift add a bonus to the combined reward; "
+                          "advantage.per_reward_norm normalises each reward on its own (turn one off)")
 
 
 def _exists(p: Path) -> bool:
@@ -50,7 +70,22 @@ def _validate_reward_name(name: str) -> None:
     resolve_reward(name)  # raises ConfigError for unknown names, malformed module:function specs, failed imports
 
 
+def _validate_task(cfg: RunConfig) -> None:
+    """``train.task`` chooses the built-in image model's task: it needs that model and its 32-pixel scenes."""
+    task = cfg.train.task
+    if task != "digits" and cfg.model.name != "tiny":
+        raise ConfigError(f"train.task: value {task!r} applies to the built-in image model (model.name=tiny), not "
+                          f"model.name={cfg.model.name}; remove it, or give the prompts with train.prompts_file")
+    if task == "shapes" and cfg.model.image_size != 32:
+        raise ConfigError(f"model.image_size: value {cfg.model.image_size} is not drawn by train.task=shapes (its "
+                          "scenes and checker are 32 × 32); set 32 or leave it out")
+    if task == "shapes" and "digit_alignment" in cfg.reward.weights:
+        raise ConfigError("reward.weights: digit_alignment scores digits, not train.task=shapes' scenes; use "
+                          "shapes_score or shapes_correct")
+
+
 def _validate_flow(cfg: RunConfig) -> None:
+    _validate_task(cfg)
     _validate_engine_name(cfg.engine.name)
     if not cfg.reward.weights:
         raise ConfigError("reward.weights: at least one reward is required, e.g. reward.weights={digit_alignment: 1.0}")
