@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+ROUND_OFF = 1e-5  # cosine distances below this are float32 round-off of equal directions
+
 
 def unit_rows(feats: torch.Tensor) -> torch.Tensor:
     """feats (B, D) → (B, D) float32 rows of unit length (a zero row stays zero)."""
@@ -12,9 +14,11 @@ def unit_rows(feats: torch.Tensor) -> torch.Tensor:
 
 
 def cosine_distances(feats: torch.Tensor) -> torch.Tensor:
-    """feats (n, D) → (n, n) pairwise cosine distances 1 − cos, clamped to [0, 2], zero diagonal."""
+    """feats (n, D) → (n, n) pairwise cosine distances 1 − cos, clamped to [0, 2], zero diagonal; a distance below
+    ``ROUND_OFF`` (float32 round-off of 1 − cos for equal directions) is 0, so identical samples are at distance 0."""
     u = unit_rows(feats)
     d = (1 - u @ u.T).clamp(0, 2)
+    d = torch.where(d < ROUND_OFF, torch.zeros_like(d), d)
     return d.fill_diagonal_(0)
 
 
