@@ -14,7 +14,7 @@ from diffgrpo.config import FAMILY_TITLES, MODEL_FAMILIES, ConfigError, ModelCon
 from diffgrpo.dllm import credit, grpo, likelihood, spg
 from diffgrpo.engines import ENGINES, SELECTION_MODES, awm
 from diffgrpo.families import FAMILIES
-from diffgrpo.models import kv_cache, regional_compile
+from diffgrpo.models import kv_cache, regional_compile, tiny
 from diffgrpo.rewards import REWARDS, TEXT_REWARDS
 from diffgrpo.samplers import flow_sde, masked, savings
 from diffgrpo.tasks import FILE_TASKS, TASKS
@@ -61,6 +61,7 @@ REGISTRIES = {
     "steps.mode": lambda: set(SELECTION_MODES),
     "engine.awm_weighting": lambda: set(awm.WEIGHTINGS),
     "eval.sde_type": lambda: set(flow_sde.SDE_TYPES),
+    "train.task": lambda: set(tiny.BUILT_IN_NETS),
     "dllm.task": lambda: set(TASKS) | set(FILE_TASKS),
     "dllm.method": lambda: set(grpo.METHODS),
     "dllm.remasking": lambda: set(masked.REMASKING),

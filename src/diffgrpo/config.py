@@ -47,6 +47,13 @@ RENAMED = {"model.family": "model.pipeline"}
 MODEL_FAMILIES = {"tiny": "flow", "diffusers": "flow", "tiny_mlm": "dllm", "hf_masked_lm": "dllm"}
 # what each family trains, as error messages name it
 FAMILY_TITLES = {"flow": "flow-matching models", "dllm": "masked diffusion LMs"}
+# train.task → the keys it sets where a config leaves them at their defaults (the digits task's values)
+TASK_DEFAULTS: dict[str, dict[str, Any]] = {
+    "digits": {},
+    "shapes": {"model.image_size": 32, "model.patch_size": 4, "train.prompts_file": "builtin:shapes/train",
+               "eval.prompts_file": "builtin:shapes/test", "reward.weights": {"shapes_score": 1.0, "shapes_correct": 0.0},
+               "eval.guard_rewards": ["shapes_correct"]},
+}
 
 
 @dataclass
@@ -254,6 +261,10 @@ class TrainConfig:
     keep_checkpoints: int = _f(2, lo=1, doc="checkpoints kept on disk (newest)")
     ema_decay: float = _f(0.0, lo=0.0, hi=0.9999, doc="EMA of trainable weights for evaluation; 0 = off")
     max_bad_updates: int = _f(3, lo=1, doc="stop after this many consecutive non-finite updates")
+    task: str = _f("digits", choices=("digits", "shapes"),
+                   doc="the built-in image task (model.name=tiny): digits, or shapes (coloured shapes at 32 px, "
+                       "GenEval-category prompts, a closed-form checker); shapes sets the keys of config.TASK_DEFAULTS "
+                       "a config leaves at their defaults", family="flow")
     digits: list = _f([0, 1, 2, 3, 4, 5, 6, 7, 8, 9], doc="training prompt digits", family="flow")
     prompts_file: str = _f("", path=True, doc="training prompts (replace the digit prompts), drawn by a seeded epoch "
                                               "sampler: a UTF-8 text file (one prompt per line), a .jsonl file (a "
@@ -499,6 +510,7 @@ class RunConfig:
             key = key.strip()
             _walk(cfg, key)  # an unknown key is reported before its value is parsed
             set_path(cfg, key, parse_value(key, raw) if raw.strip() else "")
+        apply_task(cfg)
         _validate(cfg, purpose)
         return cfg
 
@@ -585,6 +597,22 @@ def set_path(cfg, dotted: str, value) -> None:
             set_path(cfg, f"{dotted}.{k}", v)
     else:
         setattr(obj, fld.name, coerce(dotted, value, tp, fld.metadata))
+
+
+def apply_task(cfg: RunConfig) -> None:
+    """Set the keys of ``TASK_DEFAULTS[cfg.train.task]`` that ``cfg`` leaves at their defaults (a saved config
+    holds them already, so applying it twice changes nothing). Only the built-in image model has tasks: for any
+    other ``model.name`` the validation refuses a task but digits instead."""
+    if cfg.model.name != "tiny":
+        return
+    default = RunConfig()
+    for key, value in TASK_DEFAULTS[cfg.train.task].items():
+        obj, fld, _, _ = _walk(cfg, key)
+        base, _, _, _ = _walk(default, key)
+        if key == "eval.guard_rewards":  # a guard reward is held out: never one the config trains on
+            value = [n for n in value if not cfg.reward.weights.get(n)]
+        if getattr(obj, fld.name) == getattr(base, fld.name):
+            set_path(cfg, key, value)
 
 
 def from_dict(cls, data: dict):

@@ -1,4 +1,5 @@
-"""Local data: scikit-learn's handwritten digits (shipped with the package, nothing is downloaded).
+"""Local data: scikit-learn's handwritten digits (shipped with the package, nothing is downloaded), and the
+prompts of the built-in image tasks (``train.task``: digits, shapes) given without a prompt file.
 
 1,797 8×8 images with 17 grey levels, upsampled bilinearly to the requested size. The split is fixed
 (seeded permutation) so the reward classifier's held-out accuracy is measured on images neither it nor the
@@ -10,6 +11,8 @@ import re
 
 import torch
 import torch.nn.functional as F
+
+from .tasks import shapes
 
 NUMBER_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 _DIGIT_RE = re.compile(r"\b(\d)\b")
@@ -44,3 +47,21 @@ def prompt_digit(prompt: str) -> int | None:
         if re.search(rf"\b{w}\b", prompt.lower()):
             return i
     return None
+
+
+def task_metadata(prompt: str, task: str = "digits") -> dict:
+    """What the rewards receive for a prompt given without metadata: the digit it names (or None), and for
+    ``train.task=shapes`` the constraints its text states (``tag``, ``include``; nothing when it is not a prompt
+    of the shapes grammar)."""
+    meta = {"digit": prompt_digit(prompt)}
+    if task == "shapes":
+        meta.update(shapes.parse(prompt) or {})
+    return meta
+
+
+def default_prompts(task: str = "digits") -> list[str]:
+    """The prompts a command samples when given none: the ten digit prompts, or (shapes) the first held-out prompt
+    of each GenEval category."""
+    if task == "shapes":
+        return [shapes.prompts("test", (tag,))[0]["prompt"] for tag in shapes.CATEGORIES]
+    return [digit_prompt(d) for d in range(10)]

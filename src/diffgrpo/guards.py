@@ -20,6 +20,9 @@ Each evaluation (fixed prompts and seeds) reports, beside its rewards, under ``e
   a policy that collapses every sample onto the base mean scores 1; comparable across feature spaces).
 - ``diversity``: per prompt (``eval.seeds_per_prompt`` / ``dllm.eval_samples`` consecutive samples), the mean
   pairwise L2 distance of the features, averaged over prompts (0 when every seed of a prompt gives one image).
+- ``detection_diversity`` (runs scored by the shapes checker, ``shapes_correct`` / ``shapes_score``): the same per
+  prompt from the checker's own detections, the mean pairwise distance of the samples' object layouts
+  (positions, sizes, which objects; :mod:`diffgrpo.rewards.shapes_diversity`).
 
 Feature spaces (``eval.guard_features``), all available offline: ``digits`` (the built-in task's classifier, 64-d
 penultimate features, :func:`digit_features`), ``clip`` (unit-norm image embeddings of the CLIP model of the
@@ -55,7 +58,7 @@ from .data import digits_split
 from .errors import ConfigError, TrainingError
 from .feature_stats import Moments, frechet_distance, gaussian_from_sums, gaussian_stats
 from .fileio import atomic_write
-from .rewards import REWARDS, TEXT_REWARDS, clip_models, compute_rewards, make_rewards, time_limited
+from .rewards import REWARDS, TEXT_REWARDS, clip_models, compute_rewards, make_rewards, shapes_diversity, time_limited
 from .rewards import image as image_rewards
 
 PREFIX = "eval/guard/"
@@ -64,6 +67,7 @@ BEST_DIR = "best"
 CLIP_REWARDS = {"pickscore": (clip_models.PICKSCORE_MODEL, clip_models.PICKSCORE_PROCESSOR),
                 "clip_score": (clip_models.CLIP_L14, ""), "aesthetic": (clip_models.CLIP_L14, "")}
 FEATURES = ("auto", "digits", "clip", "none")
+SHAPES_REWARDS = ("shapes_correct", "shapes_score")  # rewards of the shapes checker: detection_diversity applies
 TEXT_BUCKETS = 64
 
 
@@ -102,7 +106,7 @@ def tripped(start: dict, row: dict, th: Thresholds) -> list[str]:
     d = row.get(PREFIX + "drift")
     if th.max_drift > 0 and isinstance(d, (int, float)) and math.isfinite(d) and d > th.max_drift:
         out.append(f"{PREFIX}drift {d:.4g} > {th.max_drift:g} (distance to the base model's samples)")
-    for k in ("eval/diversity", PREFIX + "diversity"):
+    for k in ("eval/diversity", PREFIX + "diversity", PREFIX + "detection_diversity"):
         p = pair(k)
         if th.min_diversity_ratio > 0 and p and p[1] < th.min_diversity_ratio * p[0]:
             out.append(f"{k} {p[1]:.4g} < {th.min_diversity_ratio:g} × start {p[0]:.4g}")
@@ -195,8 +199,10 @@ class Base:
 class EvalGuards:
     """The guards of one run's evaluations: guard-reward callables, a feature function, the base statistics."""
 
-    def __init__(self, group: int, *, reward_fns: dict, features: Callable | None, log=print):
+    def __init__(self, group: int, *, reward_fns: dict, features: Callable | None, log=print,
+                 detections: bool = False):
         self.group, self.reward_fns, self.features, self.log = group, reward_fns, features, log
+        self.detections = detections  # eval/guard/detection_diversity from the shapes checker's detections
         self.base: Base | None = None
         self.anchored = False  # whether the base is settled (computed, loaded, or known to be missing)
 
@@ -206,7 +212,9 @@ class EvalGuards:
         names = list(cfg.eval.guard_rewards)
         fns = make_rewards(dict.fromkeys(names, 1.0), cfg.reward.options, device, timeout=cfg.reward.timeout) \
             if names else {}
-        return cls(cfg.eval.seeds_per_prompt, reward_fns=fns, features=image_feature_fn(cfg, device), log=log)
+        shapes = any(n in SHAPES_REWARDS for n in [*cfg.reward.weights, *names])
+        return cls(cfg.eval.seeds_per_prompt, reward_fns=fns, features=image_feature_fn(cfg, device), log=log,
+                   detections=shapes)
 
     @classmethod
     def for_text(cls, cfg, log=print) -> EvalGuards:
@@ -228,7 +236,9 @@ class EvalGuards:
             _, rewards = compute_rewards(dict.fromkeys(self.reward_fns, 1.0), samples, prompts, metadata,
                                          log=self.log, rewards=self.reward_fns)
         feats = self.features(samples) if self.features is not None else None
-        return {"rewards": rewards, "feats": feats}
+        images = self.detections and torch.is_tensor(samples) and samples.dim() == 4
+        return {"rewards": rewards, "feats": feats,
+                "layouts": shapes_diversity.layouts(samples) if images else None}
 
     def texts(self, texts: list[str], prompts: list[str], metadata: list[dict]) -> dict[str, float]:
         """The guards of a whole text evaluation at once (completions are small)."""
@@ -269,6 +279,7 @@ class Evaluation:
     def __init__(self, guards: EvalGuards):
         self.g, self.moments = guards, Moments(guards.group)
         self.sums: dict[str, list[float]] = {}  # guard reward → [Σ finite values, count]
+        self.layouts: dict[int, shapes_diversity.Layout] = {}  # sample index → its detections' layout
 
     def add(self, index: list[int], part: dict) -> None:
         for name, v in part["rewards"].items():
@@ -278,10 +289,14 @@ class Evaluation:
             s[1] += int(torch.isfinite(v).sum())
         if part["feats"] is not None:
             self.moments.add(index, part["feats"])
+        if part.get("layouts") is not None:
+            self.layouts.update(zip(index, part["layouts"]))
 
     def result(self) -> dict[str, float]:
         """{eval/guard/...}; the first result of a run (the base model) becomes the base statistics."""
         row = {f"{PREFIX}rewards/{k}/mean": (s[0] / s[1] if s[1] else float("nan")) for k, s in self.sums.items()}
+        if self.layouts:
+            row[PREFIX + "detection_diversity"] = shapes_diversity.detection_diversity(self.layouts, self.g.group)
         m = self.moments
         if m.n >= 2:
             mu, cov = gaussian_from_sums(m.n, m.s1, m.s2)
@@ -340,7 +355,7 @@ def feature_kind(cfg) -> str:
     if kind != "auto":
         return kind
     if cfg.model.name == "tiny":
-        return "digits"
+        return "digits" if cfg.train.task == "digits" else "none"
     return "clip" if clip_reward(cfg) is not None else "none"
 
 
@@ -428,17 +443,18 @@ def check_config(cfg, family: str) -> dict[str, float]:
         return {}
     for n in names:
         plugin(n, "eval.guard_rewards")
-    trained = [n for n in names if n in cfg.reward.weights]
+    trained = [n for n in names if cfg.reward.weights.get(n, 0) != 0]  # a weight of 0 is only reported
     if trained:
         raise ConfigError(f"eval.guard_rewards: {trained[0]!r} is also in reward.weights; a guard reward is held out "
-                          "(never trained on): remove it from one of the two")
+                          "(never trained on): remove it from one of the two (or give it weight 0)")
     kind = e.guard_features
     if kind not in FEATURES and ":" not in kind:
         raise ConfigError(f"eval.guard_features: value {kind!r} is not allowed; choose one of {list(FEATURES)} or a "
                           "module:function (images -> (B, D) features)")
-    if kind == "digits" and cfg.model.name != "tiny":
-        raise ConfigError(f"eval.guard_features: 'digits' reads the built-in model's digit images (model.name=tiny), "
-                          f"not model.name={cfg.model.name}'s; choose clip, auto, none or a module:function")
+    if kind == "digits" and (cfg.model.name != "tiny" or cfg.train.task != "digits"):
+        raise ConfigError(f"eval.guard_features: 'digits' reads the built-in model's digit images (model.name=tiny, "
+                          f"train.task=digits), not model.name={cfg.model.name}'s with train.task={cfg.train.task}; "
+                          "choose clip, auto, none or a module:function")
     if kind == "clip" and clip_reward(cfg) is None:
         raise ConfigError(f"eval.guard_features: 'clip' uses the CLIP model of a CLIP-class reward, and neither "
                           f"reward.weights nor eval.guard_rewards holds one of {sorted(CLIP_REWARDS)}")
@@ -449,4 +465,5 @@ def check_config(cfg, family: str) -> dict[str, float]:
 
 __all__ = ["PREFIX", "BASE_FILE", "BEST_DIR", "Thresholds", "tripped", "improves", "text_features", "Base",
            "EvalGuards", "Evaluation", "Watch", "check_config", "image_feature_fn", "clip_features", "feature_kind",
-           "plugin", "penultimate_features", "reference_stats", "digit_features", "guards_apply", "GuardStats"]
+           "plugin", "penultimate_features", "reference_stats", "digit_features", "guards_apply", "GuardStats",
+           "SHAPES_REWARDS"]

@@ -27,7 +27,7 @@ import torch
 
 from .. import distributed, diversity, guards, sources
 from ..config import RunConfig
-from ..data import digit_prompt, prompt_digit
+from ..data import default_prompts, digit_prompt, prompt_digit, task_metadata
 from ..data_sources import EpochSampler, load_prompts, prompt_metadata
 from ..engines import build_engine, select_steps
 from ..engines.base import EngineContext
@@ -198,7 +198,7 @@ class FlowFamily:
         if prompts is None:
             prompts, group_ids, metadata = self.sample_prompts()
         else:
-            metadata = [{"digit": prompt_digit(p)} for p in prompts]
+            metadata = [task_metadata(p, cfg.train.task) for p in prompts]
             if group_ids is None:
                 group_ids = torch.arange(len(prompts)) // cfg.train.group_size
         B, T = len(prompts), cfg.sampler.num_steps
@@ -414,15 +414,15 @@ class FlowFamily:
     @torch.no_grad()
     def sample(self, prompts: list[str] | None, *, seed: int, num: int = 1, sde_type: str = "",
                source_images: tuple[str, ...] = ()) -> Samples:
-        """``num`` images of each prompt (None: the digit prompts 0-9), sample j of every prompt from the initial
-        noise of ``seed + j`` and the SDE noise from ``seed``: what :meth:`evaluate` draws with ``eval.seed=seed``,
+        """``num`` images of each prompt (None: the task's ``data.default_prompts``), sample j of every prompt from
+        the initial noise of ``seed + j`` and the SDE noise from ``seed``: what :meth:`evaluate` draws with ``eval.seed=seed``,
         ``eval.seeds_per_prompt=num`` (one chunk). ``source_images``: an editing model's source(s) for every
         prompt (refused for a text-to-image model)."""
         family = getattr(getattr(self.policy, "row", None), "name", "")
         if source_images and not is_edit(family):
             raise ConfigError(f"--image: model family {family or self.cfg.model.name} generates from text; --image "
                               "gives the source image of an editing model (Qwen-Image-Edit, FLUX.1 Kontext)")
-        rows = [p for p in (prompts or [digit_prompt(d) for d in range(10)]) for _ in range(num)]
+        rows = [p for p in (prompts or default_prompts(self.cfg.train.task)) for _ in range(num)]
         seeds = [seed + j for _ in range(len(rows) // num) for j in range(num)]
         srcs = [tuple(source_images)] * len(rows) if source_images else None
         g = torch.Generator(device=self.device).manual_seed(seed)

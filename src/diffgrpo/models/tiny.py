@@ -28,6 +28,7 @@ from ..distributed import launched_local_rank, resolve_device
 from .diffusers_adapter import DiffusersFlowPolicy, PolicyOptions
 from .pretraining import pretrain_step
 from .reference import needs_reference
+from .tiny_shapes import ShapesFlowNet, load_or_pretrain_shapes
 
 VOCAB = ["<pad>", "<bos>", "<unk>", "a", "an", "the", "handwritten", "digit", "number", "of", "image", "picture",
          *[str(i) for i in range(10)], *NUMBER_WORDS]
@@ -177,17 +178,21 @@ def build_tiny_policy(cfg: RunConfig, *, progress=True, log=print, pretrained=Tr
     LoRA adapter on it (default targets: SD3's joint-attention projections).
     """
     m = cfg.model
-    net = load_or_pretrain(m, cfg.pretrain, progress=progress, log=log) if pretrained else \
-        TinyFlowNet(**arch_kwargs(m))
+    cls, load = BUILT_IN_NETS[cfg.train.task]
+    net = load(m, cfg.pretrain, progress=progress, log=log) if pretrained else cls(**arch_kwargs(m))
     device = resolve_device(m.device, launched_local_rank())  # the Trainer passes it resolved already
     text = net.text.to(device).eval().requires_grad_(False)  # frozen, as text encoders are in SD3 post-training
     options = PolicyOptions(guidance_scale=m.guidance_scale, negative_prompt="", device=device,
                             lora_rank=m.lora_rank, lora_alpha=m.lora_alpha, lora_target_modules=m.lora_target_modules,
                             keep_reference=needs_reference(cfg), mixed_precision=m.mixed_precision,
                             gradient_checkpointing=m.gradient_checkpointing)
-    return DiffusersFlowPolicy(net.transformer, "sd3", options, latent_shape=(1, net.image_size, net.image_size),
+    channels = net.transformer.config.in_channels  # 1 (digits) or 3 (shapes)
+    return DiffusersFlowPolicy(net.transformer, "sd3", options, latent_shape=(channels, net.image_size, net.image_size),
                                encoder=text.encode, decoder=decode_pixels)
 
 
-__all__ = ["TinyFlowNet", "PromptEncoder", "build_tiny_policy", "decode_pixels", "load_or_pretrain", "pretrain",
+# train.task → (network class, cached loader) of the built-in image model
+BUILT_IN_NETS = {"digits": (TinyFlowNet, load_or_pretrain), "shapes": (ShapesFlowNet, load_or_pretrain_shapes)}
+
+__all__ = ["BUILT_IN_NETS", "TinyFlowNet", "PromptEncoder", "build_tiny_policy", "decode_pixels", "load_or_pretrain", "pretrain",
            "tokenize"]

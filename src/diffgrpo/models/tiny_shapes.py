@@ -1,0 +1,188 @@
+"""Built-in model of the shapes task (``train.task=shapes``): a prompt-conditioned flow-matching transformer on
+32 × 32 RGB scenes of coloured shapes (:mod:`diffgrpo.tasks.shapes`).
+
+The network is the digits model's class at three channels: a real ``diffusers.SD3Transformer2DModel`` (joint
+text/image attention, AdaLN timestep conditioning, patchified pixels in [−1, 1]) under a word-level prompt encoder
+over the task's grammar ("a red circle left of a blue square"): each word a learned embedding plus its position,
+so the transformer's joint attention can bind colours to shapes and read counts and relations. It is pretrained
+with the rectified-flow objective
+    L = E ||v_θ((1−σ)x₀ + σε, σ, c) − (ε − x₀)||²,  σ ~ logit-normal(0, 1),
+on scenes rendered for the **train** prompts only (categories drawn uniformly, then a prompt of the category, then
+a random layout; a pool of ``POOL`` scenes, fewer for a short run, rendered once, each also mirrored left ↔ right
+with its relation swapped), the prompt dropped to the null prompt with probability ``cond_dropout`` so
+classifier-free guidance works. The held-out prompts (unseen colour–shape bindings, counts and pairs) are never rendered for it. Weights are
+cached like the digits model's (``tiny-shapes-<recipe hash>`` under the cache root, written atomically).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..cache import cache_lock, cache_root, save_dir_atomic
+from ..config import ModelConfig, PretrainConfig
+from ..console import Steps
+from ..tasks import shapes as task
+from .pretraining import pretrain_step
+
+VOCAB = ["<pad>", "<bos>", "<unk>", "a", "an", "and", "of", "left", "right", "above", "below",
+         *task.NUMBERS.values(), *task.COLORS, *task.SHAPES, *(f"{s}s" for s in task.SHAPES)]
+MAX_TOKENS = 10  # <bos> + the longest prompt ("a red circle left of a blue square": 8 words)
+CHANNELS = 3
+POOL = 6144  # scenes rendered once for pretraining (doubled by the mirror)
+MIRROR = {"left of": "right of", "right of": "left of"}
+RECIPE_VERSION = 1
+
+
+def tokenize(prompts: list[str]) -> torch.Tensor:
+    """Word-level ids (B, MAX_TOKENS): <bos> then words; unknown words map to <unk>; padded with <pad>."""
+    idx = {w: i for i, w in enumerate(VOCAB)}
+    out = torch.zeros(len(prompts), MAX_TOKENS, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        words = p.lower().replace(",", " ").replace(".", " ").split()[: MAX_TOKENS - 1]
+        ids = [idx["<bos>"]] + [idx.get(w, idx["<unk>"]) for w in words]
+        out[b, : len(ids)] = torch.tensor(ids)
+    return out
+
+
+class ShapesPromptEncoder(nn.Module):
+    """Tokens (B, L) → sequence embeddings (B, L, D) and pooled embedding (B, D)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.tok = nn.Embedding(len(VOCAB), dim)
+        self.pos = nn.Parameter(torch.zeros(MAX_TOKENS, dim))
+        self.mix = nn.Sequential(nn.Linear(dim, dim), nn.GELU(), nn.Linear(dim, dim))
+        self.pool = nn.Linear(dim, dim)
+
+    def forward(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.tok(tokens) + self.pos  # (B, L, D)
+        h = h + self.mix(h)
+        m = (tokens != 0).float().unsqueeze(-1)  # (B, L, 1)
+        pooled = self.pool((h * m).sum(1) / m.sum(1).clamp(min=1))  # (B, D)
+        return h, pooled
+
+    @torch.no_grad()
+    def encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
+        """Prompts → {"prompt_embeds": (B, L, D), "pooled": (B, D)}, each prompt encoded on its own (so an
+        encoding never depends on which prompts were encoded together, as in the digits model)."""
+        rows = [self(t[None]) for t in tokenize(prompts).to(self.pos.device)]
+        return {"prompt_embeds": torch.cat([e for e, _ in rows]), "pooled": torch.cat([p for _, p in rows])}
+
+
+class ShapesFlowNet(nn.Module):
+    """Prompt encoder + SD3 transformer on RGB pixels; ``forward`` predicts the velocity v (B, 3, S, S)."""
+
+    def __init__(self, image_size=32, patch_size=4, num_layers=2, num_heads=4, head_dim=16, text_dim=32):
+        super().__init__()
+        from diffusers import SD3Transformer2DModel
+
+        self.image_size = image_size
+        self.text = ShapesPromptEncoder(text_dim)
+        self.transformer = SD3Transformer2DModel(
+            sample_size=image_size, patch_size=patch_size, in_channels=CHANNELS, out_channels=CHANNELS,
+            num_layers=num_layers, attention_head_dim=head_dim, num_attention_heads=num_heads,
+            joint_attention_dim=text_dim, caption_projection_dim=num_heads * head_dim,
+            pooled_projection_dim=text_dim, pos_embed_max_size=image_size // patch_size)
+
+    def forward(self, x, sigma, prompt_embeds, pooled):
+        # x (B,3,S,S); sigma (B,) in [0,1]; SD3 takes timesteps in [0, 1000]
+        return self.transformer(hidden_states=x, encoder_hidden_states=prompt_embeds, pooled_projections=pooled,
+                                timestep=sigma * 1000.0, return_dict=False)[0]
+
+
+def arch_kwargs(mcfg: ModelConfig) -> dict:
+    return dict(image_size=mcfg.image_size, patch_size=mcfg.patch_size, num_layers=mcfg.num_layers,
+                num_heads=mcfg.num_heads, head_dim=mcfg.head_dim, text_dim=mcfg.text_dim)
+
+
+def _recipe_key(arch: dict, pcfg: PretrainConfig) -> str:
+    blob = json.dumps({"arch": arch, "steps": pcfg.steps, "bs": pcfg.batch_size, "lr": pcfg.lr, "pool": POOL,
+                       "drop": pcfg.cond_dropout, "seed": pcfg.seed, "v": RECIPE_VERSION}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def mirror(meta: dict) -> dict:
+    """A record's left ↔ right mirror image: its relation swapped (upright triangles stay upright)."""
+    include = [{**r, "position": [MIRROR.get(r["position"][0], r["position"][0]), r["position"][1]]}
+               if "position" in r else r for r in meta["include"]]
+    return {**meta, "include": include, "prompt": task.describe({**meta, "include": include})}
+
+
+def scene_pool(n: int, image_size: int, seed: int) -> tuple[torch.Tensor, list[str]]:
+    """``n`` scenes of the train prompts and their mirrors → (images (2n, 3, S, S) in [−1, 1], prompts (2n,)):
+    a category uniformly, a prompt of it uniformly, a random layout."""
+    rng = np.random.default_rng(seed)
+    by_tag: dict[str, list[dict]] = {}
+    for r in task.prompts("train"):
+        by_tag.setdefault(r["tag"], []).append(r)
+    tags = sorted(by_tag)
+    metas = [by_tag[t][rng.integers(len(by_tag[t]))] for t in (tags[i] for i in rng.integers(len(tags), size=n))]
+    x = torch.stack([task.render(m, rng, image_size) for m in metas])  # (n, 3, S, S)
+    images = torch.cat([x, x.flip(-1)]) * 2 - 1  # (2n, 3, S, S)
+    return images, [m["prompt"] for m in metas] + [mirror(m)["prompt"] for m in metas]
+
+
+def _schedule(opt, steps: int):
+    warm = max(1, steps // 20)  # linear warm-up, cosine decay to 0
+    return torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda i: min(1.0, (i + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(i, steps) / steps)))
+
+
+def pretrain(mcfg: ModelConfig, pcfg: PretrainConfig, *, progress: bool = True, log=print) -> ShapesFlowNet:
+    """Rectified-flow pretraining on rendered train-prompt scenes; returns the trained network (CPU, eval mode)."""
+    g = torch.Generator().manual_seed(pcfg.seed)
+    torch.manual_seed(pcfg.seed)
+    x_all, prompts = scene_pool(min(POOL, pcfg.steps * pcfg.batch_size), mcfg.image_size, pcfg.seed)
+    tokens = tokenize(prompts)  # (2n, L)
+    null = tokenize([""])  # (1, L)
+    net = ShapesFlowNet(**arch_kwargs(mcfg))
+    opt = torch.optim.AdamW(net.parameters(), lr=pcfg.lr, weight_decay=0.0)
+    sched = _schedule(opt, pcfg.steps)
+    bar = Steps(pcfg.steps, "pretraining shapes model", enabled=progress, log=log)  # a bar only on a terminal
+    ema = None
+    for _ in bar:
+        idx = torch.randint(len(prompts), (pcfg.batch_size,), generator=g)
+        x0 = x_all[idx]  # (N, 3, S, S)
+        drop = torch.rand(pcfg.batch_size, generator=g) < pcfg.cond_dropout
+        tok = torch.where(drop[:, None], null, tokens[idx])  # (N, L)
+        eps = torch.randn(x0.shape, generator=g)
+        sigma = torch.sigmoid(torch.randn(pcfg.batch_size, generator=g))  # logit-normal (SD3)
+        s = sigma.view(-1, 1, 1, 1)
+        emb, pooled = net.text(tok)
+        loss = F.mse_loss(net((1 - s) * x0 + s * eps, sigma, emb, pooled), eps - x0)
+        ema = pretrain_step(loss, net, opt, sched, bar, ema)
+    return net.eval()
+
+
+def load_or_pretrain_shapes(mcfg: ModelConfig, pcfg: PretrainConfig, *, progress: bool = True,
+                            log=print) -> ShapesFlowNet:
+    """The cached pretrained shapes network for this architecture and recipe; pretrains (and caches) it if absent."""
+    from safetensors.torch import load_file, save_file
+
+    arch = arch_kwargs(mcfg)
+    path = cache_root(mcfg.cache_dir) / f"tiny-shapes-{_recipe_key(arch, pcfg)}"
+    net = ShapesFlowNet(**arch)
+    with cache_lock(path):  # concurrent runs (or torchrun ranks) pretrain once and share the result
+        if not (path / "model.safetensors").is_file():
+            log(f"no cached shapes model at {path}; pretraining it ({pcfg.steps} steps, runs once)")
+            trained = pretrain(mcfg, pcfg, progress=progress, log=log)
+
+            def write(tmp: Path):
+                save_file({k: v.contiguous() for k, v in trained.state_dict().items()}, str(tmp / "model.safetensors"))
+                (tmp / "config.json").write_text(json.dumps({"arch": arch, "pretrain": vars(pcfg), "pool": POOL,
+                                                             "version": RECIPE_VERSION}, indent=2))
+
+            save_dir_atomic(path, write)
+    net.load_state_dict(load_file(str(path / "model.safetensors")))
+    return net.eval()
+
+
+__all__ = ["ShapesFlowNet", "ShapesPromptEncoder", "load_or_pretrain_shapes", "mirror", "pretrain", "scene_pool",
+           "tokenize"]
