@@ -230,6 +230,49 @@ def test_masked_lm_trl_reward_trains_two_iterations_from_the_cli(tmp_path, monke
     assert len(rows) == 2 and all(0.0 <= r[f"rewards/{name}/mean"] <= 1.0 for r in rows)
 
 
+def test_masked_lm_logs_the_verifier_as_rewards_task_and_the_weighted_total_as_reward():
+    """With a plug-in text reward beside the task: training rows log the verifier (unweighted) as rewards/task/mean
+    and the weighted total as reward; evaluation rows the same under eval/ (no eval/rewards/reward/mean)."""
+    name = "tests.helpers.rewards:brevity"
+    tr = _mlm_trainer(f'reward.weights={{task: 1.0, "{name}": 0.1}}')
+    seen, rollout = [], tr.family.rollout
+    tr.family.rollout = lambda *a, **k: seen.append(rollout(*a, **k)) or seen[-1]
+    row = tr.step()
+    ro = seen[0]
+    verifier = tr.family.task.rewards(ro.traj.completions, ro.traj.examples)["reward"]
+    brevity = torch.tensor([1.0 / (1 + len(c)) for c in ro.traj.completions])
+    assert torch.equal(ro.reward_components["task"], verifier)
+    assert row["rewards/task/mean"] == pytest.approx(float(verifier.mean()), abs=1e-6)
+    assert row["reward"] == pytest.approx(float((verifier + 0.1 * brevity).mean()), abs=1e-6)
+    assert row["reward"] != pytest.approx(row["rewards/task/mean"], abs=1e-6)  # brevity > 0 for every sample
+    ev, _ = tr.evaluate()
+    assert "eval/rewards/reward/mean" not in ev and "eval/rewards/task/mean" in ev
+    assert ev["eval/reward"] == pytest.approx(ev["eval/rewards/task/mean"] + 0.1 * ev[f"eval/rewards/{name}/mean"],
+                                              abs=1e-6)
+    assert ev["eval/rewards/task/mean"] < ev["eval/reward"]
+
+
+def test_a_trl_reward_returning_none_leaves_those_samples_not_scored(tmp_path, capsys):
+    """TRL's convention: None for a sample the reward does not judge is NaN here (not scored), in a list or a
+    (B, 1) list; a run with such a reward trains. A bare None for the whole batch is still refused."""
+    from diffgrpo.rewards.scoring import compute_rewards
+
+    name = "tests.helpers.rewards:digits_only"
+    total, comps = compute_rewards({name: 2.0}, ["12", "ab", " 7 ", "x1"], ["p"] * 4, [{}] * 4,
+                                   rewards=make_rewards({name: 2.0}))
+    assert torch.equal(torch.isnan(comps[name]), torch.tensor([False, True, False, False]))
+    assert comps[name][[0, 2, 3]].tolist() == [1.0, 1.0, 0.0] and torch.isnan(total[1]) and total[0] == 2.0
+    nested = {"col": lambda images, prompts, metadata: [[None], [0.5]]}
+    assert torch.isnan(compute_rewards({"col": 1.0}, ["a", "b"], ["p", "p"], [{}, {}], rewards=nested)[0][0])
+    with pytest.raises(RewardError, match="returned None"):
+        compute_rewards({"none": 1.0}, ["a"], ["p"], [{}], rewards={"none": lambda images, prompts, metadata: None})
+    out = tmp_path / "run"
+    rc = main(["train", *MLM, "train.num_iterations=2", "eval.every=0", "train.save_every=0",
+               f"log.output_dir={out}", f'reward.weights={{task: 1.0, "{name}": 0.5}}'])
+    assert rc == 0, capsys.readouterr().err
+    assert len([r for r in _rows(out) if "iteration" in r and "reward" in r]) == 2
+
+
 # ----------------------------------------------------------------------------------------------- the http reward
 class _Scorer(BaseHTTPRequestHandler):
     """POST {"images": [base64 PNG], "prompts", "metadata"} → {"scores": [mean brightness]}; the test's server."""

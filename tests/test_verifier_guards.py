@@ -43,7 +43,8 @@ class UserStop(BaseException):
     (np.ones((B, 1, 1)), "reward 'bad' returned shape (6, 1, 1) for 6 samples" + EXPECTED),
     (0.5, "reward 'bad' returned a single number (float) for 6 samples" + EXPECTED),
     (["x"] * B, "reward 'bad' returned a list that does not convert to numbers" + EXPECTED),
-    ([1.0, None, 2.0, 3.0, 4.0, 5.0], "reward 'bad' returned a list that does not convert to numbers" + EXPECTED),
+    ([1.0, [2.0, 3.0], 4.0, 5.0, 6.0, 7.0], "reward 'bad' returned a list that does not convert to numbers" +
+     EXPECTED),  # a None entry is TRL's "not scored" (NaN): test_user_rewards
     (torch.ones(B, dtype=torch.complex64), "reward 'bad' returned a Tensor of complex numbers" + EXPECTED),
 ])
 def test_unusable_return_value_stops_with_one_line_naming_the_reward(monkeypatch, value, message):

@@ -2,7 +2,7 @@
 downloaded): a CLIP with its processor (the PickScore / CLIPScore / aesthetic / colour towers), an aesthetic MLP
 head, and an OWL-ViT zero-shot detector with its processor. And reward callables named by dotted path
 (``tests.helpers.rewards:<name>``) that misbehave as careless users' rewards do: hang, edit their inputs, raise
-KeyboardInterrupt, return NaN or values beyond float32."""
+KeyboardInterrupt, return NaN or values beyond float32; and text rewards in TRL's convention."""
 from __future__ import annotations
 
 import os
@@ -119,3 +119,14 @@ def huge(images, prompts, metadata):
 
 def nan_reward(images, prompts, metadata):
     return torch.full((len(prompts),), float("nan"))
+
+
+def brevity(completions, **kwargs):
+    """A TRL-style text reward: shorter completions score higher, in (0, 1]."""
+    return [1.0 / (1 + len(c)) for c in completions]
+
+
+def digits_only(completions, **kwargs):
+    """A TRL-style text reward that applies to some samples only: None (not scored) for a completion without a
+    digit, as TRL's rewards return for samples they do not judge."""
+    return [None if not any(ch.isdigit() for ch in c) else float(c.strip().isdigit()) for c in completions]

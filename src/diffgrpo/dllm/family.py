@@ -158,8 +158,10 @@ class DLLMFamily:
     def rewards(self, texts: list[str], examples: list[Example]) -> dict[str, torch.Tensor]:
         """The task's reward components, plus d1's format rewards × ``dllm.format_reward`` when it is > 0, plus
         the ``reward.weights`` rewards (each a component under its name; the task's reward × ``reward.weights.task``
-        + Σ weight × reward is "reward"; NaN where one is not finite). "correct" stays the verifier's."""
+        + Σ weight × reward is "reward"; NaN where one is not finite). "task" is the task's verifier as it scored,
+        before any weight ("correct" too), so the logs tell the verifier from the weighted total."""
         scored = self.task.rewards(texts, examples)
+        scored["task"] = scored["reward"].clone()  # (B,) the verifier, unweighted
         if self.d.format_reward > 0:
             fmt = {k: torch.tensor([d1_format_components(t)[k] for t in texts]) for k in D1_FORMAT_KEYS}
             scored["reward"] = scored["reward"] + self.d.format_reward * sum(fmt.values())
@@ -205,7 +207,7 @@ class DLLMFamily:
                                                     steps=smp.num_steps, block_length=self.block_length)
             traj.token_weight_stats = credit.weight_stats(traj.token_weights, planned)
         ro = Rollout(prompts=[e.prompt for e in examples], group_ids=group_ids.to(self.device), traj=traj,
-                     selected=planned, rewards=rewards, reward_components={"task": rewards.clone(), **scored},
+                     selected=planned, rewards=rewards, reward_components=scored,  # rewards/task/*: the verifier
                      metadata=[{"completion": t} for t in texts], timings={"sample": t_sample, "reward": t_reward})
         apply(ro, w)
         ro.timings["rollout"] = time.perf_counter() - t0
@@ -216,7 +218,8 @@ class DLLMFamily:
     def score(self, examples: list[Example], *, temperature: float, samples: int = 1, seed: int = 0,
               prefix: str = "eval/", table=None, guard: bool = False) -> dict[str, float]:
         """Decode ``samples`` completions per example (seeded, batches of 256) and average the task's reward
-        components: → {prefix+"reward", prefix+"accuracy", prefix+"rewards/<k>/mean"} (and with ``guard`` the
+        components: → {prefix+"reward" (the weighted total), prefix+"accuracy", prefix+"rewards/<k>/mean" (k: "task",
+        the verifier, and every other component) (and with ``guard`` the
         eval/guard/* metrics of :mod:`diffgrpo.guards`). Not counted as cost."""
         ex = [e for e in examples for _ in range(samples)]
         outs = self._complete(ex, temperature, torch.Generator(device=self.device).manual_seed(seed))
@@ -228,7 +231,8 @@ class DLLMFamily:
                                      scored["reward"][i], text)
         row = {f"{prefix}reward": float(scored["reward"].mean()), f"{prefix}accuracy": float(scored["correct"].mean())}
         for k, v in scored.items():
-            row[f"{prefix}rewards/{k}/mean"] = float(v.mean())
+            if k != "reward":  # the weighted total is prefix+"reward" itself
+                row[f"{prefix}rewards/{k}/mean"] = float(v.mean())
         if guard:
             row.update(self.guards.texts(outs, [e.prompt for e in ex], [{"answer": e.answer} for e in ex]))
         return row

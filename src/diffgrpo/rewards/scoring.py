@@ -5,7 +5,8 @@ weighted sum of the components (:func:`compute_rewards`).
 A reward that raises is retried once, then stops the run with a :class:`RewardError` naming it; one that returns
 anything but B real numbers (a string, None, a dict, the wrong shape) or calls ``sys.exit`` stops it at once with
 a one-line RewardError naming it (only KeyboardInterrupt passes through). NaN/inf values mark that sample invalid,
-so it is excluded from the group statistics and the loss instead of being averaged in. The metadata reaches each
+so it is excluded from the group statistics and the loss instead of being averaged in; a ``None`` in a list of
+scores is such a NaN ("not scored"), as TRL reads a reward that does not apply to some samples. The metadata reaches each
 reward as given: a family adds what its rewards read (an image edit's ``source_images``, ``sources.attach``).
 """
 from __future__ import annotations
@@ -59,11 +60,20 @@ def _call_with_retry(name: str, fn: RewardFn, images, prompts, metadata, log):
     raise AssertionError("unreachable")
 
 
+def _none_as_nan(v):
+    """One sample's score with ``None`` (not scored) as NaN; a (B, 1) row ``[None]`` too."""
+    if v is None:
+        return float("nan")
+    if isinstance(v, (list, tuple)):
+        return [float("nan") if x is None else x for x in v]
+    return v
+
+
 def _as_scores(name: str, val, B: int) -> torch.Tensor:
     """A reward's return value → (B,) float32 on the CPU, or a one-line RewardError saying what came back.
 
     Accepted: a tensor, array, list or tuple of B real numbers, shaped (B,) or (B, 1). NaN/inf stay (they mark a
-    sample invalid)."""
+    sample invalid), and so does a ``None`` entry of a list or tuple: it becomes NaN (TRL's "not scored")."""
     def bad(what: str) -> RewardError:
         return RewardError(f"reward {name!r} returned {what}; expected (B,) numbers, one per sample")
 
@@ -73,6 +83,8 @@ def _as_scores(name: str, val, B: int) -> torch.Tensor:
         raise bad(f"a {type(val).__name__} {_one_line(repr(val), 60)}")
     if isinstance(val, dict):
         raise bad(f"a dict with keys {_one_line(list(val)[:8], 80)}")
+    if isinstance(val, (list, tuple)):
+        val = [_none_as_nan(v) for v in val]
     try:
         t = torch.as_tensor(val.detach() if torch.is_tensor(val) else val)
     except (TypeError, ValueError, RuntimeError, OverflowError):
