@@ -64,6 +64,68 @@ def test_aliases_map_with_a_note_or_are_refused_with_the_key(capsys):
     assert e.value.code == 2 and "unrecognized arguments: seed=1" in capsys.readouterr().err
 
 
+def test_trl_names_for_logging_checkpoints_precision_trackers_and_resume(capsys):
+    args = parse_args(["train", "logging_steps=5", "--save_total_limit", "3", "report_to=[wandb, tensorboard]"])
+    assert args.overrides == ["log.every=5", "train.keep_checkpoints=3", "log.wandb=true", "log.tensorboard=true"]
+    err = capsys.readouterr().err
+    assert "note: logging_steps is log.every here" in err and "save_total_limit is train.keep_checkpoints" in err
+    assert "note: report_to=[wandb, tensorboard] is log.wandb=true log.tensorboard=true here" in err
+    assert parse_args(["train", "report_to=none"]).overrides == ["log.wandb=false", "log.tensorboard=false"]
+    assert "note: report_to=none is log.wandb=false log.tensorboard=false here" in capsys.readouterr().err
+    refusals = {("report_to=mlflow",): "report_to: mlflow is not a tracker here; name them among ['wandb', "
+                                       "'tensorboard']",
+                ("bf16=true",): "'bf16': model.mixed_precision=bf16 (flow models: autocast) or dllm.dtype=bfloat16",
+                ("--bf16",): "'bf16': model.mixed_precision=bf16",
+                ("--fp16", "--resume", "auto"): "'fp16': model.mixed_precision=fp16",
+                ("resume_from_checkpoint=runs/x",): "'resume_from_checkpoint': resuming is a flag of the command: "
+                                                    "diffgrpo train --resume RUN_DIR"}
+    for argv, msg in refusals.items():
+        assert main(["train", *argv]) == 2
+        err = capsys.readouterr().err
+        assert msg in err and len(err.strip().splitlines()) == 1, err
+    assert "keep_checkpoints" not in err  # the old suggestion for resume_from_checkpoint
+
+
+def test_a_flat_trl_yaml_maps_like_the_command_line(tmp_path, capsys):
+    flat = tmp_path / "trl.yaml"
+    flat.write_text("learning_rate: 1.0e-5\nnum_generations: 4\nlogging_steps: 5\nsave_total_limit: 3\n"
+                    "report_to: [tensorboard]\ntrain:\n  num_iterations: 3\nseed: 2\n")
+    assert main(["print-config", "--config", str(flat), "--changed", "beta=0.04"]) == 0
+    out, err = capsys.readouterr()
+    want = ["train.lr=1e-5", "train.group_size=4", "log.every=5", "train.keep_checkpoints=3", "log.tensorboard=true",
+            "train.num_iterations=3", "seed=2", "loss.beta=0.04"]
+    assert main(["print-config", "--changed", *want]) == 0
+    assert yaml.safe_load(out) == yaml.safe_load(capsys.readouterr().out)  # the same config as the dotted keys give
+    assert "note: learning_rate is train.lr here; using train.lr=1e-05" in err
+    assert "note: num_generations is train.group_size here" in err and "note: beta is loss.beta here" in err
+    cases = {"num_iterations: 3\n": "'num_iterations': TRL's num_iterations (updates per batch, mu) is "
+                                     "train.num_inner_epochs here",
+             "bf16: true\n": "'bf16': model.mixed_precision=bf16",
+             "resume_from_checkpoint: runs/x\n": "diffgrpo train --resume RUN_DIR",
+             "learning_rat: 1.0e-5\n": "unknown config key 'learning_rat'",
+             "learning_rate: 1.0e-5\ntrain:\n  lr: 1.0e-4\n": "train.lr is set twice, under train: and by a "
+                                                              "top-level name"}
+    for text, msg in cases.items():
+        flat.write_text(text)
+        assert main(["print-config", "--config", str(flat)]) == 2
+        lines = capsys.readouterr().err.strip().splitlines()  # the notes of the keys before it, then one error
+        assert msg in lines[-1] and [x.startswith("error: ") for x in lines].count(True) == 1, lines
+
+
+def test_help_of_every_command_that_builds_a_run_names_the_key_reference(capsys):
+    from diffgrpo.cli.app import MOST_USED
+    from diffgrpo.cli.flags import known
+
+    assert all(known(k) for k in MOST_USED)
+    for argv in (["train"], ["pretrain"], ["sample"], ["bench", "quality"], ["bench", "engines"], ["print-config"],
+                 ["download"]):
+        with pytest.raises(SystemExit):
+            main([*argv, "--help"])
+        out = capsys.readouterr().out
+        assert "diffgrpo print-config --docs (docs/config.md)" in out, argv
+        assert all(k in out for k in MOST_USED) and "resume_from_checkpoint is --resume" in out, argv
+
+
 def test_print_config_changed_is_a_config_that_reproduces_the_run(tmp_path, capsys):
     over = ["train.lr=3e-4", "seed=2", "reward.weights={jpeg_compressibility: 1.0}", "sampler.num_steps=6"]
     assert main(["print-config", "--changed", *over]) == 0

@@ -36,8 +36,27 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# what --help of every command that builds a run says about the keys: where the reference is, and the most used ones
+MOST_USED = ("model.name", "model.pretrained", "reward.weights", "train.num_iterations", "train.lr",
+             "train.group_size", "train.prompts_per_batch", "engine.name", "eval.every", "train.save_every",
+             "log.output_dir", "seed")
+KEYS_HELP = (
+    "config keys (key=value or --key value, anywhere on the line):\n"
+    "  every key with its type, default and doc: diffgrpo print-config --docs (docs/config.md);\n"
+    "  the resolved config: diffgrpo print-config [--changed] [--config FILE] [key=value ...]\n"
+    f"  most used: {', '.join(MOST_USED[:6])},\n"
+    f"             {', '.join(MOST_USED[6:])}\n"
+    "  TRL / transformers names map too, with a note (learning_rate, num_generations, beta, max_steps, save_steps,\n"
+    "  logging_steps, save_total_limit, report_to), also in a flat --config YAML; resume_from_checkpoint is --resume")
+
+
+def _keys_help(sp: argparse.ArgumentParser) -> None:
+    sp.epilog, sp.formatter_class = KEYS_HELP, argparse.RawDescriptionHelpFormatter
+
+
 def _common(sp: argparse.ArgumentParser) -> None:
     """The arguments of every command that builds a run: ``--config`` and the dotted overrides."""
+    _keys_help(sp)
     sp.add_argument("--config", help="YAML config file (sections as in `diffgrpo print-config`), or the name of "
                                      "a shipped one (`diffgrpo configs list`)")
     sp.add_argument("overrides", nargs="*", help="dotted overrides, e.g. engine.name=recompute seed=1")
@@ -46,7 +65,8 @@ def _common(sp: argparse.ArgumentParser) -> None:
 def _add_train(sub) -> None:
     sp = sub.add_parser("train", help="run GRPO (default: the built-in digits model)")
     _common(sp)
-    sp.add_argument("--resume", metavar="RUN_DIR|auto", help="continue a run from its last complete checkpoint")
+    sp.add_argument("--resume", metavar="RUN_DIR|auto", help="continue a run from its last complete checkpoint "
+                                                             "(TRL's resume_from_checkpoint)")
     sp.set_defaults(func=cmd_train)
 
 
@@ -71,6 +91,7 @@ def _add_sample(sub) -> None:
                     help="sampler; for diffusion LMs 'ode' means greedy decoding, anything else dllm.temperature")
     sp.add_argument("--out", default="samples.png")
     sp.add_argument("overrides", nargs="*")
+    _keys_help(sp)
     sp.set_defaults(func=cmd_sample)
 
 
@@ -194,7 +215,7 @@ def _normalise(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
                 tail.append(f"{key}={argv[i + 1]}")
                 i += 1
             else:
-                raise ConfigError(f"{a}: expected a value (--{name[2:]} VALUE or {key}=VALUE)")
+                raise flags.no_value(a, key)
         elif _OVERRIDE.match(a) and not os.path.exists(a):
             tail.append(a)
         else:

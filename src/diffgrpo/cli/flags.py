@@ -7,6 +7,9 @@
                               dotted key with a one-line note; names whose meaning differs between projects
                               (TRL's ``num_iterations`` is this tool's ``train.num_inner_epochs``) are refused with
                               the key to use; unknown keys get a suggestion from every section, not only their own.
+                              ``report_to=wandb`` (a name, a list, ``none``) sets the trackers it names.
+  translate_mapping(data)     a config file's top level the same way: a flat TRL-style YAML (``learning_rate: 1e-5``,
+                              ``num_generations: 4``) maps with the same notes and refusals.
   accelerate_overrides(env)   ``accelerate launch`` exports its flags as ``ACCELERATE_*`` variables: honoured where
                               this tool has the setting (``--mixed_precision bf16`` → ``model.mixed_precision``),
                               refused in one line where it does not.
@@ -51,6 +54,8 @@ ALIASES: dict[str, str] = {
     "temperature": "dllm.temperature",
     "save_steps": "train.save_every",
     "eval_steps": "eval.every",
+    "save_total_limit": "train.keep_checkpoints",   # transformers: checkpoints kept on disk
+    "logging_steps": "log.every",                   # the printed progress lines; metrics.jsonl has every iteration
 }
 
 # names that mean something else here, or more than one thing: refused with the key(s) to use
@@ -66,10 +71,34 @@ AMBIGUOUS: dict[str, str] = {
     "gradient_checkpointing": "model.gradient_checkpointing (flow models) or dllm.gradient_checkpointing (masked "
                               "diffusion LMs)",
     "mixed_precision": "model.mixed_precision (flow models: autocast) or dllm.dtype (masked diffusion LMs)",
-    "report_to": "log.wandb=true and/or log.tensorboard=true",
+    "bf16": "model.mixed_precision=bf16 (flow models: autocast) or dllm.dtype=bfloat16 (masked diffusion LMs)",
+    "fp16": "model.mixed_precision=fp16 (flow models: autocast) or dllm.dtype=float16 (masked diffusion LMs)",
+    "resume_from_checkpoint": "resuming is a flag of the command: diffgrpo train --resume RUN_DIR (or --resume auto, "
+                              "the newest unfinished run)",
     "num_train_epochs": "a run is counted in iterations: train.num_iterations",
 }
 AMBIGUOUS.update({old: f"{old} was renamed {new}" for old, new in RENAMED.items()})  # config.RENAMED
+
+
+# TRL's report_to names → the switch of each tracker this tool writes
+TRACKERS: dict[str, str] = {"wandb": "log.wandb", "tensorboard": "log.tensorboard"}
+
+
+def report_to(value) -> list[tuple[str, bool]]:
+    """TRL's ``report_to`` (a name, a list of names, or ``none``) → (tracker switch, on) pairs; a one-line
+    ConfigError for a tracker this tool does not write."""
+    items = value if isinstance(value, (list, tuple)) else str(value).strip().strip("[]").split(",")
+    names = [str(n).strip().strip("'\"").lower() for n in items if str(n).strip()]
+    if not names or names == ["none"]:
+        return [(key, False) for key in TRACKERS.values()]
+    unknown = [n for n in names if n not in TRACKERS]
+    if unknown:
+        raise ConfigError(f"report_to: {', '.join(unknown)} is not a tracker here; name them among "
+                          f"{list(TRACKERS)} (log.wandb=true, log.tensorboard=true) or none")
+    return [(TRACKERS[n], True) for n in names]
+
+
+VALUED: dict[str, Callable[[object], list[tuple[str, object]]]] = {"report_to": report_to}
 
 
 def _keys(obj, prefix: str = "") -> list[str]:
@@ -106,6 +135,29 @@ def hint(key: str) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
+def _text(value) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def mapped(key: str, value, log: Callable[[str], None] = print) -> list[tuple[str, object]]:
+    """The (dotted key, value) pairs that ``key=value`` sets: a config key as given, an alias as its key (a note),
+    ``report_to`` as its trackers (a note); a name that means something else here, or no key, is refused in one
+    line with the key to use."""
+    if known(key):
+        return [(key, value)]
+    name = key.replace("-", "_")
+    if name in ALIASES:
+        log(f"note: {key} is {ALIASES[name]} here; using {ALIASES[name]}={_text(value)}")
+        return [(ALIASES[name], value)]
+    if name in VALUED:
+        pairs = VALUED[name](value)
+        log(f"note: {key}={_text(value)} is {' '.join(f'{k}={_text(v)}' for k, v in pairs)} here")
+        return pairs
+    if name in AMBIGUOUS:
+        raise ConfigError(f"unknown config key {key!r}: {AMBIGUOUS[name]}")
+    raise ConfigError(f"unknown config key {key!r}{hint(key)}; diffgrpo print-config --docs lists every key")
+
+
 def translate(overrides: list[str], log: Callable[[str], None] = print) -> list[str]:
     """Overrides with aliases replaced by their dotted keys (a note each); unknown keys refused with a hint."""
     out = []
@@ -117,15 +169,30 @@ def translate(overrides: list[str], log: Callable[[str], None] = print) -> list[
         if known(key):
             out.append(item)
             continue
-        name = key.replace("-", "_")
-        if name in ALIASES:
-            log(f"note: {key} is {ALIASES[name]} here; using {ALIASES[name]}={value}")
-            out.append(f"{ALIASES[name]}={value}")
-            continue
-        if name in AMBIGUOUS:
-            raise ConfigError(f"unknown config key {key!r}: {AMBIGUOUS[name]}")
-        raise ConfigError(f"unknown config key {key!r}{hint(key)}; diffgrpo print-config --docs lists every key")
+        out.extend(f"{k}={_text(v)}" for k, v in mapped(key, value, log))
     return out
+
+
+def translate_mapping(data: Mapping, log: Callable[[str], None] = print, *, source: str = "--config") -> dict:
+    """A config file's top level with the command line's names: sections and dotted keys as given, TRL / flow_grpo
+    flat keys (``learning_rate: 1e-5``) mapped with the same notes and refusals as :func:`translate`. A key set
+    both flat and in its section is refused (which one wins would be a guess)."""
+    out: dict = {}
+    for k, v in data.items():
+        out.update(mapped(str(k).strip(), v, log))
+    for key in out:
+        section, _, leaf = key.partition(".")
+        if leaf and isinstance(out.get(section), Mapping) and leaf in out[section]:
+            raise ConfigError(f"{source}: {key} is set twice, under {section}: and by a top-level name; keep one")
+    return out
+
+
+def no_value(flag: str, key: str) -> ConfigError:
+    """The error for ``--key`` without a value: the refusal of a name that means something else here (``--bf16``),
+    else the forms a value takes."""
+    if key in AMBIGUOUS:
+        return ConfigError(f"unknown config key {key!r}: {AMBIGUOUS[key]}")
+    return ConfigError(f"{flag}: expected a value (--{flag.lstrip('-')} VALUE or {key}=VALUE)")
 
 
 def split_extras(extras: list[str]) -> list[str]:
@@ -137,12 +204,12 @@ def split_extras(extras: list[str]) -> list[str]:
         if a.startswith("--") and len(a) > 2:
             name, eq, value = a[2:].partition("=")
             key = name if known(name) else name.replace("-", "_")
-            if not (known(key) or key in ALIASES or key in AMBIGUOUS):
+            if not (known(key) or key in ALIASES or key in VALUED or key in AMBIGUOUS):
                 raise ConfigError(f"unrecognized argument {a!r}{hint(key)}; options are --flags of the command "
                                   f"(diffgrpo COMMAND --help) and key=value overrides")
             if not eq:
                 if i + 1 >= len(extras) or extras[i + 1].startswith("--"):
-                    raise ConfigError(f"{a}: expected a value (--{name} VALUE or {key}=VALUE)")
+                    raise no_value(a, key)
                 value = extras[i + 1]
                 i += 1
             out.append(f"{key}={value}")
@@ -188,4 +255,5 @@ def accelerate_overrides(env: Mapping[str, str] | None = None,
     return out
 
 
-__all__ = ["ALIASES", "AMBIGUOUS", "KEYS", "accelerate_overrides", "hint", "known", "split_extras", "translate"]
+__all__ = ["ALIASES", "AMBIGUOUS", "KEYS", "TRACKERS", "VALUED", "accelerate_overrides", "hint", "known", "mapped",
+           "no_value", "report_to", "split_extras", "translate", "translate_mapping"]
