@@ -265,9 +265,9 @@ def test_shipped_prompt_sets_load_by_name_with_their_metadata():
 
     assert builtin_sets() == ["code/test", "code/train", "edit/test", "edit/train", "geneval/test", "geneval/train",
                               "ocr/test", "ocr/train", "preference/test",
-                              "preference/train"]  # code/: MBPP records (dllm.task=code)
+                              "preference/train", "shapes/test", "shapes/train"]  # code/: MBPP records (dllm.task=code)
     sets = {n: load_prompts(f"builtin:{n}") for n in builtin_sets() if not n.startswith("code/")}
-    for name in ("geneval", "ocr", "preference"):  # train and test never share a prompt
+    for name in ("geneval", "ocr", "preference", "shapes"):  # train and test never share a prompt
         assert not {r["prompt"] for r in sets[f"{name}/train"]} & {r["prompt"] for r in sets[f"{name}/test"]}
     edits = {split: sets[f"edit/{split}"] for split in ("train", "test")}  # (instruction, source image) records
     assert all(set(r) == {"prompt", "image"} and Path(r["image"]).is_file() for v in edits.values() for r in v)
@@ -312,7 +312,7 @@ def test_shipped_prompt_files_are_package_data():
     pkg = root / "src" / "diffgrpo"
     files = [f.relative_to(pkg).as_posix() for f in (pkg / "prompts").rglob("*")
              if f.suffix in (".txt", ".jsonl", ".md", ".png")]  # .png: the editing set's sources
-    assert len(files) == 19 and all(any(fnmatch.fnmatch(f, p) for p in patterns) for f in files)
+    assert len(files) == 21 and all(any(fnmatch.fnmatch(f, p) for p in patterns) for f in files)
 
 
 # ---------------------------------------------------------------- issue 25 H-3: prompt files moved or edited on resume
