@@ -61,10 +61,38 @@ def test_dllm_sample_is_the_evaluation_draw(tmp_path, capsys):
     assert got.images is None and list(zip(got.prompts, got.texts)) == table
     assert [p for p, _ in table] == [e.prompt for e in examples for _ in range(2)]
     out = tmp_path / "c.txt"
-    argv = ["sample", *DLLM, "--seed", "7", "--num", "2", "--out", str(out), "--sde-type", "ode"]
+    argv = ["sample", *DLLM, "--seed", "7", "--num", "2", "--out", str(out), "--sde-type", "flow_sde"]
     assert main([*argv, *sum((["--prompt", e.prompt] for e in examples), [])]) == 0
     assert "wrote 6 completions to" in capsys.readouterr().out
-    greedy = fam.sample([e.prompt for e in examples], seed=7, num=2, sde_type="ode")
-    assert out.read_text().splitlines() == [f"{p}\t{t}" for p, t in zip(greedy.prompts, greedy.texts)]
+    drawn = fam.sample([e.prompt for e in examples], seed=7, num=2, sde_type="flow_sde")  # at dllm.temperature
+    assert out.read_text().splitlines() == [f"{p}\t{t}" for p, t in zip(drawn.prompts, drawn.texts)]
     with pytest.raises(ConfigError, match="--image: model.name=tiny_mlm generates text"):
         fam.sample(None, seed=0, source_images=("x.png",))
+
+
+def test_dllm_sample_greedy_writes_one_completion_per_prompt_to_the_file(tmp_path, capsys):
+    """Greedy decoding (the default) gives each prompt one completion: --num 2 says so and writes one, not two
+    copies; the completions go to the file, stdout shows where and at most the first three, cut short."""
+    prompts = [f"{a}+{a}=" for a in range(1, 6)]
+    out = tmp_path / "g.txt"
+    args = ["sample", *DLLM, "--num", "2", "--out", str(out), *sum((["--prompt", p] for p in prompts), [])]
+    assert main(args) == 0
+    captured = capsys.readouterr()
+    lines = out.read_text().splitlines()
+    assert [line.split("\t")[0] for line in lines] == prompts  # one each
+    assert "note: greedy decoding (--sde-type ode) gives each prompt one completion" in captured.err
+    shown = captured.out.splitlines()
+    assert shown[:3] == [line if len(line) <= 100 else line[:99] + "…" for line in lines[:3]]
+    assert shown[3:] == [f"wrote 5 completions to {out} (2 more in the file)"]
+    assert main(["sample", *DLLM, "--out", str(out), "--prompt", "1+1="]) == 0  # no --num: one, and no note
+    captured = capsys.readouterr()
+    assert len(out.read_text().splitlines()) == 1 and "note:" not in captured.err
+
+
+def test_preview_cuts_long_completions():
+    from pathlib import Path
+
+    from diffgrpo.cli.sample import preview
+
+    long = "p\t" + "x" * 300
+    assert preview([long], Path("o.txt")) == ["p\t" + "x" * 97 + "…", "wrote 1 completion to o.txt"]

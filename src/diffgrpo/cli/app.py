@@ -84,7 +84,8 @@ def _add_sample(sub) -> None:
     sp.add_argument("--weights", help="run directory or weights.safetensors (default: the pretrained model)")
     sp.add_argument("--prompt", action="append", help="prompt (repeatable); default: digits 0-9")
     sp.add_argument("--seed", type=int, default=0)
-    sp.add_argument("--num", type=int, default=8, help="samples per prompt")
+    sp.add_argument("--num", type=int, default=None, help="samples per prompt (default 8; a text model decoding "
+                                                          "greedily writes one per prompt)")
     sp.add_argument("--image", action="append", help="editing models: the source image every prompt edits "
                     "(repeatable: several sources for Qwen-Image-Edit-Plus)")
     sp.add_argument("--sde-type", default="ode", choices=["ode", "flow_sde", "dance_sde", "cps"],

@@ -1,11 +1,16 @@
 """``diffgrpo sample``: samples of the pretrained model, a run directory or a weights file, drawn by the model's
 family (``Family.sample``: as its evaluation draws them) and written as they come back: an image grid, or one text
-completion per line."""
+completion per line in the output file (stdout shows where, and the first few, cut short).
+
+A text model decodes greedily by default (``--sde-type ode``): one completion per prompt, since more would be
+copies of it; ``--num N`` with greedy decoding says so and writes one, and ``--sde-type flow_sde`` (any other
+than ode) draws N at ``dllm.temperature``. Images: ``--num`` per prompt (default 8), each from its own seed."""
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
-from ..config import RunConfig
+from ..config import MODEL_FAMILIES, RunConfig
 from ..errors import ConfigError
 from ..fileio import atomic_write
 from ..run import saved_config
@@ -34,6 +39,30 @@ def _sources(paths: list[str]) -> tuple[str, ...]:
                                  spec=path, key="--image")[0]["image"] for path in paths)
 
 
+PREVIEW_LINES, PREVIEW_CHARS = 3, 100  # what stdout shows of the completions written to the file
+DEFAULT_NUM = 8  # samples per prompt when --num is not given (a greedy text model: 1)
+
+
+def samples_per_prompt(num: int | None, cfg: RunConfig, sde_type: str, log=lambda m: print(m, file=sys.stderr)) -> int:
+    """``--num`` as drawn: a text model decoding greedily gives one completion per prompt (a note when more were
+    asked), everything else ``num`` (default :data:`DEFAULT_NUM`)."""
+    greedy_text = MODEL_FAMILIES.get(cfg.model.name) == "dllm" and sde_type == "ode"
+    if not greedy_text:
+        return DEFAULT_NUM if num is None else num
+    if num is not None and num > 1:
+        log(f"note: greedy decoding (--sde-type ode) gives each prompt one completion; writing one per prompt, not "
+            f"{num} copies (--sde-type flow_sde draws {num} at dllm.temperature)")
+    return 1
+
+
+def preview(lines: list[str], out: Path) -> list[str]:
+    """What stdout says about the completions written to ``out``: the first :data:`PREVIEW_LINES`, each cut to
+    :data:`PREVIEW_CHARS` characters, and where they all are."""
+    shown = [line if len(line) <= PREVIEW_CHARS else line[: PREVIEW_CHARS - 1] + "…" for line in lines[:PREVIEW_LINES]]
+    more = f" ({len(lines) - len(shown)} more in the file)" if len(lines) > len(shown) else ""
+    return [*shown, f"wrote {len(lines)} completion{'' if len(lines) == 1 else 's'} to {out}{more}"]
+
+
 def _write(samples, out: Path) -> None:
     """Images as one grid (a row per prompt), texts as ``prompt<TAB>completion`` lines (a .png name → .txt)."""
     from ..run.runlog import save_grid
@@ -42,8 +71,7 @@ def _write(samples, out: Path) -> None:
         lines = [f"{p}\t{t}" for p, t in zip(samples.prompts, samples.texts)]
         out = out.with_suffix(".txt") if out.suffix == ".png" else out
         atomic_write(out, "\n".join(lines) + "\n")
-        print("\n".join(lines))
-        print(f"wrote {len(lines)} completions to {out}")
+        print("\n".join(preview(lines, out)))
         return
     out.parent.mkdir(parents=True, exist_ok=True)
     save_grid(samples.images, out, nrow=samples.per_prompt)
@@ -55,7 +83,7 @@ def cmd_sample(args) -> int:
 
     from ..trainer import Trainer
 
-    if args.num < 1:
+    if args.num is not None and args.num < 1:
         raise ConfigError(f"--num: value {args.num} is out of range; must be >= 1")
     if not Path(args.out).suffix:
         raise ConfigError(f"--out: {args.out!r} has no file extension; give e.g. samples.png (images) or "
@@ -67,7 +95,8 @@ def cmd_sample(args) -> int:
     trainer = Trainer(cfg, purpose="sample")  # an editing model's sources come from --image, not prompt files
     if weights is not None:
         trainer.policy.load_state_dict(load_file(str(weights)))
-    samples = trainer.family.sample(args.prompt or None, seed=args.seed, num=args.num, sde_type=args.sde_type,
+    num = samples_per_prompt(args.num, cfg, args.sde_type)
+    samples = trainer.family.sample(args.prompt or None, seed=args.seed, num=num, sde_type=args.sde_type,
                                     source_images=images)
     _write(samples, Path(args.out))
     return 0
