@@ -221,3 +221,32 @@ def test_settings_that_would_be_ignored_or_fail_late_are_refused(tmp_path, overr
     with pytest.raises(ConfigError) as err:
         RunConfig.from_overrides([*base, override])
     assert str(err.value).startswith(why) and "\n" not in str(err.value)
+
+
+def test_configs_list_ends_each_description_at_a_word_with_an_ellipsis(capsys):
+    from diffgrpo.cli.recipes import shipped, summary
+
+    assert main(["configs", "list"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    for (name, text), line in zip(shipped().items(), out):
+        desc = line[len(name):].strip()
+        assert desc == summary(text) and len(desc) <= 100, line
+        words = " ".join(x.lstrip("#").strip() for x in text.splitlines() if x.startswith("#")).split()
+        shown = desc.removesuffix(" …").split()  # whole words of the header, the last without its punctuation
+        last = words[len(shown) - 1]
+        assert shown[:-1] == words[: len(shown) - 1] and shown[-1] in (last, last.rstrip(".,;:(-–")), line
+    assert summary("# A b c. More text here.\nx: 1\n") == "A b c"
+    assert summary("# FLUX.2 [dev] (a. b) + LoRA. Then more.\n") == "FLUX.2 [dev] (a. b) + LoRA"
+    assert summary("# " + "word " * 40 + "end.\n") == ("word " * 19).strip() + " …"
+
+
+def test_print_config_check_data_says_what_it_checked(tmp_path, capsys):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a red circle\ntwo blue squares\n")
+    assert main(["print-config", "--check-data", f"train.prompts_file={prompts}"]) == 0
+    captured = capsys.readouterr()
+    assert yaml.safe_load(captured.out)["train"]["prompts_file"] == str(prompts)  # stdout: the config
+    assert captured.err == (f"data checked: train.prompts_file {str(prompts)!r}: 2 prompts; eval.prompts_file: the "
+                            f"built-in prompts\n")
+    assert main(["print-config", f"train.prompts_file={prompts}"]) == 0
+    assert capsys.readouterr().err == ""  # without --check-data nothing is loaded, nothing said

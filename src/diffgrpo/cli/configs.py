@@ -2,6 +2,8 @@
 ``configs list|cp`` (the shipped ones) and ``download`` (every model a config needs, ahead of time)."""
 from __future__ import annotations
 
+import sys
+
 import yaml
 
 from ..errors import ConfigError
@@ -24,7 +26,22 @@ def cmd_print_config(args) -> int:
         print(yaml.safe_dump(diff, sort_keys=False) if diff else "{}  # every key at its default\n", end="")
         return 0
     print(cfg.to_yaml(), end="")
+    if args.check_data:
+        print(data_checked(cfg), file=sys.stderr)  # stdout stays the config
     return 0
+
+
+def data_checked(cfg) -> str:
+    """The line ``print-config --check-data`` ends with when the prompt sources load: each one and its prompts."""
+    from ..data_sources import load_prompts
+
+    parts = []
+    for key in ("train.prompts_file", "eval.prompts_file"):
+        section, name = key.split(".")
+        spec = getattr(getattr(cfg, section), name)
+        n = len(load_prompts(spec, key=key, column=cfg.train.prompt_column)) if spec else 0
+        parts.append(f"{key} {spec!r}: {n} prompts" if spec else f"{key}: the built-in prompts")
+    return "data checked: " + "; ".join(parts)
 
 
 def cmd_configs(args) -> int:
@@ -51,4 +68,4 @@ def cmd_download(args) -> int:
     return 0
 
 
-__all__ = ["cmd_configs", "cmd_download", "cmd_print_config"]
+__all__ = ["cmd_configs", "cmd_download", "cmd_print_config", "data_checked"]

@@ -1,6 +1,6 @@
 """The configs shipped inside the package (``diffgrpo/configs/*.yaml``): list them, copy one out, name one.
 
-``diffgrpo configs list`` prints each name with the first line of its header; ``diffgrpo configs cp NAME [DEST]``
+``diffgrpo configs list`` prints each name with the first sentence of its header (cut at a word, with an ellipsis); ``diffgrpo configs cp NAME [DEST]``
 copies it (never over an existing file); ``--config NAME`` on any command reads the shipped file when no file of
 that name exists in the current directory. They are read through ``importlib.resources``, so they work the same
 from a checkout, an editable install and a wheel.
@@ -25,14 +25,32 @@ def shipped() -> dict[str, str]:
     return {f.name[: -len(".yaml")]: f.read_text(encoding="utf-8") for f in files}
 
 
-def summary(text: str) -> str:
-    """The first header comment line of a config (what it trains), without the ``#``."""
+SUMMARY_CHARS = 100  # the longest description ``configs list`` prints
+
+
+def _first_sentence(text: str) -> str:
+    """``text`` up to its first full stop followed by a space (outside parentheses), without the stop."""
+    depth = 0
+    for i, ch in enumerate(text):
+        depth += (ch == "(") - (ch == ")")
+        if ch == "." and depth == 0 and text[i + 1:i + 2] in (" ", ""):
+            return text[:i]
+    return text
+
+
+def summary(text: str, limit: int = SUMMARY_CHARS) -> str:
+    """What a config trains: the first sentence of its header comment, ended at a word boundary with an ellipsis
+    when it is longer than ``limit`` characters (never mid-word)."""
+    head = []
     for line in text.splitlines():
-        if line.startswith("#"):
-            line = line.lstrip("#").strip()
-            head, paren, _ = line.partition(" (")
-            return head if paren and ")" not in line[len(head):] else line  # an unclosed aside continues below
-    return ""
+        if not line.startswith("#"):
+            break
+        head.append(line.lstrip("#").strip())
+    sentence = _first_sentence(" ".join(w for w in head if w))
+    if len(sentence) <= limit:
+        return sentence
+    cut = sentence[: limit - 1].rsplit(" ", 1)[0].rstrip(",;:(-– ")  # room for " …"
+    return cut + " …"
 
 
 def shipped_text(name: str, *, key: str = "configs") -> str:
