@@ -188,3 +188,11 @@ def test_train_task_shapes_trains_and_evaluates_through_the_command_line(tmp_pat
     train = [r for r in rows if "reward" in r and "iteration" in r and "eval/reward" not in r]
     assert train and all("rewards/shapes_score" in json.dumps(r) for r in train)
     assert (out / "samples_start_end.png").is_file()
+
+
+def test_pretrain_with_train_task_shapes_caches_the_shapes_model(tmp_path, capsys):
+    from diffgrpo.cli.app import main
+
+    assert main(["pretrain", *SHAPES_CLI, f"model.cache_dir={tmp_path}"]) == 0
+    assert "built-in shapes model cached in" in capsys.readouterr().out
+    assert [p.name[:12] for p in tmp_path.iterdir() if p.is_dir()] == ["tiny-shapes-"]  # no digits model, no classifier

@@ -86,7 +86,7 @@ def cmd_pretrain(args) -> int:
     """The built-in image model and its reward classifier, or with ``--task`` (or model.name=tiny_mlm) the built-in
     masked diffusion LM of that task: pretrained once and cached."""
     from ..cache import cache_root
-    from ..models.tiny import load_or_pretrain
+    from ..models.tiny import BUILT_IN_NETS
     from ..rewards.image import load_classifier
 
     cfg = load_cfg(args)
@@ -99,7 +99,10 @@ def cmd_pretrain(args) -> int:
         load_or_pretrain_mlm(task, cfg.pretrain, cache_dir=cfg.model.cache_dir, progress=cfg.log.progress)
         print(f"tiny dLLM for task {task.name!r} cached in {cache_root(cfg.model.cache_dir)}")
         return 0
-    load_or_pretrain(cfg.model, cfg.pretrain, progress=cfg.log.progress)
+    BUILT_IN_NETS[cfg.train.task][1](cfg.model, cfg.pretrain, progress=cfg.log.progress)  # train.task's model
+    if cfg.train.task != "digits":  # the shapes task's reward is a checker: nothing to train
+        print(f"built-in {cfg.train.task} model cached in {cache_root(cfg.model.cache_dir)}")
+        return 0
     _, acc = load_classifier(cfg.model.image_size, cfg.model.cache_dir)
     print(f"built-in model and reward classifier cached in {cache_root(cfg.model.cache_dir)}")
     print(f"digit_alignment classifier held-out accuracy: {acc:.4f}")
