@@ -66,7 +66,7 @@ BAD_OVERRIDES = [
     (["reward.weights={':fn': 1}"], "reward.weights: reward ':fn' is not a valid module:function (the module name is "
                                     "empty); choose one of ['aesthetic', 'clip_direction', 'clip_score', 'd1_format', "
                                     "'digit_alignment', 'geneval', 'http', 'jpeg_compressibility', "
-                                    "'jpeg_incompressibility', 'ocr', 'pickscore', 'verify_code', 'verify_code_pass_at_1', "
+                                    "'jpeg_incompressibility', 'ocr', 'pickscore', 'shapes_correct', 'shapes_score', 'verify_code', 'verify_code_pass_at_1', "
                                     "'verify_countdown', 'verify_gsm8k', 'verify_json_schema', 'verify_math', 'verify_sudoku'] "
                                     "or package.module:function"),
     (["reward.weights={'.rel:fn': 1}"], "reward.weights: reward '.rel:fn' is not a valid module:function ('.rel' is "

@@ -250,7 +250,7 @@ BAD_INPUT = [
     (["train", "model.name=diffusers"], "error: model.pretrained: required for model.name=diffusers"),
     (["train", "model.name=diffusers", "model.pretrained=/nonexistent/sd35"],
      "error: model.pretrained: path '/nonexistent/sd35' does not exist"),
-    (["train", "model.name=diffusers", "model.pretrained=org/flux", "model.family=flux", "model.negative_prompt=blurry"],
+    (["train", "model.name=diffusers", "model.pretrained=org/flux", "model.pipeline=flux", "model.negative_prompt=blurry"],
      "error: model.negative_prompt: FLUX is guidance-distilled"),
     (["train", "dllm.task=chess"], "error: dllm.task: value 'chess' is not allowed"),
 ]

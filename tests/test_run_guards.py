@@ -272,7 +272,8 @@ def test_a_full_disk_ends_the_run_in_one_line_and_it_resumes(tmp_path, capsys):
 
     _run(tmp_path, "warm", "train.num_iterations=1")  # the built-in model is cached before the limit applies
     out = tmp_path / "full"
-    limit = 4 * 1024  # `ulimit -f 4`: above config.yaml and a sample table, below 12 iterations of metrics
+    # as `ulimit -f`: above config.yaml and a sample table (2 KiB more than the config), below 12 iterations of metrics
+    limit = (tmp_path / "warm" / "config.yaml").stat().st_size + 2048
 
     def cap():
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
