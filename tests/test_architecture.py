@@ -208,7 +208,7 @@ def test_the_import_graph_has_no_cycles_cli_included():
 # module or package, or a module inside a wing (``run.job``): the wings gather modules by purpose, not by floor.
 FLOORS = [
     {"errors", "types", "fileio", "config", "cache", "data", "data_sources", "media", "losses", "advantages",
-     "prompts", "tasks", "_version", "console", "yamlio", "configvalues", "threads", "sources", "sandbox",
+     "prompts", "tasks", "_version", "schema", "console", "yamlio", "configvalues", "threads", "sources", "sandbox",
      "feature_stats", "plugins"},
     {"distributed", "ema", "samplers", "loss_weights", "run.runlog", "models", "rewards", "run.rundir",
      "guards", "metering", "diversity"},
@@ -234,8 +234,9 @@ def test_no_upward_imports():
     graph = _import_graph()
     upward = [(m, t) for m, targets in graph.items() for t in targets if _floor(t) > _floor(m)]
     assert upward == []
-    assert graph["diffgrpo.config"] <= {"diffgrpo.errors", "diffgrpo.fileio", "diffgrpo.yamlio",
+    assert graph["diffgrpo.config"] <= {"diffgrpo.errors", "diffgrpo.fileio", "diffgrpo.yamlio", "diffgrpo.schema",
                                         "diffgrpo.configvalues"}  # yamlio, configvalues: leaves of the parser
+    assert graph["diffgrpo.schema"] == set()  # the sections import nothing of the package
 
 
 DOC = SRC.parents[1] / "docs" / "architecture.md"
@@ -282,7 +283,7 @@ def test_no_engine_name_in_the_schema_or_the_generic_validation():
     allowed = {("EngineConfig.name", "recompute"), ("EngineConfig.evaluation", "recompute"),
                ("EngineConfig.evaluation", "retain"), (None, " must look like key=value (e.g. engine.name=recompute)")}
     names = set(ENGINES)
-    for module in ("config.py", "validation.py"):
+    for module in ("config.py", "schema.py", "validation.py"):
         text = (SRC / module).read_text()
         tree = ast.parse(text)
         docs = set()
@@ -314,7 +315,6 @@ def test_no_engine_name_in_the_schema_or_the_generic_validation():
 # The exceptions are named, each with its cap (its size when the rule was set: it may shrink, never grow) and why.
 MODULE_LINES, FUNCTION_LINES, INIT_LINES = 500, 80, 120
 LONG_MODULES = {
-    "config.py": (700, "the whole run schema: every section's dataclass with its field docs, kept a leaf"),
 }
 LONG_FUNCTIONS: dict[str, tuple[int, str]] = {}
 LONG_INITS: dict[str, tuple[int, str]] = {}
@@ -384,7 +384,7 @@ def test_the_size_rules_see_a_violation():
     assert lines == {"m.py:A.long": FUNCTION_LINES + 1, "m.py:short": 2}
     assert _over(lines, FUNCTION_LINES, {}) == [f"m.py:A.long: {FUNCTION_LINES + 1} > {FUNCTION_LINES}"]
     assert _over(lines, FUNCTION_LINES, {"m.py:A.long": (FUNCTION_LINES + 1, "why")}) == []
-    assert _over({"config.py": 701}, MODULE_LINES, LONG_MODULES) == ["config.py: 701 > 700"]
+    assert _over({"config.py": 701}, MODULE_LINES, {"config.py": (700, "why")}) == ["config.py: 701 > 700"]
     assert _over({"x.py": MODULE_LINES + 1, "y.py": MODULE_LINES}, MODULE_LINES, {}) == ["x.py: 501 > 500"]
 
 
