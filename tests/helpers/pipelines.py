@@ -297,3 +297,66 @@ def write_edit_jsonl(d: Path, n_sources: int = 1) -> Path:
         rows.append({"prompt": ins, **({"image": srcs[0]} if n_sources == 1 else {"images": srcs})})
     (d / "edits.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return d / "edits.jsonl"
+
+
+# ------------------------------------------------------------------------------------------- Qwen-Image 2.1
+
+QWEN3VL_CHAT = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% for c in m['content'] %}{{ c['text'] }}"
+                "{% endfor %}<|im_end|>\n{% endfor %}")
+
+
+@contextlib.contextmanager
+def qwen3vl_image_only_processor():
+    """``Qwen3VLProcessor`` with (image_processor, tokenizer) only when torchvision is missing (text-to-image
+    never passes videos); as :func:`image_only_processor`."""
+    from transformers import Qwen3VLProcessor
+
+    if importlib.util.find_spec("torchvision") is not None:
+        yield
+        return
+    saved = Qwen3VLProcessor.__dict__.get("get_attributes")
+    Qwen3VLProcessor.get_attributes = classmethod(lambda cls: ["image_processor", "tokenizer"])
+    try:
+        yield
+    finally:
+        if saved is None:
+            del Qwen3VLProcessor.get_attributes
+        else:
+            Qwen3VLProcessor.get_attributes = saved
+
+
+def qwenimage21_pipeline(sample_sigmas: list[float] | None = None):
+    """A tiny QwenImage21Pipeline of seeded random weights: a one-layer Qwen3-VL text encoder over a character
+    tokenizer, a two-level Qwen-Image 2.1 VAE (16× spatial: 8 levels of 2× would be the published one), a
+    one-block transformer with 8 latent channels. Build it inside :func:`qwen3vl_image_only_processor`."""
+    from diffusers import (
+        AutoencoderKLQwenImage21,
+        FlowMatchEulerDiscreteScheduler,
+        QwenImage21Pipeline,
+        QwenImage21Transformer2DModel,
+    )
+    from transformers import Qwen2VLImageProcessorPil, Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLProcessor
+
+    torch.manual_seed(0)
+    tok, vocab = _qwen_tokenizer()
+    proc = Qwen3VLProcessor(image_processor=Qwen2VLImageProcessorPil(min_pixels=32 * 32, max_pixels=256 * 256),
+                            tokenizer=tok, chat_template=QWEN3VL_CHAT)
+    cfg = Qwen3VLConfig(
+        text_config={"vocab_size": len(vocab), "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
+                     "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8,
+                     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]}},
+        vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2, "out_hidden_size": 16,
+                       "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
+                       "num_position_embeddings": 16, "deepstack_visual_indexes": [0]},
+        image_token_id=vocab["<|image_pad|>"], video_token_id=vocab["<|video_pad|>"],
+        vision_start_token_id=vocab["<|vision_start|>"], vision_end_token_id=vocab["<|vision_end|>"])
+    text = Qwen3VLForConditionalGeneration(cfg)
+    vae = AutoencoderKLQwenImage21(base_dim=8, decoder_base_dim=8, z_dim=8, dim_mult=[1, 1, 1, 1, 1],
+                                   num_res_blocks=1, temperal_downsample=[False, True, True, True],
+                                   latents_mean=[0.1 * i for i in range(8)], latents_std=[1.0 + 0.1 * i for i in range(8)])
+    tr = QwenImage21Transformer2DModel(in_channels=8, out_channels=8, num_layers=1, attention_head_dim=8,
+                                       num_attention_heads=2, context_in_dim=16, mlp_ratio=2, axes_dims_rope=(2, 2, 4))
+    sched = FlowMatchEulerDiscreteScheduler(shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9,
+                                            base_image_seq_len=16, max_image_seq_len=256, time_shift_type="exponential")
+    return _eval(QwenImage21Pipeline(scheduler=sched, vae=vae, text_encoder=text, processor=proc, transformer=tr,
+                                     sample_sigmas=sample_sigmas))
