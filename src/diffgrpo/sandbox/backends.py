@@ -166,9 +166,23 @@ def _probe(backend, limits: Limits) -> Result:
     return backend.run(Program("x = 1", ["assert x == 1"]), Limits(timeout_s=max(10.0, limits.timeout_s)))
 
 
-def choose(backend: str = "auto", *, url: str = "", limits: Limits | None = None, key: str = "sandbox"):
-    """The backend ``backend`` (one of :data:`BACKENDS`; ``auto``: bwrap, else local) names, checked by running one
-    trivial program. Raises a one-line SandboxError naming the backend when it cannot start."""
+_FELL_BACK: set[str] = set()
+LOCAL_LACKS = ("runs as this user on this machine's filesystem (bwrap: an unprivileged uid in an empty root with "
+               "the interpreter read-only); what it may read is bounded by Landlock only")
+
+
+def _fallback_warning(reason: str, log) -> None:
+    """``auto`` chose local because bwrap cannot start: said once per process and reason."""
+    if log is not None and reason not in _FELL_BACK:
+        _FELL_BACK.add(reason)
+        log(f"warning: sandbox backend 'auto': bwrap cannot start here ({reason}); using 'local', which does not "
+            f"confine like bwrap: it {LOCAL_LACKS} (see docs/code_and_math.md)")
+
+
+def choose(backend: str = "auto", *, url: str = "", limits: Limits | None = None, key: str = "sandbox", log=None):
+    """The backend ``backend`` (one of :data:`BACKENDS`; ``auto``: bwrap, else local, said once through ``log``)
+    names, checked by running one trivial program. Raises a one-line SandboxError naming the backend when it
+    cannot start."""
     limits = limits or Limits()
     if backend not in BACKENDS:
         raise ConfigError(f"{key}: backend {backend!r} is not one of {list(BACKENDS)}")
@@ -181,6 +195,8 @@ def choose(backend: str = "auto", *, url: str = "", limits: Limits | None = None
             continue
         r = _probe(b, limits)
         if r.all_passed:
+            if name == "local" and backend == "auto":
+                _fallback_warning(tried[0][:200], log)
             return b
         detail = " ".join((r.stderr or r.status).split())[-200:]
         tried.append(f"sandbox backend {name!r} cannot run a trivial program here ({r.status}: {detail})")

@@ -99,7 +99,7 @@ def make_sandbox(backend: str = "auto", *, workers: int = 0, url: str = "", limi
     program; ``workers`` 0 = the CPUs this process may use. Raises a one-line SandboxError naming the backend when
     it cannot start."""
     limits = limits or Limits()
-    chosen = choose(backend, url=url, limits=limits, key=key)
+    chosen = choose(backend, url=url, limits=limits, key=key, log=log)
     return SandboxPool(chosen, limits, workers or max(1, len(os.sched_getaffinity(0))), log)
 
 
