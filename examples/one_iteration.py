@@ -78,7 +78,7 @@ def one_iteration(cfg: RunConfig, policy, log=print) -> dict:
     # ---- sample: the SDE from σ_0 = 1 to σ_T = 0, recording every step (no grad)
     sigmas = flow_sde.sigma_grid(T, s.shift, device=dev)  # (T+1,)
     kernel = dict(sde_type=s.sde_type, noise_level=s.noise_level, reduce=s.logprob_reduce,
-                  cps_flowgrpo_compat=s.cps_flowgrpo_compat)
+                  cps_flowgrpo_compat=s.cps_flowgrpo_compat, sigma_bounds=flow_sde.sigma_bounds(sigmas))
     cond = policy.encode(prompts)
     traj = sample_trajectories(policy, cond, x0, sigmas, kernel=kernel, generator=gen_noise, batch_size=s.batch_size)
     xs, old_log_probs = traj["xs"], traj["log_probs"]  # (B, T+1, *S), (B, T)

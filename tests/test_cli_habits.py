@@ -145,7 +145,7 @@ def test_docs_config_md_is_the_generated_reference(capsys):
     assert (ROOT / "docs" / "config.md").read_text() == out, "run: diffgrpo print-config --docs > docs/config.md"
     for key in ("`train.lr`", "`model.cpu_threads`", "`loss.beta`", "`dllm.method`", "`dist.mode`"):
         assert key in out
-    assert "| `sampler.sde_type` | str | `flow_sde` | `flow_sde` \\| `dance_sde` \\| `cps` \\| `ode` |" in out
+    assert "| `sampler.sde_type` | str | `flow_sde` | `flow_sde` \\| `dance_sde` \\| `flash_sde` \\| `cps` \\| `ode` |" in out
 
 
 def test_accelerate_launch_flags_honoured_or_refused():

@@ -39,7 +39,7 @@ def test_dict_entry_override():
     (["engine.nmae=recompute"], "unknown config key 'engine.nmae' (did you mean 'name'?)"),
     (["sampler.sde_typ=cps"], "did you mean 'sde_type'?"),
     (["trian.lr=1"], "unknown config key 'trian' (did you mean 'train'?)"),
-    (["sampler.sde_type=euler"], "sampler.sde_type: value 'euler' is not allowed; choose one of ['flow_sde', 'dance_sde', 'cps', 'ode']"),
+    (["sampler.sde_type=euler"], "sampler.sde_type: value 'euler' is not allowed; choose one of ['flow_sde', 'dance_sde', 'flash_sde', 'cps', 'ode']"),
     (["sampler.sde_type=ode"], "sampler.sde_type: 'ode' has no exploration noise"),
     (["train.lr=-1"], "train.lr: value -1.0 is out of range; must be >= 0.0"),
     (["train.group_size=1"], "train.group_size: value 1 is out of range; must be >= 2"),

@@ -215,7 +215,7 @@ BAD_INPUT = [
     (["train", "trian.lr=1e-4"], "error: unknown config key 'trian.lr' (did you mean 'train.lr'?)"),
     (["train", "engine.name=fastest"], "error: engine.name: value 'fastest' is not a registered engine"),
     (["train", "sampler.sde_type=euler"],
-     "error: sampler.sde_type: value 'euler' is not allowed; choose one of ['flow_sde', 'dance_sde', 'cps', 'ode']"),
+     "error: sampler.sde_type: value 'euler' is not allowed; choose one of ['flow_sde', 'dance_sde', 'flash_sde', 'cps', 'ode']"),
     (["train", "sampler.sde_type=ode"], "error: sampler.sde_type: 'ode' has no exploration noise and cannot be trained"),
     (["train", "sampler.num_steps=0"], "error: sampler.num_steps: value 0 is out of range; must be >= 1"),
     (["train", "sampler.num_steps=1"], "error: sampler.num_steps: must be >= 2"),

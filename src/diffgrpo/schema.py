@@ -103,8 +103,8 @@ class PretrainConfig:
 @dataclass
 class SamplerConfig:
     FAMILY: ClassVar[str] = "flow"
-    sde_type: str = _f("flow_sde", choices=("flow_sde", "dance_sde", "cps", "ode"))
-    noise_level: float = _f(0.7, lo=0.0, doc="a (flow_sde, cps) or eta (dance_sde)")
+    sde_type: str = _f("flow_sde", choices=("flow_sde", "dance_sde", "flash_sde", "cps", "ode"))
+    noise_level: float = _f(0.7, lo=0.0, doc="a (flow_sde, flash_sde, cps) or eta (dance_sde)")
     num_steps: int = _f(10, lo=1, hi=1000, doc="sampling steps T")
     shift: float = _f(3.0, lo=1e-3, doc="sigma-grid shift s: σ' = sσ/(1+(s−1)σ)")
     logprob_reduce: str = _f("mean", choices=("mean", "sum"), doc="reduction of the Gaussian log-density")
@@ -395,7 +395,7 @@ class EvalConfig:
     every: int = _f(10, lo=0, doc="evaluate every N iterations (0: only at start and end)", family="any")
     seeds_per_prompt: int = _f(4, lo=1)
     seed: int = _f(1234, family="any")
-    sde_type: str = _f("ode", choices=("ode", "flow_sde", "dance_sde", "cps"))
+    sde_type: str = _f("ode", choices=("ode", "flow_sde", "dance_sde", "flash_sde", "cps"))
     prompts_file: str = _f("", path=True, doc="evaluation prompts (default: the ten digit prompts), in any format of "
                                               "train.prompts_file; the metadata reaches the rewards")
     batch_size: int = _f(0, lo=0, doc="evaluation samples sampled, decoded and scored together; 0 = all at once "

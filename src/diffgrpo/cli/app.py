@@ -88,7 +88,7 @@ def _add_sample(sub) -> None:
                                                           "greedily writes one per prompt)")
     sp.add_argument("--image", action="append", help="editing models: the source image every prompt edits "
                     "(repeatable: several sources for Qwen-Image-Edit-Plus)")
-    sp.add_argument("--sde-type", default="ode", choices=["ode", "flow_sde", "dance_sde", "cps"],
+    sp.add_argument("--sde-type", default="ode", choices=["ode", "flow_sde", "dance_sde", "flash_sde", "cps"],
                     help="sampler; for diffusion LMs 'ode' means greedy decoding, anything else dllm.temperature")
     sp.add_argument("--out", default="samples.png")
     sp.add_argument("overrides", nargs="*")

@@ -121,7 +121,8 @@ def group_steps(num_groups: int, candidates: list[int], generator: torch.Generat
 
 
 def rectification_factor(sigma: torch.Tensor, sigma_next: torch.Tensor, *, sde_type: str, noise_level: float,
-                         cps_flowgrpo_compat: bool = False) -> torch.Tensor:
+                         cps_flowgrpo_compat: bool = False,
+                         sigma_bounds: tuple[float, float] | None = None) -> torch.Tensor:
     """c(σ_k) = |∂μ/∂v| / s_k: the per-step scale of ∂ℓ_k/∂v for noise of a given norm. σ, σ_next (n,) → (n,).
 
     With μ = c_x·x + c_v·v (``flow_sde.kernel_coefficients``) and x_{k+1} = μ + s·ε, the Gaussian log-density
@@ -129,12 +130,15 @@ def rectification_factor(sigma: torch.Tensor, sigma_next: torch.Tensor, *, sde_t
     |A|·|ε|·|c_v|/s at r = 1. Per kernel (Δ = σ − σ', dt = −Δ):
       flow_sde   c = Δ·(1 + ε_k²(1−σ)/(2σ)) / (ε_k·√Δ),  ε_k = a·sqrt(σ/(1−σ̃))
       dance_sde  c = Δ·(1 + η²(1−σ)/(2σ)) / (η·√Δ)
+      flash_sde  c = Δ·(1 + ε_k²(1−σ)/(2σ)) / (ε_k·√Δ),  ε_k = a·(σ_min + (σ_max − σ_min)·σ), (σ_max, σ_min) =
+                 ``sigma_bounds`` (the grid's σ₁, σ_T); 1/c is Flash-GRPO's released weight table at a = 1
       cps        c = |σ·(1−σ') − σ'·cos(aπ/2)·(1−σ)| / (σ'·sin(aπ/2))
     FlowGRPO's CPS pseudo log-prob −mean((x'−μ)²) (``cps_flowgrpo_compat``) has ∂ℓ/∂v = 2c_v·s·ε/D instead,
     so there c = |c_v|·s (constants cancel in the normalisation). Undefined (0/0) where s = 0: the final
     step, which is never trained; it returns 1 there.
     """
-    c_x, c_v, std = flow_sde.kernel_coefficients(sigma, sigma_next, sde_type=sde_type, noise_level=noise_level)
+    c_x, c_v, std = flow_sde.kernel_coefficients(sigma, sigma_next, sde_type=sde_type, noise_level=noise_level,
+                                                 sigma_bounds=sigma_bounds)
     if cps_flowgrpo_compat and sde_type == "cps":
         c = c_v.abs() * std
     else:
@@ -234,7 +238,8 @@ class SingleStepEngine:
         kern = ctx.kernel
         c = rectification_factor(traj.sigmas[k], traj.sigmas[k + 1], sde_type=kern["sde_type"],
                                  noise_level=kern["noise_level"],
-                                 cps_flowgrpo_compat=kern.get("cps_flowgrpo_compat", False))
+                                 cps_flowgrpo_compat=kern.get("cps_flowgrpo_compat", False),
+                                 sigma_bounds=kern.get("sigma_bounds") or flow_sde.sigma_bounds(traj.sigmas))
         return rectification_weights(c.to(trained.device), trained.any(1), ctx.all_reduce)
 
     # -------------------------------------------------------------- gradient

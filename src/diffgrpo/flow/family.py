@@ -60,9 +60,9 @@ class FlowFamily:
         if cfg.model.compile:  # regional: each transformer block once, in place (sampling and every engine)
             compile_policy(policy, cfg.model.compile_backend)
         s = cfg.sampler
-        self.kernel = dict(sde_type=s.sde_type, noise_level=s.noise_level, reduce=s.logprob_reduce,
-                           cps_flowgrpo_compat=s.cps_flowgrpo_compat)
         self.sigmas = flow_sde.sigma_grid(s.num_steps, s.shift, device=self.device)  # (T+1,)
+        self.kernel = dict(sde_type=s.sde_type, noise_level=s.noise_level, reduce=s.logprob_reduce,
+                           cps_flowgrpo_compat=s.cps_flowgrpo_compat, sigma_bounds=flow_sde.sigma_bounds(self.sigmas))
         self.ctx = EngineContext(policy=policy, kernel=self.kernel, clip_range=cfg.loss.clip_range,
                                  beta=cfg.loss.beta, kl_flowgrpo_compat=cfg.loss.kl_flowgrpo_compat,
                                  micro_batch_size=cfg.engine.micro_batch_size, sigmas=self.sigmas,

@@ -99,7 +99,7 @@ def _validate_flow(cfg: RunConfig) -> None:
                           "file replaces the digit prompts); remove one of the two")
     if cfg.sampler.sde_type == "ode" and cfg.engine.name not in FORWARD_ENGINES:
         raise ConfigError("sampler.sde_type: 'ode' has no exploration noise and cannot be trained; "
-                          "choose one of ['flow_sde', 'dance_sde', 'cps'] (eval.sde_type may be 'ode'), or a "
+                          "choose one of ['flow_sde', 'dance_sde', 'flash_sde', 'cps'] (eval.sde_type may be 'ode'), or a "
                           f"forward-process engine (engine.name in {list(FORWARD_ENGINES)})")
     if cfg.sampler.num_steps < 2:
         raise ConfigError("sampler.num_steps: must be >= 2 (the final step is deterministic and never trained)")

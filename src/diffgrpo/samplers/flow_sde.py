@@ -9,6 +9,10 @@ Kernels (Δ = σ − σ_next > 0, dt = −Δ), each a Gaussian N(μ, s²I):
   flow_sde  (FlowGRPO)  ε = a·sqrt(σ/(1−σ̃)), σ̃ = σ_next if σ == 1 else σ;
                         μ = x + dt·[v + ε²/(2σ)·(x + (1−σ)v)],  s = ε·sqrt(Δ)
   dance_sde (DanceGRPO) same mean with ε ≡ a;                    s = a·sqrt(Δ)
+  flash_sde (Flash-GRPO) same mean with ε = a·(σ_min + (σ_max − σ_min)·σ), linear in σ, where σ_max = σ₁ and
+                        σ_min = σ_T are the grid's entries at indices 1 and T (``sigma_bounds``; 0 on a grid
+                        ending at 0); s = ε·sqrt(Δ). a = 1 is the released kernel (Shredded-Pork/Flash-GRPO,
+                        flow_grpo/diffusers_patch/wan2_1_pipeline_with_logprob2.py, ``sde_step_with_logprob``)
   cps       (coefficient-preserving) s = σ_next·sin(aπ/2);
                         μ = (1−σ_next)·x̂₀ + sqrt(σ_next² − s²)·ε̂,  x̂₀ = x − σv, ε̂ = x + (1−σ)v
   ode                   μ = x + dt·v, s = 0 (diffusers' FlowMatchEulerDiscreteScheduler.step)
@@ -25,7 +29,8 @@ import torch
 
 from ..types import StepOut
 
-SDE_TYPES = ("flow_sde", "dance_sde", "cps", "ode")
+SDE_TYPES = ("flow_sde", "dance_sde", "flash_sde", "cps", "ode")
+GRID_KERNELS = ("flash_sde",)  # kernels whose noise scale reads the grid (``sigma_bounds``)
 LOGPROB_REDUCTIONS = ("mean", "sum")
 _LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 
@@ -38,6 +43,13 @@ def sigma_grid(num_steps: int, shift: float = 1.0, device=None) -> torch.Tensor:
     return shift * s / (1 + (shift - 1) * s)
 
 
+def sigma_bounds(sigmas: torch.Tensor) -> tuple[float, float]:
+    """(σ_max, σ_min) = (σ₁, σ_T) of a grid (T+1,) σ₀ > … > σ_T: the bounds of ``flash_sde``'s noise scale."""
+    if sigmas.numel() < 2:
+        raise ValueError(f"a σ grid has T+1 >= 2 entries, got {sigmas.numel()}")
+    return float(sigmas[1]), float(sigmas[-1])
+
+
 def _per_sample(value, ref: torch.Tensor) -> torch.Tensor:
     """Broadcast a scalar / (B,) σ to (B, 1, …, 1) matching ``ref`` (B, *S), float32."""
     t = torch.as_tensor(value, dtype=torch.float32, device=ref.device)
@@ -46,10 +58,27 @@ def _per_sample(value, ref: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, *([1] * (ref.dim() - 1)))
 
 
-def kernel_coefficients(sigma, sigma_next, *, sde_type: str, noise_level: float):
+def _noise_scale(sigma: torch.Tensor, sigma_next: torch.Tensor, sde_type: str, noise_level: float,
+                 bounds: tuple[float, float] | None) -> torch.Tensor:
+    """ε of the flow_sde-mean kernels (shape of ``sigma``): FlowGRPO's, DanceGRPO's constant, Flash-GRPO's linear."""
+    if sde_type == "flow_sde":
+        sig_tilde = torch.where(sigma >= 1, sigma_next, sigma)
+        return noise_level * torch.sqrt(sigma / (1 - sig_tilde))
+    if sde_type == "flash_sde":
+        if bounds is None:
+            raise ValueError("sde_type 'flash_sde' needs sigma_bounds=(σ_max, σ_min), the grid's σ₁ and σ_T "
+                             "(flow_sde.sigma_bounds(sigmas))")
+        s_max, s_min = (float(b) for b in bounds)
+        return noise_level * (s_min + (s_max - s_min) * sigma)
+    return torch.full_like(sigma, float(noise_level))
+
+
+def kernel_coefficients(sigma, sigma_next, *, sde_type: str, noise_level: float,
+                        sigma_bounds: tuple[float, float] | None = None):
     """Affine form of the mean, μ = c_x·x + c_v·v, and the std s, as broadcastable float32 tensors.
 
     Returned shapes follow ``sigma`` (any shape). Useful to engines that need ∂μ/∂v = c_v in closed form.
+    ``sigma_bounds`` (σ_max, σ_min): the grid's σ₁ and σ_T, read by ``flash_sde`` only (required there).
     """
     sigma = torch.as_tensor(sigma, dtype=torch.float32)
     sigma_next = torch.as_tensor(sigma_next, dtype=torch.float32, device=sigma.device)
@@ -58,12 +87,8 @@ def kernel_coefficients(sigma, sigma_next, *, sde_type: str, noise_level: float)
     final = sigma_next <= 0
     if sde_type == "ode":
         c_x, c_v, std = torch.ones_like(sigma), dt, torch.zeros_like(sigma)
-    elif sde_type in ("flow_sde", "dance_sde"):
-        if sde_type == "flow_sde":
-            sig_tilde = torch.where(sigma >= 1, sigma_next, sigma)
-            eps = noise_level * torch.sqrt(sigma / (1 - sig_tilde))
-        else:
-            eps = torch.full_like(sigma, float(noise_level))
+    elif sde_type in ("flow_sde", "dance_sde", "flash_sde"):
+        eps = _noise_scale(sigma, sigma_next, sde_type, noise_level, sigma_bounds)
         eps = torch.where(final, torch.zeros_like(eps), eps)
         k = eps**2 / (2 * sigma)
         c_x = 1 + dt * k
@@ -106,6 +131,7 @@ def step(
     noise_level: float = 0.7,
     reduce: str = "mean",
     cps_flowgrpo_compat: bool = False,
+    sigma_bounds: tuple[float, float] | None = None,
 ) -> StepOut:
     """One transition of the flow kernel ``sde_type``; samples when ``prev_sample`` is None, else scores it.
 
@@ -114,12 +140,14 @@ def step(
     Returns StepOut(prev_sample (B,*S) float32, log_prob (B,), mean (B,*S), std (B,)).
     Where std == 0 (ode, final step) the sample is the mean and log_prob is 0.
     ``cps_flowgrpo_compat`` reproduces FlowGRPO's CPS "log-prob" −mean((x'−μ)²), which is not a density.
+    ``sigma_bounds`` (σ_max, σ_min) = ``sigma_bounds(grid)``: ``flash_sde``'s noise-scale bounds (others ignore it).
     """
     v = model_out.float()
     x = x.float()
     sig = _per_sample(sigma, x)
     sig_next = _per_sample(sigma_next, x)
-    c_x, c_v, std = kernel_coefficients(sig, sig_next, sde_type=sde_type, noise_level=noise_level)
+    c_x, c_v, std = kernel_coefficients(sig, sig_next, sde_type=sde_type, noise_level=noise_level,
+                                        sigma_bounds=sigma_bounds)
     mean = c_x * x + c_v * v  # (B, *S)
     std_b = std.reshape(-1)  # (B,)
     if prev_sample is None:
