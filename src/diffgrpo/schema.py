@@ -24,7 +24,7 @@ def _f(default, *, choices=None, lo=None, hi=None, gt=None, path=False, doc="", 
 # keys that were renamed: the old name is refused with the new one (command line and YAML alike)
 RENAMED = {"model.family": "model.pipeline"}
 # model.name → family (a key of ``families.FAMILIES``): which family trains the policy
-MODEL_FAMILIES = {"tiny": "flow", "diffusers": "flow", "tiny_mlm": "dllm", "hf_masked_lm": "dllm"}
+MODEL_FAMILIES = {"tiny": "flow", "diffusers": "flow", "tiny_mlm": "dllm", "tiny_block": "dllm", "hf_masked_lm": "dllm"}
 # what each family trains, as error messages name it
 FAMILY_TITLES = {"flow": "flow-matching models", "dllm": "masked diffusion LMs"}
 # train.task → the keys it sets where a config leaves them at their defaults (the digits task's values)
@@ -39,9 +39,10 @@ TASK_DEFAULTS: dict[str, dict[str, Any]] = {
 @dataclass
 class ModelConfig:
     FAMILY: ClassVar[str] = "flow"
-    name: str = _f("tiny", choices=("tiny", "tiny_mlm", "hf_masked_lm", "diffusers"),
+    name: str = _f("tiny", choices=("tiny", "tiny_mlm", "tiny_block", "hf_masked_lm", "diffusers"),
                    doc="policy adapter: tiny (flow), diffusers (SD3/FLUX/Wan/Qwen-Image pipeline at model.pretrained), "
-                       "tiny_mlm / hf_masked_lm (masked diffusion LM, see dllm.*)", family="any")
+                       "tiny_mlm / tiny_block (block-causal) / hf_masked_lm (masked diffusion LM, see dllm.*)",
+                   family="any")
     guidance_scale: float = _f(1.0, lo=0.0, doc="classifier-free guidance scale; 1 = no CFG (one forward)")
     device: str = _f("auto", doc="torch device for the policy: auto (cuda:<LOCAL_RANK> / cuda, else mps, else cpu), "
                                  "cpu, cuda, cuda:N or mps (must exist on this machine)", family="any")
@@ -286,8 +287,10 @@ class DLLMConfig:
                    doc="task with a verifiable reward (diffgrpo.tasks); gsm8k: numeric answers, code: MBPP / "
                        "HumanEval records run in a sandbox, math: math-verify equivalence, all three with instances "
                        "from dllm.data_file")
-    method: str = _f("diffu_grpo", choices=("diffu_grpo", "coupled_grpo", "random_mask", "spg", "wd1"),
-                     doc="base method: likelihood estimator + advantage baseline (+ objective: spg, wd1)")
+    method: str = _f("diffu_grpo", choices=("diffu_grpo", "coupled_grpo", "random_mask", "spg", "wd1", "trace_rl"),
+                     doc="base method: likelihood estimator + advantage baseline (+ objective: spg, wd1); trace_rl: "
+                         "the sampler's own decoding steps (diffgrpo.dllm.trace_rl)")
+    trace_shrink: int = _f(1, lo=1, doc="trace_rl: consecutive decoding steps scored by one forward (1 = exact)")
     method_defaults: bool = _f(True, doc="use the method's advantage baseline/std (else the advantage section)")
     clip_range: float = _f(0.2, lo=0.0, doc="PPO clip ε on per-token ratios (d1 and TRL use 0.2)")
     gen_length: int = _f(0, lo=0, doc="completion tokens; 0 = the task's default (tiny_mlm: at least the longest "

@@ -18,7 +18,7 @@ import torch
 from ..distributed import launched_local_rank, resolve_device
 
 # built-in models small enough that one CPU thread is fastest
-TINY_MODELS = ("tiny", "tiny_mlm")
+TINY_MODELS = ("tiny", "tiny_mlm", "tiny_block")
 
 
 def cpu_threads(setting: int, *, model_name: str, device: str, environ: dict | None = None) -> int | None:

@@ -30,10 +30,11 @@ from ..errors import ConfigError
 from ..family import Samples, Sync
 from ..loss_weights import apply, grpo_loss_weights
 from ..models.hf_masked_lm import shard_blocks
+from ..models.block_cache import BlockKVCache
 from ..models.kv_cache import KVCache
 from ..rewards import TASK_REWARD, compute_rewards, make_rewards
 from ..rewards.verifiers import d1_format_components
-from ..samplers import masked
+from ..samplers import block, masked
 from ..tasks import Example, examples_from_file, get_task
 from ..tasks.code import attach_sandbox
 from ..types import EngineStats, Rollout, TokenTrajectory
@@ -68,10 +69,14 @@ class DLLMFamily:
             shard_blocks(policy.model, param_dtype=cfg.dist.fsdp_param_dtype,
                          cpu_offload=cfg.dist.fsdp_cpu_offload)
         self.gen_length = self.d.gen_length or self.task.gen_length
-        self.block_length = self.d.block_length or self.gen_length
+        self.block_size = getattr(policy, "block_size", 0)  # > 0: block-causal (exact block cache, block rollouts)
+        self.block_length = self.block_size or self.d.block_length or self.gen_length
+        if self.block_size:
+            check_block_model(self.d, self.block_size, self.gen_length)
+            self.prompt_length = -(-self.prompt_length // self.block_size) * self.block_size  # blocks start at P
         self.steps = self.d.diffusion_steps or self.gen_length
         masked.schedule(self.gen_length, self.block_length, self.steps)  # validates the sizes
-        self.kv_cache = None if self.d.kv_cache == "none" else KVCache(  # checks that the model takes a cache
+        self.kv_cache = None if self.d.kv_cache == "none" or self.block_size else KVCache(  # checks the model
             policy, self.d.kv_cache, prompt_length=self.prompt_length, gen_length=self.gen_length)
         method = METHODS[self.d.method]
         a = cfg.advantage
@@ -130,6 +135,12 @@ class DLLMFamily:
     # ------------------------------------------------------------------ pieces
     def generate(self, examples: list[Example], *, temperature: float, generator=None) -> masked.MaskedSample:
         ids = self.vocab.encode_prompts([e.prompt for e in examples], self.prompt_length).to(self.device)
+        if self.block_size:  # block by block with the exact cache, stopping at <eos>
+            opts = {k: v for k, v in decoding.sampler_options(self.d).items() if k != "cache_refresh"}
+            return block.sample_blocks(self.policy, ids, mask_id=self.vocab.mask_id, gen_length=self.gen_length,
+                                       block_length=self.block_length, steps=self.steps, temperature=temperature,
+                                       generator=generator, cache=BlockKVCache(self.policy),
+                                       eos_id=self.vocab.eos_id, **opts)
         return masked.sample(self.policy, ids, mask_id=self.vocab.mask_id, gen_length=self.gen_length,
                              block_length=self.block_length, steps=self.steps, temperature=temperature,
                              generator=generator, cache=self.kv_cache, **decoding.sampler_options(self.d))
@@ -195,7 +206,7 @@ class DLLMFamily:
                               aggregation=self.cfg.loss.aggregation, world=self.world, spread=self.spread,
                               std_mode=self.std_mode, baseline=self.baseline, log=self.log)
         records = {k: getattr(smp, k) for k in SAMPLER_RECORDS}
-        est = self.method.score_rollout(smp.sequences, L, smp.order)
+        est = self.method.score_rollout(smp.sequences, L, smp.order, smp.commit_step)
         traj = TokenTrajectory(sequences=smp.sequences, prompt_length=smp.sequences.shape[1] - L,
                                log_probs=est["log_probs"], ref_log_probs=est["ref_log_probs"], masks=est["masks"],
                                mask_weights=est["mask_weights"], strata=est["strata"], groups=est["groups"],
@@ -281,6 +292,20 @@ class DLLMFamily:
 
 
 D1_FORMAT_KEYS = ("format_strict", "format_soft", "format_xmlcount")
+
+
+def check_block_model(d, block_size: int, gen_length: int) -> None:
+    """A block-causal model decodes in its own attention blocks with its exact cache: ``dllm.block_length`` is 0 or
+    the model's block, which divides the completion; ``dllm.kv_cache`` (the masked LM's approximate caches) is none."""
+    if d.block_length and d.block_length != block_size:
+        raise ConfigError(f"dllm.block_length: value {d.block_length} differs from the block-causal model's block "
+                          f"size {block_size}; use 0 or {block_size}")
+    if gen_length % block_size:
+        raise ConfigError(f"dllm.gen_length: value {gen_length} is not a multiple of the model's block size "
+                          f"{block_size}")
+    if d.kv_cache != "none":
+        raise ConfigError(f"dllm.kv_cache: value {d.kv_cache!r} does not apply to a block-causal model (its cache of "
+                          f"finished blocks is exact and always on); must be 'none'")
 
 
 def warn_long_prompts(vocab, examples: list[Example], length: int, log, limit: int = 10000) -> int:

@@ -10,6 +10,9 @@ one shared GRPO loss:
                               paper (the pair, weight 1: 2 forwards) or released (DiffuCoder's trainer: a full-mask
                               forward averaged with the 1/t, 1/(1−t)-weighted pair: 3 forwards)
   random_mask   (UniGRPO)     m random mask ratios with ELBO weights, A = (r − mean) / std
+  trace_rl      (TraceRL)     the sampler's own decoding steps, one masked forward per step (:mod:`.trace_rl`),
+                              A = (r − mean) / std; on a block-causal model every estimator scores each block with
+                              the exact clean prefix (:mod:`.block_likelihood`)
 
 and two ratio-free base methods with their own objectives (one module each):
 
@@ -52,7 +55,8 @@ import torch
 from ..losses import aggregate, ppo_clip_loss
 from ..metering import chunks, engine_run, record_backward
 from ..types import EngineStats, Rollout, TokenTrajectory
-from . import likelihood, spg, wd1
+from . import likelihood, spg, trace_rl, wd1
+from .block_likelihood import block_token_log_probs
 
 METHODS = {
     "diffu_grpo": dict(estimator="mean_field", baseline="mean", std_mode="none", objective="grpo"),
@@ -60,6 +64,7 @@ METHODS = {
     "random_mask": dict(estimator="random_mask", baseline="mean", std_mode="group", objective="grpo"),
     "spg": dict(estimator="spg_blocks", baseline="mean", std_mode="none", objective="spg"),
     "wd1": dict(estimator="mean_field", baseline="mean", std_mode="none", objective="wd1"),
+    "trace_rl": dict(estimator="trace", baseline="mean", std_mode="group", objective="grpo"),  # trace_rl.py
 }
 
 
@@ -79,6 +84,8 @@ def forwards_per_estimate(d, daca) -> int:
     """Sequence-forwards per completion of one likelihood estimate (M, × K with SML): the grad-forwards a method
     spends per completion per update. d: the dllm config section, daca: the daca section."""
     m = d.method
+    if m == "trace_rl":  # one forward per decoding step (× trace_shrink)
+        return trace_rl.forwards_per_completion(d.diffusion_steps or d.gen_length, d.trace_shrink)
     base = {"diffu_grpo": 1, "wd1": 1, "random_mask": d.num_mask_samples, "spg": d.spg_num_t,
             "coupled_grpo": 3 if d.coupled_form == "released" else 2}[m]
     return base * (daca.sml_strata if daca.likelihood == "sml" else 1)
@@ -124,11 +131,14 @@ class TokenGRPO:
         self.eos_id = self.policy.vocab.eos_id
 
     # ------------------------------------------------------------------ masks and estimates
-    def draw_masks(self, B: int, P: int, L: int, completions: torch.Tensor | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    def draw_masks(self, B: int, P: int, L: int, completions: torch.Tensor | None = None,
+                   commit_step: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Masks (B, M, P+L) and weights (B, M, L) of the configured estimator, from this method's generator.
-        completions (B, L) ids: needed by SPG's block masks (the valid tokens decide the blocks)."""
+        completions (B, L) ids: needed by SPG's block masks (the valid tokens decide the blocks); commit_step (B, L):
+        the sampler's steps, trace_rl's masks."""
         name, dev, g, d = self.method["estimator"], self.policy.device, self.gen_masks, self.d
+        if name == "trace":
+            return trace_rl.trace_masks(commit_step, P, d.trace_shrink)
         if name == "mean_field":
             return likelihood.mean_field(B, P, L, p_mask_prompt=d.p_mask_prompt, generator=g, device=dev)
         if name == "coupled":
@@ -158,7 +168,11 @@ class TokenGRPO:
 
     def log_probs(self, ids, masks, weights):
         """Per-token estimates (n, L) for rows of a rollout (grad follows the caller's mode), under the rollout's
-        sampling distribution softmax(logits / dllm.temperature)."""
+        sampling distribution softmax(logits / dllm.temperature); a block-causal policy (``block_size``) scores each
+        block with the exact clean prefix (:mod:`.block_likelihood`)."""
+        if getattr(self.policy, "block_size", 0):
+            return block_token_log_probs(self.policy, ids, masks, weights, self.mask_id, self.policy.block_size,
+                                         temperature=self.d.temperature)
         return likelihood.token_log_probs(self.policy, ids, masks, weights, self.mask_id,
                                           temperature=self.d.temperature)
 
@@ -171,12 +185,13 @@ class TokenGRPO:
             out = lp if out is None else out + lp
         return out
 
-    def score_rollout(self, sequences: torch.Tensor, L: int, order: torch.Tensor) -> dict:
+    def score_rollout(self, sequences: torch.Tensor, L: int, order: torch.Tensor,
+                      commit_step: torch.Tensor | None = None) -> dict:
         """Masks for a fresh rollout of sequences (B, P+L), and ℓ_old (ℓ_ref when β > 0) under them, no grad.
         → {"masks", "mask_weights", "strata", "groups", "log_probs", "ref_log_probs"}."""
         B, N = sequences.shape
         P = N - L
-        masks, mweights = self.draw_masks(B, P, L, sequences[:, P:])
+        masks, mweights = self.draw_masks(B, P, L, sequences[:, P:], commit_step)
         masks, mweights, strata = self.refine_masks(masks, mweights, sequences[:, P:], order)
         G = 1 if strata is None else self.daca.sml_strata
         rows = chunks(torch.arange(B, device=sequences.device), self.ctx.micro_batch_size)

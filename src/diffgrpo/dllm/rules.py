@@ -12,10 +12,14 @@ from ..config import RewardConfig, RunConfig
 from ..data_sources import reads_data
 from ..errors import ConfigError
 from ..rewards import check_text_rewards
+from ..models.tiny_block import TINY_BLOCK_SIZE
 from ..samplers.masked import schedule
 from ..tasks import FILE_TASKS, TASKS, VOCAB, examples_from_file, get_task
 from ..tasks.code import check_config as check_code_config
 from .decoding import check_config as check_decoding
+
+
+BUILT_IN = ("tiny_mlm", "tiny_block")  # the built-in masked LMs: character vocabulary, the task's positions
 
 
 def check(cfg: RunConfig, purpose: str = "train") -> None:
@@ -57,7 +61,7 @@ def _validate_dllm(cfg: RunConfig, purpose: str) -> None:
     _validate_dllm_scale(cfg, task, purpose)
     if d.data_file and reads_data(purpose):
         examples = examples_from_file(d.data_file, task, prompt_field=d.prompt_field, answer_field=d.answer_field)
-        if cfg.model.name == "tiny_mlm":  # the built-in character vocabulary and its prompt positions
+        if cfg.model.name in BUILT_IN:  # the built-in character vocabulary and its prompt positions
             for i, ex in enumerate(examples, 1):
                 try:
                     n = len(VOCAB.encode(ex.prompt))
@@ -67,7 +71,7 @@ def _validate_dllm(cfg: RunConfig, purpose: str) -> None:
                 if n > task.prompt_length:
                     raise ConfigError(f"dllm.data_file: record {i}: the prompt {ex.prompt!r} has {n} tokens; the "
                                       f"built-in tiny_mlm for dllm.task={d.task} reads at most {task.prompt_length}")
-    if cfg.model.name == "tiny_mlm" and d.gen_length:
+    if cfg.model.name in BUILT_IN and d.gen_length:
         if d.gen_length > task.gen_length:
             raise ConfigError(f"dllm.gen_length: value {d.gen_length} is out of range; the built-in tiny_mlm for "
                               f"dllm.task={d.task} has positions for {task.gen_length} completion tokens; must be "
@@ -79,7 +83,10 @@ def _validate_dllm(cfg: RunConfig, purpose: str) -> None:
                               f"default {task.gen_length})")
     gen = d.gen_length or task.gen_length
     src = f"dllm.gen_length={gen}" if d.gen_length else f"dllm.task={d.task}'s default gen_length {gen}"
-    block = d.block_length or gen
+    block = d.block_length or (TINY_BLOCK_SIZE if cfg.model.name == "tiny_block" else gen)
+    if cfg.model.name == "tiny_block" and d.kv_cache != "none":
+        raise ConfigError(f"dllm.kv_cache: value {d.kv_cache!r} does not apply to model.name=tiny_block (its cache of "
+                          f"finished blocks is exact and always on); must be 'none'")
     if gen % block:
         raise ConfigError(f"dllm.block_length: value {d.block_length} does not divide the generation length {gen} "
                           f"({src}); choose one of {_divisors(gen)} or 0 (one block)")
@@ -113,7 +120,7 @@ def _validate_dllm_scale(cfg: RunConfig, task, purpose: str) -> None:
                            answer_field=d.answer_field)
     if cfg.model.name == "hf_masked_lm" and Path(d.model_path).expanduser().is_dir():
         _check_model_dir(Path(d.model_path).expanduser(), d)
-    if cfg.model.name == "tiny_mlm":
+    if cfg.model.name in BUILT_IN:
         if d.chat_template == "true" or d.system_prompt:
             key = "dllm.chat_template" if d.chat_template == "true" else "dllm.system_prompt"
             raise ConfigError(f"{key}: the built-in tiny_mlm has a character vocabulary and no chat template; it "

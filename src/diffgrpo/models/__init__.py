@@ -18,10 +18,12 @@ from __future__ import annotations
 from .diffusers_adapter import DiffusersFlowPolicy, PolicyOptions, build_diffusers_policy
 from .hf_masked_lm import build_hf_masked_lm_policy, build_tiny_mlm_policy
 from .tiny import build_tiny_policy
+from .tiny_block import build_tiny_block_policy
 
 POLICIES = {
     "tiny": build_tiny_policy,
     "tiny_mlm": build_tiny_mlm_policy,  # masked diffusion LMs: logits(input_ids), see hf_masked_lm.py
+    "tiny_block": build_tiny_block_policy,  # block-causal masked LM (exact block cache), see tiny_block.py
     "hf_masked_lm": build_hf_masked_lm_policy,
     "diffusers": build_diffusers_policy,  # the architectures of pipelines/, see diffusers_adapter.py
 }
