@@ -175,3 +175,27 @@ def test_single_step_weights_on_the_kernel(make_trainer):
     assert len(set(k)) > 1 and float(w.max() / w.min()) > 1.05  # several steps, unequal weights
     off = SingleStepEngine(EngineConfig(name="single_step", candidate_steps="all", rectify=False))
     assert torch.equal(off.sample_weights(fam.ctx, ro.traj, ro.selected), torch.ones_like(w))
+
+
+# ---------------------------------------------------------------------- the shipped recipe
+def test_shipped_wan_flash_config_is_the_released_recipe():
+    from pathlib import Path
+
+    from diffgrpo.config import RunConfig
+    from diffgrpo.engines.single_step import candidate_steps
+
+    path = Path(__file__).resolve().parents[1] / "src/diffgrpo/configs/wan21_t2v_1.3b_flash_pickscore.yaml"
+    assert "Shredded-Pork/Flash-GRPO" in path.read_text()
+    cfg = RunConfig.from_yaml(path)
+    s, e = cfg.sampler, cfg.engine
+    assert (s.sde_type, s.noise_level, s.num_steps, s.shift) == ("flash_sde", 1.0, 20, 3.0)
+    assert (e.name, e.rectify) == ("single_step", True)
+    assert candidate_steps(e.candidate_steps, s.num_steps) == list(range(10))  # the released table's steps
+    assert (cfg.loss.clip_range, cfg.loss.beta, cfg.train.group_size, cfg.train.lr) == (1e-3, 0.0, 8, 1e-4)
+    assert (cfg.model.pretrained, cfg.model.num_frames, cfg.model.guidance_scale) == \
+        ("Wan-AI/Wan2.1-T2V-1.3B-Diffusers", 81, 4.5)
+    assert (cfg.model.lora_rank, cfg.model.lora_alpha, cfg.advantage.std_mode, cfg.advantage.clip) == \
+        (16, 32.0, "global", 5.0)
+    ref = torch.tensor(list(RELEASED.values()), dtype=torch.float64)
+    mine = _weights(sigma_grid(s.num_steps, s.shift).double(), s.sde_type, s.noise_level)
+    assert float((mine / (ref / ref.mean()) - 1).abs().max()) < 1e-3
