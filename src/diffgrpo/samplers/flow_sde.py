@@ -30,7 +30,6 @@ import torch
 from ..types import StepOut
 
 SDE_TYPES = ("flow_sde", "dance_sde", "flash_sde", "cps", "ode")
-GRID_KERNELS = ("flash_sde",)  # kernels whose noise scale reads the grid (``sigma_bounds``)
 LOGPROB_REDUCTIONS = ("mean", "sum")
 _LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 
