@@ -243,12 +243,10 @@ class DLLMFamily:
                 table.add_completion(i, e.prompt, {"answer": e.answer}, {k: v[i] for k, v in scored.items()
                                                                           if k != "reward"},
                                      scored["reward"][i], text)
-        # NaN (a sample not scored, e.g. a program the sandbox could not run) is left out of every mean
-        row = {f"{prefix}reward": float(scored["reward"].nanmean()),
-               f"{prefix}accuracy": float(scored["correct"].nanmean())}
+        row = {f"{prefix}reward": float(scored["reward"].mean()), f"{prefix}accuracy": float(scored["correct"].mean())}
         for k, v in scored.items():
             if k != "reward":  # the weighted total is prefix+"reward" itself
-                row[f"{prefix}rewards/{k}/mean"] = float(v.nanmean())
+                row[f"{prefix}rewards/{k}/mean"] = float(v.mean())
         if guard:
             row.update(self.guards.texts(outs, [e.prompt for e in ex], [{"answer": e.answer} for e in ex]))
         return row
