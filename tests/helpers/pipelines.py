@@ -360,3 +360,41 @@ def qwenimage21_pipeline(sample_sigmas: list[float] | None = None):
                                             base_image_seq_len=16, max_image_seq_len=256, time_shift_type="exponential")
     return _eval(QwenImage21Pipeline(scheduler=sched, vae=vae, text_encoder=text, processor=proc, transformer=tr,
                                      sample_sigmas=sample_sigmas))
+
+
+# ------------------------------------------------------------------------------------------- HunyuanVideo 1.5
+
+HY_CHAT = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
+           "{% else %}{% for c in m['content'] %}{{ c['text'] }}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def hunyuanvideo15_pipeline(guidance_scale: float = 6.0):
+    """A tiny HunyuanVideo15Pipeline of seeded random weights: a two-layer Qwen2.5-VL text model over a character
+    tokenizer with a chat template, a one-layer ByT5 (T5) glyph encoder, a two-level 16× VAE (4× in time), a
+    one-block transformer (4 latent channels: in 2·4 + 1), CFG through the pipeline's guider."""
+    from diffusers import (
+        AutoencoderKLHunyuanVideo15,
+        ClassifierFreeGuidance,
+        FlowMatchEulerDiscreteScheduler,
+        HunyuanVideo15Pipeline,
+        HunyuanVideo15Transformer3DModel,
+    )
+    from transformers import ByT5Tokenizer, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel, T5Config, T5EncoderModel
+
+    torch.manual_seed(0)
+    tok, vocab = _qwen_tokenizer()
+    tok.chat_template = HY_CHAT
+    text = Qwen2_5_VLTextModel(Qwen2_5_VLTextConfig(
+        vocab_size=len(vocab), hidden_size=16, intermediate_size=32, num_hidden_layers=3, num_attention_heads=2,
+        num_key_value_heads=1, bos_token_id=None, eos_token_id=None,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]}))
+    glyph = T5EncoderModel(T5Config(vocab_size=384, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2))
+    vae = AutoencoderKLHunyuanVideo15(latent_channels=4, block_out_channels=(8, 8, 8, 8, 8), layers_per_block=1,
+                                      spatial_compression_ratio=16, temporal_compression_ratio=4, scaling_factor=0.9)
+    tr = HunyuanVideo15Transformer3DModel(in_channels=9, out_channels=4, num_attention_heads=2, attention_head_dim=8,
+                                          num_layers=1, num_refiner_layers=1, text_embed_dim=16, text_embed_2_dim=16,
+                                          image_embed_dim=16, rope_axes_dim=(2, 2, 4), target_size=64, task_type="t2v")
+    return _eval(HunyuanVideo15Pipeline(
+        text_encoder=text, tokenizer=tok, transformer=tr, vae=vae, scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0),
+        text_encoder_2=glyph, tokenizer_2=ByT5Tokenizer(), guider=ClassifierFreeGuidance(guidance_scale=guidance_scale)))

@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from .. import consistency, distributed, guards
+from .. import distributed, guards
 from ..config import RunConfig
 from ..errors import ConfigError
 from ..family import Samples, Sync
@@ -206,9 +206,6 @@ class DLLMFamily:
                               aggregation=self.cfg.loss.aggregation, world=self.world, spread=self.spread,
                               std_mode=self.std_mode, baseline=self.baseline, log=self.log)
         records = {k: getattr(smp, k) for k in SAMPLER_RECORDS}
-        if self.cfg.train.on_inconsistency != "off":  # the decoder's records against full forwards (consistency)
-            records["replay_log_conf"], records["replay_third"] = consistency.replay_log_conf(
-                self.policy, smp.sequences, smp.commit_step, smp.num_steps, self.vocab.mask_id)
         est = self.method.score_rollout(smp.sequences, L, smp.order, smp.commit_step)
         traj = TokenTrajectory(sequences=smp.sequences, prompt_length=smp.sequences.shape[1] - L,
                                log_probs=est["log_probs"], ref_log_probs=est["ref_log_probs"], masks=est["masks"],
@@ -243,10 +240,12 @@ class DLLMFamily:
                 table.add_completion(i, e.prompt, {"answer": e.answer}, {k: v[i] for k, v in scored.items()
                                                                           if k != "reward"},
                                      scored["reward"][i], text)
-        row = {f"{prefix}reward": float(scored["reward"].mean()), f"{prefix}accuracy": float(scored["correct"].mean())}
+        # NaN (a sample not scored, e.g. a program the sandbox could not run) is left out of every mean
+        row = {f"{prefix}reward": float(scored["reward"].nanmean()),
+               f"{prefix}accuracy": float(scored["correct"].nanmean())}
         for k, v in scored.items():
             if k != "reward":  # the weighted total is prefix+"reward" itself
-                row[f"{prefix}rewards/{k}/mean"] = float(v.mean())
+                row[f"{prefix}rewards/{k}/mean"] = float(v.nanmean())
         if guard:
             row.update(self.guards.texts(outs, [e.prompt for e in ex], [{"answer": e.answer} for e in ex]))
         return row

@@ -177,7 +177,9 @@ def build_verify_code(device=None, *, backend: str = "auto", workers: int = 0, t
         out = []
         for p in progs:
             r = next(runs) if p is not None else None
-            out.append(0.0 if r is None else (float(r.all_passed) if pass_at_1 else r.fraction))
+            score = float("nan") if r is not None and r.infra else None  # not run: neither a pass nor a fail
+            out.append(0.0 if r is None else score if score is not None else
+                       (float(r.all_passed) if pass_at_1 else r.fraction))
         return out
 
     fn.__name__ = "verify_code_pass_at_1" if pass_at_1 else "verify_code"

@@ -4,15 +4,17 @@
                session and process group, bounded outputs, the kill at the deadline, :func:`kill_all`
   backends.py  the backends (``local``, ``bwrap``, ``remote``; ``auto`` = bwrap when it starts here, else local)
                and the choice among them, each checked by running one trivial program
+  remote.py    the ``remote`` backend's client: one deadline per request, cancellable, service failures told apart
   pool.py      many programs at once: :class:`SandboxPool`, :func:`make_sandbox`
   harness.py   what runs inside: the program confines itself, then runs the code and each test
 """
 from __future__ import annotations
 
-from . import backends, pool, process
-from .backends import BACKENDS, BwrapBackend, LocalBackend, RemoteBackend, SandboxError, choose, find_bwrap
+from . import backends, pool, process, remote
+from .backends import BACKENDS, BwrapBackend, LocalBackend, choose, find_bwrap
 from .pool import SandboxPool, make_sandbox
-from .process import HARNESS_SOURCE, Limits, Program, Result, kill_all, parse_report
+from .process import HARNESS_SOURCE, Limits, Program, Result, SandboxError, SandboxUnavailable, kill_all, parse_report
+from .remote import RemoteBackend
 
 __all__ = [
     "BACKENDS",
@@ -25,6 +27,7 @@ __all__ = [
     "Result",
     "SandboxError",
     "SandboxPool",
+    "SandboxUnavailable",
     "backends",
     "choose",
     "find_bwrap",
@@ -33,4 +36,5 @@ __all__ = [
     "parse_report",
     "pool",
     "process",
+    "remote",
 ]

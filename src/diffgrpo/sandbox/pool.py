@@ -3,6 +3,9 @@ threads; an interrupt (KeyboardInterrupt, a second SIGTERM in the trainer) kills
 before it propagates, and :meth:`SandboxPool.close` kills them too. :func:`make_sandbox` builds a pool on a backend
 checked to start here (``backends.choose``).
 
+A program the sandbox could not run (it never started, the service failed: ``Result.infra``) is retried
+(``retries``), then returned as such: neither a pass nor a fail.
+
 Cost: one interpreter start per completion (measured in ``docs/code_and_math.md``), all its tests in that one
 process. Exactness: the score is the fraction of the tests whose code ran without an exception (an assert that
 holds); a solution can fake results from inside its own process (as in every in-process runner), it cannot
@@ -18,7 +21,7 @@ from .backends import choose
 from .process import Limits, Program, Result, kill_all
 
 _WARNED: set[str] = set()
-_WANTED = {"local": ("netns", "landlock", "seccomp"), "bwrap": ("seccomp",)}
+_WANTED = {"local": ("netns", "pidns", "nocaps", "landlock", "seccomp"), "bwrap": ("nocaps", "seccomp")}
 
 
 def _warn_once(backend: str, confined: tuple[str, ...], log) -> None:
@@ -29,7 +32,11 @@ def _warn_once(backend: str, confined: tuple[str, ...], log) -> None:
         what = {"netns": "no network namespace (not root): the seccomp filter alone refuses sockets other than "
                          "AF_UNIX", "landlock": "no Landlock in this kernel: files readable by this uid are "
                          "readable by the code", "seccomp": "no seccomp filter on this architecture: "
-                         "new processes are bounded by RLIMIT_NPROC only (not enforced for root)"}
+                         "new processes are bounded by RLIMIT_NPROC only (not enforced for root), and sockets, other "
+                            "processes' limits, host settings and bpf are refused only by the missing capabilities",
+                "pidns": "no pid namespace: other processes of this uid are visible (their limits, priority and "
+                         "scheduling are refused by the seccomp filter)",
+                "nocaps": "capabilities could not be dropped"}
         log(f"warning: sandbox backend {backend!r}: " + "; ".join(what[m] for m in missing)
             + " (see docs/code_and_math.md)")
 
@@ -41,6 +48,7 @@ class SandboxPool:
     limits: Limits = field(default_factory=Limits)
     workers: int = 4
     log: object = print
+    retries: int = 2
 
     def __post_init__(self):
         self._cancel = threading.Event()
@@ -58,10 +66,7 @@ class SandboxPool:
                     i = next(it, None)
                 if i is None:
                     return
-                try:
-                    results[i] = self.backend.run(programs[i], self.limits, self._cancel)
-                except Exception as e:  # noqa: BLE001 - one program's failure is that program's failure
-                    results[i] = Result([False] * len(programs[i].tests), "error", stderr=f"{type(e).__name__}: {e}")
+                results[i] = self._run_retried(programs[i])
 
         threads = [threading.Thread(target=work, daemon=True, name=f"sandbox-{k}")
                    for k in range(max(1, min(self.workers, len(programs))))]
@@ -80,6 +85,18 @@ class SandboxPool:
                 _warn_once(self.backend.name, r.confined, self.log)
                 break
         return out
+
+    def _run_retried(self, program: Program) -> Result:
+        """One program; a sandbox that could not run it (``Result.infra``) is tried again, at most ``retries``
+        times, 0.5 s, 1 s, … apart, unless it ran to its deadline (it would hang again) or the pool is closed."""
+        for attempt in range(self.retries + 1):
+            try:
+                r = self.backend.run(program, self.limits, self._cancel)
+            except Exception as e:  # noqa: BLE001 - a backend's failure is a failure to run, not the program's
+                r = Result([False] * len(program.tests), "error", stderr=f"{type(e).__name__}: {e}")
+            if not r.infra or r.hung or attempt == self.retries or self._cancel.wait(0.5 * (attempt + 1)):
+                return r
+        return r
 
     def run(self, program: Program) -> Result:
         return self.run_many([program])[0]

@@ -23,7 +23,17 @@ import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..errors import ConfigError, RewardError
+
 HARNESS_SOURCE = (Path(__file__).parent / "harness.py").read_text()
+
+
+class SandboxError(ConfigError):
+    """A sandbox backend cannot start on this machine (one line, naming the backend)."""
+
+
+class SandboxUnavailable(RewardError):
+    """The sandbox keeps failing to run programs (it is neither the programs' pass nor their fail): the run stops."""
 
 
 @dataclass(frozen=True)
@@ -56,8 +66,9 @@ class Program:
 @dataclass
 class Result:
     """What came back: ``passed`` per test (False for a test never reached), ``status`` one of ok (the program
-    ended by itself), timeout (killed at the deadline), error (it could not run), cancelled; ``confined``: the
-    confinement steps the program applied; bounded stdout/stderr text."""
+    ended by itself), timeout (killed at the deadline), error (the sandbox could not run it: neither a pass nor a
+    fail, see :attr:`infra`), cancelled; ``confined``: the confinement steps the program applied; bounded
+    stdout/stderr text; ``hung``: an error that ran to its deadline (not worth a retry)."""
     passed: list[bool]
     status: str
     returncode: int | None = None
@@ -68,6 +79,12 @@ class Result:
     truncated: bool = False
     loaded: bool = False
     pid: int | None = None
+    hung: bool = False
+
+    @property
+    def infra(self) -> bool:
+        """The sandbox could not run the program (it never started, or the service failed)."""
+        return self.status == "error"
 
     @property
     def fraction(self) -> float:
@@ -190,10 +207,14 @@ def run_process(argv: list[str], job: dict, limits: Limits, *, cwd: str, env: di
             _LIVE.discard(proc)
     passed, confined, loaded = parse_report(outs["report"].decode("utf-8", "replace"), job["token"],
                                             len(job["tests"]))
-    status = "cancelled" if cancelled is not None and cancelled.is_set() else ("timeout" if timed_out else "ok")
-    return Result(passed, status, proc.returncode, outs["stdout"].decode("utf-8", "replace"),
-                  outs["stderr"].decode("utf-8", "replace"), time.monotonic() - t0, confined, truncated, loaded,
-                  proc.pid)
+    started = f"{job['token']} confined".encode() in outs["report"]  # written before the solution loads
+    status = "cancelled" if cancelled is not None and cancelled.is_set() else (
+        "error" if not started else "timeout" if timed_out else "ok")
+    err = outs["stderr"].decode("utf-8", "replace")
+    if status == "error":
+        err = f"the sandbox process ended (exit {proc.returncode}) before its harness started: " + err[-2000:]
+    return Result(passed, status, proc.returncode, outs["stdout"].decode("utf-8", "replace"), err,
+                  time.monotonic() - t0, confined, truncated, loaded, proc.pid, hung=timed_out and not started)
 
 
 def make_job(program: Program, limits: Limits, **flags) -> dict:
@@ -222,5 +243,5 @@ class PrivateDir:
         return False
 
 
-__all__ = ["HARNESS_SOURCE", "Limits", "PrivateDir", "Program", "Result", "kill_all", "make_job", "parse_report",
-           "run_process", "scrubbed_env"]
+__all__ = ["HARNESS_SOURCE", "Limits", "PrivateDir", "Program", "Result", "SandboxError", "SandboxUnavailable",
+           "kill_all", "make_job", "parse_report", "run_process", "scrubbed_env"]

@@ -17,6 +17,9 @@ The completion's code is its first fenced block (```python … ``` or ``` … ``
 :class:`~diffgrpo.sandbox.SandboxPool`, ``dllm.sandbox*`` keys); identical programs run once (a bounded
 memo of results: :class:`SandboxScorer`).
 Loading a data file checks the layout only: no reference solution runs before training starts.
+A program the sandbox could not run (after its retries) scores NaN, excluded like a NaN reward and counted in the
+``sandbox_infra_failures`` component (logged as ``rewards/sandbox_infra_failures/mean``: the share of the batch);
+a sandbox that keeps failing stops the run (:class:`SandboxScorer`).
 Estimator: none (exact test outcomes). Cost: one interpreter start per distinct completion, ``workers`` at once.
 """
 from __future__ import annotations
@@ -33,7 +36,7 @@ import torch
 
 from ..data_sources import HF_PREFIX, load_prompts, resolve_builtin
 from ..errors import ConfigError
-from ..sandbox import BACKENDS, Limits, Program, Result, SandboxPool, make_sandbox
+from ..sandbox import BACKENDS, Limits, Program, Result, SandboxPool, SandboxUnavailable, make_sandbox
 from .base import draw
 
 _FENCE_RE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
@@ -102,12 +105,19 @@ def _program_key(p: Program) -> str:
 class SandboxScorer:
     """Runs programs in a pool (made on first use with defaults unless :meth:`use` gave one). Identical programs
     in one call run once, and the results of programs that ended by themselves are remembered (the last
-    ``memo`` of them): a program is scored as a function of its text (setup, code, tests)."""
+    ``memo`` of them): a program is scored as a function of its text (setup, code, tests).
 
-    def __init__(self, memo: int = 8192):
+    A program the sandbox could not run after the pool's retries (``Result.infra``) is neither a pass nor a fail:
+    its scores are NaN (excluded like a NaN reward) and it is counted (``infra_failures``; the tasks' component
+    ``sandbox_infra_failures``). The run stops (:class:`~diffgrpo.sandbox.SandboxUnavailable`, one line, exit 1)
+    when the sandbox could run none of one call's programs (every completion of an iteration or an evaluation), or
+    failed on at least half of them in ``patience`` calls in a row."""
+
+    def __init__(self, memo: int = 8192, patience: int = 3):
         self.pool: SandboxPool | None = None
         self.memo: OrderedDict[str, Result] = OrderedDict()
-        self.memo_size = memo
+        self.memo_size, self.patience = memo, patience
+        self.infra_failures, self.failing_calls = 0, 0
 
     def use(self, pool: SandboxPool) -> None:
         self.pool = pool
@@ -125,7 +135,26 @@ class SandboxScorer:
                 self.memo[k] = r
                 if len(self.memo) > self.memo_size:
                     self.memo.popitem(last=False)
-        return [done[k] if k in done else self.memo[k] for k in keys]
+        results = [done[k] if k in done else self.memo[k] for k in keys]
+        self._judge(results)
+        return results
+
+    def _judge(self, results: list[Result]) -> None:
+        """Count the programs the sandbox could not run; stop the run when it keeps failing."""
+        bad = [r for r in results if r.infra]
+        self.infra_failures += len(bad)
+        self.failing_calls = self.failing_calls + 1 if 2 * len(bad) >= len(results) else 0
+        if len(bad) == len(results) or self.failing_calls >= self.patience:
+            why = " ".join(bad[-1].stderr.split())[-240:]
+            raise SandboxUnavailable(
+                f"the sandbox ({getattr(self.pool.backend, 'name', '?')}) could not run {len(bad)} of {len(results)} "
+                f"programs after {self.pool.retries} retries each" + (f", and at least half in {self.failing_calls} "
+                "calls in a row" if len(bad) < len(results) else "") + f"; the run stops (last: {why})")
+
+
+def infra_row(keys) -> dict[str, float]:
+    """The scores of a completion the sandbox could not run: NaN (neither a pass nor a fail), counted."""
+    return {**{k: float("nan") for k in keys}, "sandbox_infra_failures": 1.0}
 
 
 def _is_test(key: str, test_fraction: float, seed: int) -> bool:
@@ -138,7 +167,8 @@ class CodeTask:
     """MBPP / HumanEval-style records from a file; the reward runs each completion against the record's tests."""
 
     name, prompt_length, gen_length = "code", 512, 256
-    refused: ClassVar[dict[str, float]] = {"reward": 0.0, "pass_at_1": 0.0, "correct": 0.0}
+    refused: ClassVar[dict[str, float]] = {"reward": 0.0, "pass_at_1": 0.0, "correct": 0.0,
+                                           "sandbox_infra_failures": 0.0}
 
     def __init__(self):
         self.scorer = SandboxScorer()
@@ -181,7 +211,9 @@ class CodeTask:
             else:
                 todo.append((i, program_for(extract_code(c), e.meta)))
         for (i, _), r in zip(todo, self.scorer.run([p for _, p in todo])):
-            rows[i] = {"reward": r.fraction, "pass_at_1": float(r.all_passed), "correct": float(r.all_passed)}
+            rows[i] = infra_row(("reward", "pass_at_1", "correct")) if r.infra else {
+                "reward": r.fraction, "pass_at_1": float(r.all_passed), "correct": float(r.all_passed),
+                "sandbox_infra_failures": 0.0}
         return rows
 
     def rewards(self, completions, examples) -> dict[str, torch.Tensor]:
@@ -226,7 +258,8 @@ class CodeToy:
     name, prompt_length, gen_length = "code_toy", 24, 8
     test_fraction, split_seed = 0.2, 0
     held_out_inputs = (6, 9, -4)
-    refused: ClassVar[dict[str, float]] = {"reward": 0.0, "format": 0.0, "correct": 0.0}
+    refused: ClassVar[dict[str, float]] = {"reward": 0.0, "format": 0.0, "correct": 0.0,
+                                           "sandbox_infra_failures": 0.0}
 
     def __init__(self):
         self.scorer = SandboxScorer()
@@ -284,7 +317,9 @@ class CodeToy:
             else:
                 todo.append((i, Program(code=f"f = lambda x: ({body})", tests=list(e.meta["tests"]))))
         for (i, _), r in zip(todo, self.scorer.run([p for _, p in todo])):
-            rows[i] = {"reward": 0.1 + 0.9 * r.fraction, "format": 1.0, "correct": float(r.all_passed)}
+            rows[i] = {**infra_row(("reward", "correct")), "format": 1.0} if r.infra else {
+                "reward": 0.1 + 0.9 * r.fraction, "format": 1.0, "correct": float(r.all_passed),
+                "sandbox_infra_failures": 0.0}
         return rows
 
     def rewards(self, completions, examples) -> dict[str, torch.Tensor]:
@@ -343,6 +378,7 @@ __all__ = [
     "attach_sandbox",
     "check_config",
     "extract_code",
+    "infra_row",
     "program_for",
     "read_records",
     "record_meta",
