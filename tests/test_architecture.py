@@ -211,7 +211,7 @@ FLOORS = [
      "prompts", "tasks", "_version", "schema", "console", "yamlio", "configvalues", "threads", "sources", "sandbox",
      "feature_stats", "plugins"},
     {"distributed", "ema", "samplers", "loss_weights", "run.runlog", "models", "rewards", "run.rundir",
-     "guards", "metering", "diversity"},
+     "guards", "metering", "diversity", "consistency"},
     {"engines", "family", "run.checkpoint", "run.saved_config"},
     {"flow", "dllm"},
     {"families", "validation", "run.job", "trainer", "run"},

@@ -53,7 +53,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save, save_file
 
-from . import plugins
+from . import consistency, distributed, plugins
 from .data import digits_split
 from .errors import ConfigError, TrainingError
 from .feature_stats import Moments, frechet_distance, gaussian_from_sums, gaussian_stats
@@ -383,6 +383,8 @@ class Watch:
         self.start: dict | None = None
         self.best: dict | None = None  # {"iteration", "metric", "value"}
         self.stop: str | None = None  # why the run stops (on_hacking=stop and a guard fell)
+        self.consistency_mode, self.consistency_limit = t.on_inconsistency, t.max_inconsistency
+        self.inconsistent: str | None = None  # why the run stops (on_inconsistency=stop: rollout and update differ)
 
     def resume(self, start: dict | None, run_dir: Path, evaluation: EvalGuards) -> None:
         """A resumed run: its start evaluation's row, its best so far, the base statistics of ``evaluation``."""
@@ -419,8 +421,19 @@ class Watch:
                 atomic_write(d / "best.json", json.dumps(self.best, indent=2))
         return out
 
+    def consistency(self, row: dict) -> dict:
+        """``train.on_inconsistency`` on an iteration's ``row`` (returned as it is): warn, or set
+        :attr:`inconsistent` (the lowest rank's message on every rank, so that all stop after this iteration)."""
+        msg = consistency.judge(row, self.consistency_mode, self.consistency_limit)
+        if self.consistency_mode == "stop":
+            self.inconsistent = msg = distributed.first_set(msg)
+        if msg is not None:
+            self.log(("stopping (train.on_inconsistency=stop): " if self.inconsistent else "warning: ") + msg)
+        return row
+
     def summary(self) -> dict:
-        return {**({"stopped": self.stop} if self.stop else {}), **({"best": self.best} if self.best else {})}
+        return {**({"stopped": self.stop} if self.stop else {}), **({"best": self.best} if self.best else {}),
+                **({"inconsistent": self.inconsistent} if self.inconsistent else {})}
 
 
 # ---------------------------------------------------------------------- config rules (called by config.validate)

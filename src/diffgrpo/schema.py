@@ -243,6 +243,11 @@ class TrainConfig:
     keep_checkpoints: int = _f(2, lo=1, doc="checkpoints kept on disk (newest)")
     ema_decay: float = _f(0.0, lo=0.0, hi=0.9999, doc="EMA of trainable weights for evaluation; 0 = off")
     max_bad_updates: int = _f(3, lo=1, doc="stop after this many consecutive non-finite updates")
+    on_inconsistency: str = _f("warn", choices=("warn", "stop", "off"),
+                               doc="rollout and first update disagree (consistency/dlogp_over_clip > "
+                                   "train.max_inconsistency): warn, stop (exit code 4) or off (not measured)")
+    max_inconsistency: float = _f(0.5, lo=0.0, doc="limit on consistency/dlogp_over_clip (mean |Δ log p| / the clip "
+                                                   "range); 0 = none")
     task: str = _f("digits", choices=("digits", "shapes"),
                    doc="the built-in image task (model.name=tiny): digits, or shapes (coloured shapes at 32 px, "
                        "GenEval-category prompts, a closed-form checker); shapes sets the keys of config.TASK_DEFAULTS "

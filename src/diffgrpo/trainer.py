@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from . import distributed
+from . import consistency, distributed
 from .config import MODEL_FAMILIES, RunConfig
 from .console import emit
 from .ema import EMA
@@ -141,7 +141,7 @@ class Trainer:
             total.merge(stats)
             info["grad_norm"] = norm
             if epoch == 0:
-                info.update({f"first_epoch/{k}": v for k, v in stats.metrics.items()})
+                info.update(consistency.first_update(stats.metrics))  # first_epoch/*, consistency/*
             if trains and not math.isfinite(norm) and self._scaler_overflow(info):
                 continue  # fp16 overflow: the scaler lowered the scale; not a bad update
             if not trains or not torch.isfinite(torch.tensor(norm)):

@@ -50,6 +50,11 @@ FAMILIES = (
     ("Optimisation", "Per update: KL to the reference, fraction of clipped ratios, fraction of groups with equal "
                      "rewards, gradient norm and loss, each on its own axis.",
      ("kl", "clip_ratio", "frac_reward_zero_std", "grad_norm", "loss", "learning_rate")),
+    ("Consistency", "Rollout against first update at θ_old: mean and max |Δ log p| of the recomputed units, that "
+                    "mean over the clip range (train.max_inconsistency judges it) and the fraction outside the clip "
+                    "range; 0 on an exact configuration.",
+     ("consistency/abs_dlogp_mean", "consistency/abs_dlogp_max", "consistency/dlogp_over_clip",
+      "consistency/out_of_clip_frac")),
 )
 
 
@@ -257,6 +262,9 @@ def _summary_section(run: Path) -> list[str]:
     summary, parts = _summary(run), []
     if summary.get("stopped"):
         parts.append(f"<p><b>Stopped by a guard (train.on_hacking=stop):</b> {html.escape(summary['stopped'])}</p>")
+    if summary.get("inconsistent"):
+        parts.append("<p><b>Stopped: rollout and update disagree (train.on_inconsistency=stop):</b> "
+                     f"{html.escape(summary['inconsistent'])}</p>")
     if summary.get("best"):
         b = summary["best"]
         parts.append(f"<p>Best weights inside the guards: {html.escape(str(b['metric']))} = {b['value']:.4f} at "

@@ -76,6 +76,9 @@ def cmd_train(args) -> int:
                                                   f"iteration {best['iteration']}) in {cfg.log.output_dir}/best"
                                                   if best else ""))
         return 3
+    if summary.get("inconsistent"):  # train.on_inconsistency=stop: rollout and update disagree; outputs written
+        print(f"stopped: {summary['inconsistent']}")
+        return 4
     rows = read_jsonl(Path(cfg.log.output_dir) / "metrics.jsonl", log=lambda *a: None)
     for line in end_summary(Path(cfg.log.output_dir), summary, wall_seconds=time.perf_counter() - t0, train_rows=rows):
         print(line)

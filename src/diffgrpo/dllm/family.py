@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from .. import distributed, guards
+from .. import consistency, distributed, guards
 from ..config import RunConfig
 from ..errors import ConfigError
 from ..family import Samples, Sync
@@ -206,6 +206,9 @@ class DLLMFamily:
                               aggregation=self.cfg.loss.aggregation, world=self.world, spread=self.spread,
                               std_mode=self.std_mode, baseline=self.baseline, log=self.log)
         records = {k: getattr(smp, k) for k in SAMPLER_RECORDS}
+        if self.cfg.train.on_inconsistency != "off":  # the decoder's records against full forwards (consistency)
+            records["replay_log_conf"], records["replay_third"] = consistency.replay_log_conf(
+                self.policy, smp.sequences, smp.commit_step, smp.num_steps, self.vocab.mask_id)
         est = self.method.score_rollout(smp.sequences, L, smp.order, smp.commit_step)
         traj = TokenTrajectory(sequences=smp.sequences, prompt_length=smp.sequences.shape[1] - L,
                                log_probs=est["log_probs"], ref_log_probs=est["ref_log_probs"], masks=est["masks"],

@@ -52,6 +52,7 @@ from typing import Any
 
 import torch
 
+from .. import consistency
 from ..losses import aggregate, ppo_clip_loss
 from ..metering import chunks, engine_run, record_backward
 from ..types import EngineStats, Rollout, TokenTrajectory
@@ -250,7 +251,7 @@ class TokenGRPO:
         G = tj.groups
         Mg = tj.masks.shape[1] // G  # forwards per group
         group = None if tj.strata is None else tj.strata.clamp_min(0)  # (B, L): the group scoring each token
-        n_clip = n_tok = kl_sum = ratio_sum = ratio_dev = 0.0
+        n_clip = n_tok = kl_sum = ratio_sum = ratio_dev = n_out = 0.0
         with engine_run(ctx, self.name) as stats:
             rows = torch.nonzero(ro.selected.any(1)).flatten()
             work = [(i, k) for i in chunks(rows, ctx.micro_batch_size) for k in range(G)]
@@ -268,11 +269,15 @@ class TokenGRPO:
                 n_clip += float((terms["clipped"] & sel).sum())
                 kl_sum += float((terms["kl"] * sel).sum())
                 ratio_sum += float((terms["ratio"] * sel).sum())
+                n_out += float((((terms["ratio"] - 1).abs() > ctx.clip_range) & sel).sum())
                 if sel.any():
                     ratio_dev = max(ratio_dev, float((terms["ratio"][sel] - 1).abs().max()))
         n = max(n_tok, 1.0)
         stats.metrics.update({"clip_ratio": n_clip / n, "kl": kl_sum / n, "ratio_mean": ratio_sum / n,
                               "ratio_max_dev": ratio_dev, "trained_tokens": n_tok, **tj.token_weight_stats})
+        if epoch == 0 and "replay_log_conf" in tj.records:  # rollout–train consistency (diffgrpo.consistency)
+            stats.metrics.update(consistency.token_metrics(tj.records["confidence"], tj.records["replay_log_conf"],
+                                                           tj.records["replay_third"], n_out / n, ctx.clip_range))
         return stats
 
 

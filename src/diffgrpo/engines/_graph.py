@@ -43,7 +43,7 @@ def recompute_pairs(ctx: EngineContext, rollout: Rollout, stats: EngineStats, ac
             loss, terms = step_loss(ctx, rollout, idx, k, v, v_ref)
             loss.backward()
         count_backward(ctx, stats, len(idx))
-        acc.add(terms)
+        acc.add(terms, fresh=True)
 
 
 def recompute_fallback(ctx: EngineContext, rollout: Rollout, name: str) -> EngineStats:

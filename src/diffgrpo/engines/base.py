@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 import torch
 
+from .. import consistency
 from ..config import RunConfig
 from ..losses import aggregate, gaussian_step_kl, policy_loss
 from ..metering import record_backward
@@ -142,7 +143,8 @@ def step_loss(ctx: EngineContext, rollout: Rollout, idx: torch.Tensor, k: int, v
     """Weighted GRPO loss Σ_i w_ik·L_ik over trajectories ``idx`` at step k, as a function of v (n, *S).
 
     Returns (scalar loss, per-sample terms {"ratio", "clipped", "kl", "log_prob", "loss"} each (n,) detached;
-    "loss" is w_ik·L_ik, whose sum over the update's pairs is the loss that update back-propagates).
+    "loss" is w_ik·L_ik, whose sum over the update's pairs is the loss that update back-propagates; and the
+    rollout–train consistency terms of :func:`diffgrpo.consistency.step_terms`).
     Differentiable w.r.t. ``v`` only through the closed-form step density, so engines can take
     ∂L/∂v cheaply (JAGG) or back-propagate into the network (recompute).
     """
@@ -169,13 +171,16 @@ def step_loss(ctx: EngineContext, rollout: Rollout, idx: torch.Tensor, k: int, v
     w = rollout.loss_weights[idx, k]
     total = aggregate(loss, w)
     terms = {"ratio": ratio.detach(), "clipped": clipped, "kl": kl.detach(), "log_prob": out.log_prob.detach(),
-             "loss": (loss.detach() * w).detach()}
+             "loss": (loss.detach() * w).detach(),
+             **consistency.step_terms(out.log_prob, rollout.traj.log_probs[idx, k], k, rollout.traj.num_steps,
+                                      ctx.clip_range)}
     return total, terms
 
 
 class StatsAccumulator:
     """Collects per-sample terms into the usual GRPO metrics (clip_ratio, kl, ratio_mean, ratio_max_dev), and
-    ``loss`` (Σ w·L of the pairs added) when every term carried one."""
+    ``loss`` (Σ w·L of the pairs added) when every term carried one, and the ``consistency/*`` metrics of the pairs
+    added as ``fresh`` (their log-prob from a fresh forward at the stored state; see :mod:`diffgrpo.consistency`)."""
 
     def __init__(self):
         self.loss = 0.0
@@ -185,9 +190,14 @@ class StatsAccumulator:
         self.kl = 0.0
         self.ratio = 0.0
         self.ratio_dev = 0.0
+        self.consistency = consistency.Tally()
 
-    def add(self, terms: dict[str, torch.Tensor]) -> None:
+    def add(self, terms: dict[str, torch.Tensor], fresh: bool | torch.Tensor = False) -> None:
+        """``fresh``: True, or a (n,) bool mask of the pairs whose velocity came from a fresh forward."""
         r = terms["ratio"]
+        if "dlogp" in terms and (fresh is True or (isinstance(fresh, torch.Tensor) and bool(fresh.any()))):
+            m = slice(None) if fresh is True else fresh
+            self.consistency.add(terms["dlogp"][m], terms["bucket"][m], terms["outside"][m], terms["clip_range"])
         self.n += r.numel()
         if "loss" in terms:
             self.loss += float(terms["loss"].sum())
@@ -204,4 +214,4 @@ class StatsAccumulator:
                "ratio_max_dev": self.ratio_dev, "trained_pairs": float(self.n)}
         if self.has_loss and self.n:
             out["loss"] = self.loss
-        return out
+        return {**out, **self.consistency.metrics()}

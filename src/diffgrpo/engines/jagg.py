@@ -311,7 +311,8 @@ class JaggEngine:
 
     @staticmethod
     def upstream_signals(ctx: EngineContext, rollout: Rollout, traj: torch.Tensor, steps: torch.Tensor,
-                         v: torch.Tensor, v_ref: torch.Tensor | None, acc: StatsAccumulator) -> torch.Tensor:
+                         v: torch.Tensor, v_ref: torch.Tensor | None, acc: StatsAccumulator,
+                         fresh: torch.Tensor | None = None) -> torch.Tensor:
         """g = ∂(Σ w L)/∂v at rows (traj (m,), steps (m,)) with current velocities v (m, *S) → (m, *S).
 
         Autograd through ``step_loss`` only (v is a fresh leaf), one call per distinct step.
@@ -324,7 +325,7 @@ class JaggEngine:
                 loss, terms = step_loss(ctx, rollout, traj[rows], k, leaf, None if v_ref is None else v_ref[rows])
                 (g_k,) = torch.autograd.grad(loss, leaf)
             g[rows] = g_k.to(g.dtype)
-            acc.add(terms)
+            acc.add(terms, fresh=False if fresh is None else fresh[rows])  # fresh (m,): rows of a grad forward
         return g
 
     # -- backward --------------------------------------------------------------------------------------------
@@ -379,7 +380,8 @@ class JaggEngine:
             if bool(interior.any()):
                 v_cur[interior] = self.interior_velocities(ctx, rollout, m_traj_t[interior], m_step_t[interior],
                                                            epoch).to(out.dtype)
-            g = self.upstream_signals(ctx, rollout, m_traj_t, m_step_t, v_cur, v_ref, acc)  # (M, *S)
+            g = self.upstream_signals(ctx, rollout, m_traj_t, m_step_t, v_cur, v_ref, acc,
+                                      fresh=~interior if store is None else None)  # (M, *S)
             g = g.double()
             shape = (-1,) + (1,) * (g.dim() - 1)
             a = alpha_t.reshape(shape)

@@ -175,8 +175,8 @@ class Job:
                        every=cfg.log.every, log=self.log)
         trained = 0  # iterations of this call whose update was applied
         try:
-            while tr.iteration < cfg.train.num_iterations:
-                row = tr.step()
+            while tr.iteration < cfg.train.num_iterations and not self.watch.inconsistent:  # on_inconsistency=stop
+                row = self.watch.consistency(tr.step())  # train.on_inconsistency: warn, or stop after this iteration
                 trained += row.get("skipped_updates", 0) < cfg.train.num_inner_epochs
                 writer.write(row)
                 bar.update(row)
