@@ -51,7 +51,7 @@ def _load(d):
     return pipe
 
 
-def _noise(n=len(PROMPTS)):
+def _noise(n: int = 3):
     return torch.randn(n, *LATENT, generator=torch.Generator().manual_seed(0))
 
 

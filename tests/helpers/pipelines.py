@@ -5,7 +5,9 @@ Qwen-Image) with a stub text encoding and a stub decoder for adapter-level tests
 ``StableDiffusion3Pipeline`` saved to a directory. Image editing, with a JSONL of (source image, instruction)
 pairs: ``QwenImageEditPipeline`` / ``QwenImageEditPlusPipeline`` (a tiny Qwen2.5-VL text encoder with its vision
 tower, a Qwen2-VL processor over a character-level tokenizer with the chat's special tokens, the Qwen-Image VAE and
-transformer) and ``FluxKontextPipeline`` (CLIP + T5, a KL VAE, the FLUX transformer).
+transformer) and ``FluxKontextPipeline`` (CLIP + T5, a KL VAE, the FLUX transformer). Text-to-image and video of
+the newer pipelines: ``QwenImage21Pipeline`` (a Qwen3-VL text encoder, the 2.1 VAE and block-causal transformer) and
+``HunyuanVideo15Pipeline`` (Qwen2.5-VL text and ByT5 glyph encoders, the 1.5 VAE and transformer, its CFG guider).
 
 Without torchvision (this project's CPU test machines) transformers cannot build Qwen2-VL's video processor, which
 ``Qwen2VLProcessor`` requires; :func:`image_only_processor` lets the processor hold its image processor and

@@ -25,7 +25,9 @@ random-weight pipeline). What the pipeline does, and what is done here:
   t = 0) is not used: every forward recomputes the text tokens, equal to float tolerance.
 - pixels: the VAE decodes 4 channels (RGBA); the rewards see the first three, in [0, 1].
 
-Cost: one transformer call per distinct prompt length of a batch per step (×2 with CFG).
+Cost: one transformer call per distinct prompt length of a batch per step (×2 with CFG). Under data parallelism
+the ranks' batches may hold different numbers of distinct lengths, so different numbers of calls: DDP and FSDP2
+runs of this row are untested.
 """
 from __future__ import annotations
 
@@ -72,8 +74,8 @@ def _call(tr: nn.Module, tokens: torch.Tensor, sigma: torch.Tensor, text: torch.
     """One transformer call on rows sharing an unpadded text length: tokens (n, h·w, C), text (n, l, D) →
     (n, h·w, C), the image's part of the joint output. ``img_mask`` marks one slot per 2×2 group of image tokens
     after the text (the pipeline's)."""
-    n, l = text.shape[:2]
-    img_mask = torch.cat([torch.zeros(n, l, dtype=torch.bool, device=text.device),
+    n, length = text.shape[:2]
+    img_mask = torch.cat([torch.zeros(n, length, dtype=torch.bool, device=text.device),
                           torch.ones(n, hw[0] * hw[1] // 4, dtype=torch.bool, device=text.device)], dim=1)
     return tr(hidden_states=tokens, timestep=sigma, encoder_hidden_states=text, encoder_hidden_states_mask=None,
               img_shapes=[[(1, *hw)]] * n, img_mask=img_mask, return_dict=False)[0][:, -tokens.shape[1]:]
