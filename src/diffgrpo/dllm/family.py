@@ -29,8 +29,8 @@ from ..config import RunConfig
 from ..errors import ConfigError
 from ..family import Samples, Sync
 from ..loss_weights import apply, grpo_loss_weights
-from ..models.hf_masked_lm import shard_blocks
 from ..models.block_cache import BlockKVCache
+from ..models.hf_masked_lm import shard_blocks
 from ..models.kv_cache import KVCache
 from ..rewards import TASK_REWARD, compute_rewards, make_rewards
 from ..rewards.verifiers import d1_format_components

@@ -11,13 +11,12 @@ from .. import guards
 from ..config import RewardConfig, RunConfig
 from ..data_sources import reads_data
 from ..errors import ConfigError
-from ..rewards import check_text_rewards
 from ..models.tiny_block import TINY_BLOCK_SIZE
+from ..rewards import check_text_rewards
 from ..samplers.masked import schedule
 from ..tasks import FILE_TASKS, TASKS, VOCAB, examples_from_file, get_task
 from ..tasks.code import check_config as check_code_config
 from .decoding import check_config as check_decoding
-
 
 BUILT_IN = ("tiny_mlm", "tiny_block")  # the built-in masked LMs: character vocabulary, the task's positions
 

@@ -26,6 +26,7 @@ import json
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
 from ..cache import cache_lock, cache_root, save_dir_atomic
 from ..config import PretrainConfig, RunConfig
 from ..console import Steps
