@@ -30,9 +30,9 @@ FAMILY_TITLES = {"flow": "flow-matching models", "dllm": "masked diffusion LMs"}
 # train.task → the keys it sets where a config leaves them at their defaults (the digits task's values)
 TASK_DEFAULTS: dict[str, dict[str, Any]] = {
     "digits": {},
-    "shapes": {"model.image_size": 32, "model.patch_size": 4, "train.prompts_file": "builtin:shapes/train",
-               "eval.prompts_file": "builtin:shapes/test", "reward.weights": {"shapes_score": 1.0, "shapes_correct": 0.0},
-               "eval.guard_rewards": ["shapes_correct"]},
+    "shapes": {"model.image_size": 32, "model.patch_size": 4, "model.head_dim": 32, "pretrain.batch_size": 64,
+               "train.prompts_file": "builtin:shapes/train", "eval.prompts_file": "builtin:shapes/test",
+               "reward.weights": {"shapes_score": 1.0, "shapes_correct": 0.0}, "eval.guard_rewards": ["shapes_correct"]},
 }
 
 

@@ -2,7 +2,8 @@
 32 × 32 RGB scenes of coloured shapes (:mod:`diffgrpo.tasks.shapes`).
 
 The network is the digits model's class at three channels: a real ``diffusers.SD3Transformer2DModel`` (joint
-text/image attention, AdaLN timestep conditioning, patchified pixels in [−1, 1]) under a word-level prompt encoder
+text/image attention, AdaLN timestep conditioning, patchified pixels in [−1, 1]; ``train.task=shapes`` sets 4-pixel
+patches, so 64 image tokens as the digits model has, and a width of 4 heads × 32) under a word-level prompt encoder
 over the task's grammar ("a red circle left of a blue square"): each word a learned embedding plus its position,
 so the transformer's joint attention can bind colours to shapes and read counts and relations. It is pretrained
 with the rectified-flow objective
