@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from diffgrpo import ConfigError, RunConfig
+from diffgrpo.consistency import replay_steps
 from diffgrpo.dllm import likelihood, spg, wd1
 from diffgrpo.dllm.grpo import METHODS, forwards_per_estimate
 from diffgrpo.samplers import masked
@@ -309,14 +310,15 @@ def test_dps_composes_and_mix_zero_is_the_base_method(method):
     (("dllm.method=wd1",), 1, False), (("dllm.method=wd1", "daca.likelihood=sml", "daca.sml_strata=3"), 3, False)])
 def test_forwards_per_update(overrides, M, old_forwards):
     """Grad-forwards per update = B·M (what the equal-forwards study budgets); ratio-free methods spend no
-    ℓ_old forwards."""
-    tr = make_dllm_trainer(*overrides)
-    assert forwards_per_estimate(tr.cfg.dllm, tr.cfg.daca) == M
-    before = dict(tr.policy.counters)
-    ro = tr.rollout()
-    sampling = 8 * tr.family.steps
-    assert tr.policy.counters["forwards_nograd"] - before.get("forwards_nograd", 0) == sampling + (8 * M if old_forwards
-                                                                                                   else 0)
+    ℓ_old forwards; the rollout–train consistency check replays one decoding step per third (none when off)."""
+    for check in ("warn", "off"):
+        tr = make_dllm_trainer(*overrides, f"train.on_inconsistency={check}")
+        assert forwards_per_estimate(tr.cfg.dllm, tr.cfg.daca) == M
+        before = dict(tr.policy.counters)
+        ro = tr.rollout()
+        sampling, replay = 8 * tr.family.steps, 8 * len(replay_steps(tr.family.steps)) if check != "off" else 0
+        assert tr.policy.counters["forwards_nograd"] - before.get("forwards_nograd", 0) == \
+            sampling + replay + (8 * M if old_forwards else 0)
     ro.advantages = torch.linspace(-1, 1, 8)
     stats = tr.backward(ro, 0)
     assert stats.forwards_grad == 8 * M and stats.sample_backwards == 8 * M

@@ -197,9 +197,10 @@ def test_dllm_evaluation_writes_completions(tmp_path):
     tests = tr.family.task.instances("test")[:4]
     assert [r["prompt"] for r in rows] == [e.prompt for e in tests]
     assert [r["metadata"]["answer"] for r in rows] == [e.answer for e in tests]
-    for r, e in zip(rows, tests):  # each row's rewards are the verifier's on its own completion
-        assert r["rewards"] == pytest.approx({k: v for k, v in tr.family.task.reward(r["completion"], e).items()
-                                              if k != "reward"})
+    for r, e in zip(rows, tests):  # each row's rewards are the verifier's on its own completion, its total as "task"
+        verdict = tr.family.task.reward(r["completion"], e)
+        assert r["rewards"] == pytest.approx({**{k: v for k, v in verdict.items() if k != "reward"},
+                                              "task": verdict["reward"]})
     assert math.isclose(row["eval/reward"], sum(r["reward"] for r in rows) / 4, rel_tol=1e-6)
 
 

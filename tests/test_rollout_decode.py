@@ -251,11 +251,11 @@ def test_likelihood_estimators_do_not_depend_on_the_decoder(method):
     ro = fast.family.rollout()
     assert ro.traj.token_weights is not None and torch.isfinite(ro.traj.token_weights).all()
     seqs, L = ro.traj.sequences, fast.family.gen_length
-    order = ro.traj.records["order"]
+    order, steps = ro.traj.records["order"], ro.traj.records["commit_step"]  # trace_rl scores the decoder's own steps
     out = []
     for tr in (fast, slow, fast):
         tr.family.method.gen_masks.manual_seed(5)
-        out.append(tr.family.method.score_rollout(seqs, L, order))
+        out.append(tr.family.method.score_rollout(seqs, L, order, steps))
     for other in out[1:]:
         for k in ("masks", "log_probs", "ref_log_probs"):
             if out[0][k] is None:
