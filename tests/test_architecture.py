@@ -420,3 +420,41 @@ def test_dllm_imports_no_engine_module():
     # the check sees a crossing when there is one
     leak = {**graph, "diffgrpo.dllm.grpo": graph["diffgrpo.dllm.grpo"] | {"diffgrpo.engines.base"}}
     assert _crossings(leak, "dllm", "engines") == [("diffgrpo.dllm.grpo", "diffgrpo.engines.base")]
+
+
+def test_the_command_line_names_no_family_and_the_adapter_no_architecture():
+    """cli/ calls the family protocol (what a family decides comes back as data), and the diffusers adapter
+    dispatches through its pipeline row: neither compares a name of the other side (the rows' names and the
+    families' keys)."""
+    from diffgrpo.families import FAMILIES
+    from diffgrpo.models.pipelines import PIPELINES
+
+    def compared(source: str) -> set[str]:
+        """String constants compared with ==, != or in (a literal tuple/list/set) in ``source``."""
+        out = set()
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Compare):
+                for c in [node.left, *node.comparators]:
+                    elts = c.elts if isinstance(c, (ast.Tuple, ast.List, ast.Set)) else [c]
+                    out |= {e.value for e in elts if isinstance(e, ast.Constant) and isinstance(e.value, str)}
+        return out
+
+    cli = set().union(*(compared(p.read_text()) for p in (SRC / "cli").glob("*.py")))
+    assert cli & set(FAMILIES) == set()
+    assert not any(re.search(r"\b(FlowFamily|DLLMFamily)\b", p.read_text()) for p in (SRC / "cli").glob("*.py"))
+    assert compared((SRC / "models" / "diffusers_adapter.py").read_text()) & set(PIPELINES) == set()
+    # the scan sees such a branch where there is one
+    assert compared("if family_of(name) == 'dllm' or row.name in ('sd3', 'flux'): pass") == {"dllm", "sd3", "flux"}
+
+
+def test_no_test_module_imports_another():
+    """Shared test code lives in tests/helpers (and fixtures in conftest.py): no test module imports a test_* module
+    or conftest."""
+    tests = Path(__file__).parent
+    found = []
+    for path in tests.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and \
+                    re.match(r"(tests\.)?(test_\w+|conftest)$", node.module):
+                found.append(f"{path.name}:{node.lineno} {node.module}")
+    assert found == []

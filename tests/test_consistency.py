@@ -17,7 +17,7 @@ from diffgrpo import consistency
 from diffgrpo.config import RunConfig
 from diffgrpo.flow.family import FlowFamily
 from tests.helpers.tiny import FAST_CLI
-from tests.test_rollout_decode import _trainer as _mlm_trainer
+from tests.helpers.tiny import decoding_dllm_trainer as _mlm_trainer
 
 LIMIT = RunConfig().train.max_inconsistency  # the default threshold (a fraction of the clip range)
 P = consistency.PREFIX

@@ -11,15 +11,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diffgrpo import RunConfig, Trainer
+from diffgrpo import RunConfig
 from diffgrpo.dllm import likelihood
 from diffgrpo.dllm.grpo import METHODS
 from diffgrpo.errors import ConfigError
 from diffgrpo.models.hf_masked_lm import MaskedLMPolicy, load_hf_masked_lm, tiny_bert
 from diffgrpo.models.kv_cache import KVCache
 from diffgrpo.samplers import masked
-from diffgrpo.tasks import VOCAB, get_task
+from diffgrpo.tasks import VOCAB
 from tests.helpers.remote_models import SPECIALS, build_remote_model
+from tests.helpers.tiny import decoding_dllm_trainer
 
 RECORDS = ("commit_step", "block_rank", "order")
 FLOAT_RECORDS = ("confidence", "entropy", "margin", "step_log_prob")
@@ -225,18 +226,7 @@ def test_decoding_keys_are_validated_before_any_model_loads(overrides, key):
 
 
 # ---------------------------------------------------------------------------------------------- the family
-TINY_DLLM = ["model.name=tiny_mlm", "train.prompts_per_batch=2", "train.group_size=4", "log.progress=false",
-             "log.save_images=false", "dllm.eval_size=8", "dllm.task=countdown", "dllm.block_length=4"]
-
-
-def _trainer(*overrides, seed=0):
-    cfg = RunConfig.from_overrides([*TINY_DLLM, f"seed={seed}", *overrides])
-    task = get_task(cfg.dllm.task)
-    torch.manual_seed(seed)
-    net = tiny_bert(len(VOCAB), max_positions=task.prompt_length + task.gen_length, hidden_size=32,
-                    num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, initializer_range=0.3)
-    return Trainer(cfg, policy=MaskedLMPolicy(net, vocab=VOCAB, keep_reference=cfg.loss.beta > 0),
-                   log=lambda *a: None)
+_trainer = decoding_dllm_trainer
 
 
 @pytest.mark.parametrize("method", sorted(METHODS))

@@ -45,6 +45,10 @@ class Samples:
     per_prompt: int = 1
     images: torch.Tensor | None = None
     texts: list[str] | None = None
+    notes: tuple[str, ...] = ()  # what the caller should tell the user (e.g. a request the family adjusted)
+
+
+DEFAULT_SAMPLES = 8  # samples per prompt when a caller leaves ``num`` to the family
 
 
 class Family(Protocol):
@@ -92,9 +96,10 @@ class Family(Protocol):
         (a ``media.SampleTable``, on rank 0 only, or None) receives one row per evaluation sample."""
         ...
 
-    def sample(self, prompts: list[str] | None, *, seed: int, num: int = 1, sde_type: str = "",
+    def sample(self, prompts: list[str] | None, *, seed: int, num: int | None = None, sde_type: str = "",
                source_images: tuple[str, ...] = ()) -> Samples:
-        """``num`` samples of each prompt (None: the family's own prompts) under the current weights, drawn as an
+        """``num`` samples of each prompt (``num`` None: the family's default, :data:`DEFAULT_SAMPLES`, or one for a
+        text model decoding greedily, whose samples would all be equal; prompts None: the family's own prompts) under the current weights, drawn as an
         evaluation draws them with ``eval.seed=seed`` and ``num`` samples per prompt: the same seed, the same
         samples. ``sde_type``: the sampler (``"ode"``: deterministic; ``""``: the evaluation's); ``source_images``:
         the source image(s) an editing model edits under every prompt. Not counted as training cost."""

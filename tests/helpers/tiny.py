@@ -29,19 +29,30 @@ TINY_DLLM = ["model.name=tiny_mlm", "train.prompts_per_batch=2", "train.group_si
              "log.save_images=false", "dllm.eval_size=8", "dllm.clip_range=0.2"]
 
 
-def make_dllm_trainer(*overrides, seed=0):
-    """A Trainer on a random one-layer BERT masked LM over the built-in task vocabulary."""
+def make_dllm_trainer(*overrides, seed=0, layers=1, base=TINY_DLLM, **bert):
+    """A Trainer on a random BERT masked LM of ``layers`` layers (``bert``: more of ``tiny_bert``'s settings, e.g.
+    ``initializer_range``) over the built-in task vocabulary, configured by ``base`` and ``overrides``."""
     from diffgrpo import RunConfig, Trainer
     from diffgrpo.models.hf_masked_lm import MaskedLMPolicy, tiny_bert
     from diffgrpo.tasks import VOCAB, get_task
 
-    cfg = RunConfig.from_overrides([*TINY_DLLM, f"seed={seed}", *overrides])
+    cfg = RunConfig.from_overrides([*base, f"seed={seed}", *overrides])
     torch.manual_seed(seed)
     task = get_task(cfg.dllm.task)
     net = tiny_bert(len(VOCAB), max_positions=task.prompt_length + task.gen_length, hidden_size=32,
-                    num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
+                    num_hidden_layers=layers, num_attention_heads=2, intermediate_size=64, **bert)
     policy = MaskedLMPolicy(net, vocab=VOCAB, keep_reference=cfg.loss.beta > 0)
     return Trainer(cfg, policy=policy, log=lambda *a: None)
+
+
+# The decoding tests' masked LM: countdown in blocks of 4, a two-layer BERT with a wide initialisation (confident,
+# varied decodes)
+DECODE_DLLM = ["model.name=tiny_mlm", "train.prompts_per_batch=2", "train.group_size=4", "log.progress=false",
+               "log.save_images=false", "dllm.eval_size=8", "dllm.task=countdown", "dllm.block_length=4"]
+
+
+def decoding_dllm_trainer(*overrides, seed=0):
+    return make_dllm_trainer(*overrides, seed=seed, layers=2, base=DECODE_DLLM, initializer_range=0.3)
 
 
 class EnumerableMLM(torch.nn.Module):

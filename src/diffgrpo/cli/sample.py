@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from ..config import MODEL_FAMILIES, RunConfig
+from ..config import RunConfig
 from ..errors import ConfigError
 from ..fileio import atomic_write
 from ..run import saved_config
@@ -40,19 +40,6 @@ def _sources(paths: list[str]) -> tuple[str, ...]:
 
 
 PREVIEW_LINES, PREVIEW_CHARS = 3, 100  # what stdout shows of the completions written to the file
-DEFAULT_NUM = 8  # samples per prompt when --num is not given (a greedy text model: 1)
-
-
-def samples_per_prompt(num: int | None, cfg: RunConfig, sde_type: str, log=lambda m: print(m, file=sys.stderr)) -> int:
-    """``--num`` as drawn: a text model decoding greedily gives one completion per prompt (a note when more were
-    asked), everything else ``num`` (default :data:`DEFAULT_NUM`)."""
-    greedy_text = MODEL_FAMILIES.get(cfg.model.name) == "dllm" and sde_type == "ode"
-    if not greedy_text:
-        return DEFAULT_NUM if num is None else num
-    if num is not None and num > 1:
-        log(f"note: greedy decoding (--sde-type ode) gives each prompt one completion; writing one per prompt, not "
-            f"{num} copies (--sde-type flow_sde draws {num} at dllm.temperature)")
-    return 1
 
 
 def preview(lines: list[str], out: Path) -> list[str]:
@@ -95,9 +82,10 @@ def cmd_sample(args) -> int:
     trainer = Trainer(cfg, purpose="sample")  # an editing model's sources come from --image, not prompt files
     if weights is not None:
         trainer.policy.load_state_dict(load_file(str(weights)))
-    num = samples_per_prompt(args.num, cfg, args.sde_type)
-    samples = trainer.family.sample(args.prompt or None, seed=args.seed, num=num, sde_type=args.sde_type,
+    samples = trainer.family.sample(args.prompt or None, seed=args.seed, num=args.num, sde_type=args.sde_type,
                                     source_images=images)
+    for note in samples.notes:
+        print(note, file=sys.stderr)
     _write(samples, Path(args.out))
     return 0
 

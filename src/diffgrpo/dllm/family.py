@@ -27,7 +27,7 @@ import torch
 from .. import consistency, distributed, guards
 from ..config import RunConfig
 from ..errors import ConfigError
-from ..family import Samples, Sync
+from ..family import DEFAULT_SAMPLES, Samples, Sync
 from ..loss_weights import apply, grpo_loss_weights
 from ..models.block_cache import BlockKVCache
 from ..models.hf_masked_lm import shard_blocks
@@ -264,7 +264,7 @@ class DLLMFamily:
         return outs
 
     @torch.no_grad()
-    def sample(self, prompts: list[str] | None, *, seed: int, num: int = 1, sde_type: str = "",
+    def sample(self, prompts: list[str] | None, *, seed: int, num: int | None = None, sde_type: str = "",
                source_images: tuple[str, ...] = ()) -> Samples:
         """``num`` completions of each prompt (None: the task's first 8 test prompts), decoded from one generator
         seeded with ``seed``: what :meth:`score` decodes for them with ``seed`` and ``samples=num``. ``sde_type``
@@ -282,10 +282,17 @@ class DLLMFamily:
         if not examples:  # a file task (gsm8k, …) has no built-in test prompts
             raise ConfigError(f"--prompt: dllm.task={self.d.task} has no built-in test prompts; give the prompts to "
                               "complete with --prompt TEXT (repeatable)")
+        notes: tuple[str, ...] = ()
+        if sde_type == "ode":  # greedy decoding: every sample of a prompt would be the same completion
+            if num is not None and num > 1:
+                notes = (f"note: greedy decoding (--sde-type ode) gives each prompt one completion; writing one per "
+                         f"prompt, not {num} copies (--sde-type flow_sde draws {num} at dllm.temperature)",)
+            num = 1
+        num = DEFAULT_SAMPLES if num is None else num
         ex = [e for e in examples for _ in range(num)]
         temperature = 0.0 if sde_type == "ode" else self.d.temperature if sde_type else self.d.eval_temperature
         texts = self._complete(ex, temperature, torch.Generator(device=self.device).manual_seed(seed))
-        return Samples(prompts=[e.prompt for e in ex], per_prompt=num, texts=texts)
+        return Samples(prompts=[e.prompt for e in ex], per_prompt=num, texts=texts, notes=notes)
 
     def evaluate(self, table=None) -> tuple[dict[str, float], None]:
         """Held-out test split (first ``dllm.eval_size`` instances), ``dllm.eval_samples`` completions each at

@@ -32,7 +32,7 @@ from ..data_sources import EpochSampler, load_prompts, prompt_metadata
 from ..engines import build_engine, select_steps
 from ..engines.base import EngineContext
 from ..errors import ConfigError
-from ..family import Samples, Sync
+from ..family import DEFAULT_SAMPLES, Samples, Sync
 from ..loss_weights import apply, grpo_loss_weights
 from ..media import SampleTable, grid_frames, to_uint8, with_source
 from ..models.pipelines.editing import is_edit
@@ -412,7 +412,7 @@ class FlowFamily:
         return self.policy.decode(out["xs"][:, -1])
 
     @torch.no_grad()
-    def sample(self, prompts: list[str] | None, *, seed: int, num: int = 1, sde_type: str = "",
+    def sample(self, prompts: list[str] | None, *, seed: int, num: int | None = None, sde_type: str = "",
                source_images: tuple[str, ...] = ()) -> Samples:
         """``num`` images of each prompt (None: the task's ``data.default_prompts``), sample j of every prompt from
         the initial noise of ``seed + j`` and the SDE noise from ``seed``: what :meth:`evaluate` draws with ``eval.seed=seed``,
@@ -422,6 +422,7 @@ class FlowFamily:
         if source_images and not is_edit(family):
             raise ConfigError(f"--image: model family {family or self.cfg.model.name} generates from text; --image "
                               "gives the source image of an editing model (Qwen-Image-Edit, FLUX.1 Kontext)")
+        num = DEFAULT_SAMPLES if num is None else num
         rows = [p for p in (prompts or default_prompts(self.cfg.train.task)) for _ in range(num)]
         seeds = [seed + j for _ in range(len(rows) // num) for j in range(num)]
         srcs = [tuple(source_images)] * len(rows) if source_images else None
