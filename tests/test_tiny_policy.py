@@ -9,13 +9,13 @@ import torch
 from diffgrpo import RunConfig
 from diffgrpo.models.diffusers_adapter import DiffusersFlowPolicy, PolicyOptions
 from diffgrpo.models.tiny import (
-    PromptEncoder,
     _recipe_key,
     arch_kwargs,
     build_tiny_policy,
     load_or_pretrain,
     tokenize,
 )
+from diffgrpo.models.words import WordPromptEncoder
 from tests.helpers.tiny import TINY
 
 PROMPTS = ["a handwritten digit 3", "digit 7", "the number five"]
@@ -48,7 +48,7 @@ def test_tiny_policy_is_the_diffusers_policy_and_matches_the_net(cache_dir, guid
     assert pol.uses_cfg == (guidance != 1.0) and pol.negative_prompt == ""
     assert pol.forward_module is pol.transformer and pol._ref is None  # loss.beta = 0: no frozen copy
     text = pol._encoder.__self__  # the frozen prompt encoder, on the policy's device
-    assert isinstance(text, PromptEncoder) and not any(p.requires_grad for p in text.parameters())
+    assert isinstance(text, WordPromptEncoder) and not any(p.requires_grad for p in text.parameters())
     assert all(p.device == pol.device for p in text.parameters())
     alone, batched = text.encode(PROMPTS[1:2]), text.encode(PROMPTS)  # batch-independent, bit for bit, so the
     assert all(torch.equal(alone[k][0], batched[k][1]) for k in alone)  # per-prompt cache keeps resumes exact

@@ -25,6 +25,7 @@ from ..config import ModelConfig, PretrainConfig, RunConfig
 from ..console import Steps
 from ..data import NUMBER_WORDS, digits_split
 from ..distributed import launched_local_rank, resolve_device
+from . import words
 from .diffusers_adapter import DiffusersFlowPolicy, PolicyOptions
 from .pretraining import pretrain_step
 from .reference import needs_reference
@@ -36,42 +37,13 @@ MAX_TOKENS = 8
 
 
 def tokenize(prompts: list[str]) -> torch.Tensor:
-    """Word-level ids (B, MAX_TOKENS): <bos> then words; unknown words map to <unk>; padded with <pad>."""
-    idx = {w: i for i, w in enumerate(VOCAB)}
-    out = torch.zeros(len(prompts), MAX_TOKENS, dtype=torch.long)
-    for b, p in enumerate(prompts):
-        words = p.lower().replace(",", " ").replace(".", " ").split()[: MAX_TOKENS - 1]
-        ids = [idx["<bos>"]] + [idx.get(w, idx["<unk>"]) for w in words]
-        out[b, : len(ids)] = torch.tensor(ids)
-    return out
+    """Word-level ids (B, MAX_TOKENS) over this model's VOCAB (see ``models.words.tokenize``)."""
+    return words.tokenize(prompts, VOCAB, MAX_TOKENS)
 
 
-class PromptEncoder(nn.Module):
-    """Tokens (B, L) → sequence embeddings (B, L, D) and pooled embedding (B, D)."""
-
-    def __init__(self, dim: int):
-        super().__init__()
-        self.tok = nn.Embedding(len(VOCAB), dim)
-        self.pos = nn.Parameter(torch.zeros(MAX_TOKENS, dim))
-        self.mix = nn.Sequential(nn.Linear(dim, dim), nn.GELU(), nn.Linear(dim, dim))
-        self.pool = nn.Linear(dim, dim)
-
-    def forward(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        h = self.tok(tokens) + self.pos  # (B, L, D)
-        h = h + self.mix(h)
-        m = (tokens != 0).float().unsqueeze(-1)  # (B, L, 1)
-        pooled = self.pool((h * m).sum(1) / m.sum(1).clamp(min=1))  # (B, D)
-        return h, pooled
-
-    @torch.no_grad()
-    def encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
-        """Prompts → {"prompt_embeds": (B, L, D), "pooled": (B, D)} on this encoder's device (no grad).
-
-        Each prompt is encoded on its own: a batched matmul can round differently from a single row, and the
-        policy caches encodings per prompt, so a batched encoding would depend on which prompts were encoded
-        together first, and a resumed run (empty cache) would not repeat the uninterrupted one bit for bit."""
-        rows = [self(t[None]) for t in tokenize(prompts).to(self.pos.device)]
-        return {"prompt_embeds": torch.cat([e for e, _ in rows]), "pooled": torch.cat([p for _, p in rows])}
+def PromptEncoder(dim: int) -> words.WordPromptEncoder:
+    """This model's prompt encoder: ``models.words.WordPromptEncoder`` over its VOCAB and MAX_TOKENS."""
+    return words.WordPromptEncoder(dim, VOCAB, MAX_TOKENS)
 
 
 class TinyFlowNet(nn.Module):
