@@ -78,3 +78,24 @@ def test_first_time_pretraining_writes_no_carriage_returns_into_a_pipe(tmp_path)
         assert done.returncode == 0, done.stdout + done.stderr
         assert "\r" not in done.stdout and "\r" not in done.stderr, done.stderr[-2000:]
         assert expected in done.stdout, done.stdout
+
+
+def test_a_signal_handlers_note_bypasses_the_buffered_writer(capfd, monkeypatch):
+    """A handler's note is written to the descriptor, never through the buffered writer the signal may have
+    interrupted mid-write (print from a handler then raises "reentrant call", as a SIGTERM during bench quality's
+    progress line did)."""
+    import sys
+
+    from diffgrpo.console import signal_note
+
+    class Busy:  # a writer in the middle of a write: any use of it from the handler fails
+        def write(self, s):
+            raise RuntimeError("reentrant call inside <_io.BufferedWriter name='<stdout>'>")
+
+        def fileno(self):
+            return 1
+
+    monkeypatch.setattr(sys, "stdout", Busy())
+    signal_note("received signal 15: finishing the current iteration")
+    monkeypatch.undo()
+    assert capfd.readouterr().out == "received signal 15: finishing the current iteration\n"

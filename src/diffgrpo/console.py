@@ -16,7 +16,9 @@ iterations elsewhere (a piped log or a scheduler's file gets no carriage returns
 """
 from __future__ import annotations
 
+import io
 import logging
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -33,6 +35,16 @@ def emit(msg: str) -> None:
         LOGGER.info(msg)
     else:
         print(msg, flush=True)
+
+
+def signal_note(msg: str) -> None:
+    """Say ``msg`` from a signal handler: written straight to standard output's file descriptor, not through print or
+    logging, whose buffered writer may be in the middle of the write the signal interrupted (Python then raises
+    "reentrant call" in the handler). Where standard output has no descriptor (captured in-process), nothing."""
+    try:
+        os.write(sys.stdout.fileno(), (msg + "\n").encode())
+    except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
+        pass
 
 
 def auto_every(total: int) -> int:

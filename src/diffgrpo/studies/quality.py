@@ -52,7 +52,7 @@ import torch
 
 from .. import guards
 from ..config import MODEL_FAMILIES, RunConfig
-from ..console import emit
+from ..console import emit, signal_note
 from ..errors import ConfigError, TrainingError
 from ..fileio import atomic_write, claim_folder, run_root
 from ..trainer import Trainer
@@ -238,7 +238,7 @@ def run(base: RunConfig, variants: dict[str, list[str]], seeds: list[int], *, ou
     with run_root(out):
         for c in cells:
             atomic_write(out / "configs" / f"{c.variant}_seed{c.seed}.yaml", c.cfg.to_yaml())
-    with _signals_stop(log) as stopped:
+    with _signals_stop() as stopped:
         cost = interleave(cells, reference, iterations=iterations, budget_cost=budget_cost, evals=evals,
                           spacing=eval_spacing, max_iterations=max_iterations, stop=lambda: bool(stopped), log=log)
     interrupted = None
@@ -267,7 +267,7 @@ def run(base: RunConfig, variants: dict[str, list[str]], seeds: list[int], *, ou
 
 
 @contextlib.contextmanager
-def _signals_stop(log):
+def _signals_stop():
     """Inside the block the first SIGINT / SIGTERM is noted in the yielded list (the benchmark finishes its current
     step, then writes the outputs for the marks every cell has passed); a second one interrupts at once. Outside the
     main thread nothing is installed."""
@@ -277,8 +277,8 @@ def _signals_stop(log):
         if stopped:
             raise KeyboardInterrupt
         stopped.append(signum)
-        log(f"received signal {signum}: finishing the current step, then writing the outputs for the evaluation marks "
-            "every cell has passed (a second signal stops at once)")
+        signal_note(f"received signal {signum}: finishing the current step, then writing the outputs for the "
+                    "evaluation marks every cell has passed (a second signal stops at once)")
 
     if threading.current_thread() is not threading.main_thread():
         yield stopped
