@@ -190,3 +190,19 @@ def test_tiny_block_trains_through_the_trainer(method, tmp_path):
     assert row["grad_norm"] > 0 and row["skipped_updates"] == 0 and row["first_epoch/trained_tokens"] > 0
     if method == "trace_rl":
         assert row["first_epoch/ratio_max_dev"] < 1e-5
+
+
+def test_pretrain_builds_the_named_built_in_model_and_refuses_a_hub_model(tmp_path, capsys):
+    """`diffgrpo pretrain model.name=tiny_block` caches the block model (it used to pretrain the image model
+    instead, silently); a model that is not built in is refused in one line before anything loads."""
+    from diffgrpo.cli.app import main
+
+    small = ["pretrain.steps=4", "pretrain.batch_size=4", f"model.cache_dir={tmp_path}", "log.progress=false"]
+    assert main(["pretrain", "model.name=tiny_block", "--task", "arithmetic", *small]) == 0
+    out = capsys.readouterr().out
+    assert "built-in tiny_block model for task 'arithmetic' cached in" in out
+    cached = sorted(p.name for p in tmp_path.iterdir() if p.is_dir())
+    assert len(cached) == 1 and cached[0].startswith("tiny-block-arithmetic-"), cached  # the block model, nothing else
+    assert main(["pretrain", "model.name=hf_masked_lm", "dllm.model_path=org/some-llada"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: model.name: value 'hf_masked_lm' is not a built-in model")

@@ -86,28 +86,33 @@ def cmd_train(args) -> int:
 
 
 def cmd_pretrain(args) -> int:
-    """The built-in image model and its reward classifier, or with ``--task`` (or model.name=tiny_mlm) the built-in
-    masked diffusion LM of that task: pretrained once and cached."""
+    """A built-in model (``model.name``: the image model of ``train.task`` with, for digits, its reward classifier;
+    or a built-in masked / block-diffusion LM of ``dllm.task``; ``--task T`` = ``dllm.task=T`` on the masked LM unless
+    model.name names another built-in LM): pretrained once and cached. Any other model is refused in one line."""
     from ..cache import cache_root
-    from ..models.tiny import BUILT_IN_NETS
+    from ..models import POLICIES
     from ..rewards.image import load_classifier
+    from .runtime import TINY_MODELS
 
+    if getattr(args, "task", None):  # --task: a built-in LM of that task (the masked LM unless one is named)
+        named = any(o.split("=", 1)[0].strip() == "model.name" for o in args.overrides)
+        args.overrides = [*([] if named else ["model.name=tiny_mlm"]), *args.overrides, f"dllm.task={args.task}"]
     cfg = load_cfg(args)
     threads(cfg)
-    if getattr(args, "task", None) or cfg.model.name == "tiny_mlm":  # the built-in masked diffusion LM
-        from ..models.hf_masked_lm import load_or_pretrain_mlm
-        from ..tasks import get_task
-
-        task = get_task(args.task or cfg.dllm.task)
-        load_or_pretrain_mlm(task, cfg.pretrain, cache_dir=cfg.model.cache_dir, progress=cfg.log.progress)
-        print(f"tiny dLLM for task {task.name!r} cached in {cache_root(cfg.model.cache_dir)}")
+    name = cfg.model.name
+    if name not in TINY_MODELS:
+        raise ConfigError(f"model.name: value {name!r} is not a built-in model; diffgrpo pretrain builds one of "
+                          f"{list(TINY_MODELS)} (a hub model is fetched with diffgrpo download)")
+    POLICIES[name](cfg, progress=cfg.log.progress)  # loads the cached model, pretraining and caching it when absent
+    root = cache_root(cfg.model.cache_dir)
+    if name != "tiny":
+        print(f"built-in {name} model for task {cfg.dllm.task!r} cached in {root}")
         return 0
-    BUILT_IN_NETS[cfg.train.task][1](cfg.model, cfg.pretrain, progress=cfg.log.progress)  # train.task's model
     if cfg.train.task != "digits":  # the shapes task's reward is a checker: nothing to train
-        print(f"built-in {cfg.train.task} model cached in {cache_root(cfg.model.cache_dir)}")
+        print(f"built-in {cfg.train.task} model cached in {root}")
         return 0
     _, acc = load_classifier(cfg.model.image_size, cfg.model.cache_dir)
-    print(f"built-in model and reward classifier cached in {cache_root(cfg.model.cache_dir)}")
+    print(f"built-in model and reward classifier cached in {root}")
     print(f"digit_alignment classifier held-out accuracy: {acc:.4f}")
     return 0
 
