@@ -175,12 +175,17 @@ def _weights(rewards, feats, gids, world: WorldInfo, knobs):
 
 
 def _rank(rank: int, world: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
     join_gloo(rank, world, port)
-    rewards, feats, gids = _batch()
-    rows = slice(rank * 6, rank * 6 + 6)
-    knobs = RunConfig().diversity
-    w = _weights(rewards[rows], feats[rows], gids[rows] - 2 * rank, WorldInfo(rank, world, rank), knobs)
-    torch.save({"adv": w.advantages, "weights": w.loss_weights, "trained": w.trained}, f"{out}/{rank}.pt")
+    try:
+        rewards, feats, gids = _batch()
+        rows = slice(rank * 6, rank * 6 + 6)
+        knobs = RunConfig().diversity
+        w = _weights(rewards[rows], feats[rows], gids[rows] - 2 * rank, WorldInfo(rank, world, rank), knobs)
+        torch.save({"adv": w.advantages, "weights": w.loss_weights, "trained": w.trained}, f"{out}/{rank}.pt")
+    finally:  # a process group left to the interpreter's exit can abort the rank (SIGABRT in gloo's teardown)
+        dist.destroy_process_group()
 
 
 def test_one_process_equals_two_ranks():
