@@ -233,8 +233,22 @@ def pretrain_tiny_mlm(task, pcfg: PretrainConfig, *, progress: bool = True, arch
     g = torch.Generator().manual_seed(pcfg.seed)
     torch.manual_seed(pcfg.seed)
     net = tiny_bert(len(VOCAB), max_positions=task.prompt_length + task.gen_length, **(arch or {}))
+
+    def fn(x):
+        return net(input_ids=x, attention_mask=(x != VOCAB.pad_id).long()).logits
+
+    return pretrain_on_task(net, task, pcfg, task.prompt_length, g, f"pretraining tiny dLLM ({task.name})", progress,
+                            lambda prompts, target: masked_diffusion_loss(fn, prompts, target, VOCAB.mask_id,
+                                                                          generator=g))
+
+
+def pretrain_on_task(net: nn.Module, task, pcfg: PretrainConfig, P: int, g: torch.Generator, desc: str,
+                     progress: bool, loss_fn) -> nn.Module:
+    """The built-in LMs' pretraining loop on ``task``'s train split: prompts left-padded to ``P``, completions the
+    answers (with probability ``pcfg.answer_noise`` the task's slip, or another answer), AdamW with a one-cycle
+    schedule, ``loss_fn(prompts (b, P), targets (b, L))`` per step, draws from ``g``. → ``net`` in eval mode."""
     pool = task.instances("train")
-    prompts = VOCAB.encode_prompts([e.prompt for e in pool], task.prompt_length)
+    prompts = VOCAB.encode_prompts([e.prompt for e in pool], P)  # (n, P)
     comps = VOCAB.encode_completions([e.answer for e in pool], task.gen_length)  # (n, L)
     slips = [task.slip(e) for e in pool]
     slips = None if slips[0] is None else VOCAB.encode_completions(slips, task.gen_length)  # (n, L)
@@ -243,11 +257,7 @@ def pretrain_tiny_mlm(task, pcfg: PretrainConfig, *, progress: bool = True, arch
     warmup = min(max(0.05, 2.0 / pcfg.steps), 0.5)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=pcfg.lr, total_steps=pcfg.steps, pct_start=warmup)
     net.train()
-
-    def fn(x):
-        return net(input_ids=x, attention_mask=(x != VOCAB.pad_id).long()).logits
-
-    bar = Steps(pcfg.steps, f"pretraining tiny dLLM ({task.name})", enabled=progress)  # a bar only on a terminal
+    bar = Steps(pcfg.steps, desc, enabled=progress)  # a bar only on a terminal
     ema = None
     for _ in bar:
         idx = torch.randint(len(pool), (pcfg.batch_size,), generator=g)  # (b,)
@@ -256,8 +266,7 @@ def pretrain_tiny_mlm(task, pcfg: PretrainConfig, *, progress: bool = True, arch
             noisy = (torch.rand(idx.shape, generator=g) < pcfg.answer_noise).unsqueeze(1)  # (b, 1)
             wrong = comps[torch.randint(len(pool), idx.shape, generator=g)] if slips is None else slips[idx]
             target = torch.where(noisy, wrong, target)
-        loss = masked_diffusion_loss(fn, prompts[idx], target, VOCAB.mask_id, generator=g)
-        ema = pretrain_step(loss, net, opt, sched, bar, ema)
+        ema = pretrain_step(loss_fn(prompts[idx], target), net, opt, sched, bar, ema)
     return net.eval()
 
 
@@ -267,20 +276,29 @@ def load_or_pretrain_mlm(task, pcfg: PretrainConfig, *, cache_dir: str = "", pro
 
     Checked, pretrained and saved under the entry's lock: concurrent runs and torchrun ranks pretrain once, the
     others wait and then load the same weights."""
-    from safetensors.torch import load_file, save_file
 
     a = {**TINY_ARCH, **(arch or {})}
     path = cache_root(cache_dir) / f"tiny-mlm-{task.name}-{_recipe_key(task.name, a, pcfg)}"
     net = tiny_bert(len(VOCAB), max_positions=task.prompt_length + task.gen_length, **a)
+    return cached_pretrained(net, path, lambda: pretrain_tiny_mlm(task, pcfg, progress=progress, arch=a),
+                             {"task": task.name, "arch": a, "pretrain": vars(pcfg)},
+                             f"no cached tiny dLLM at {path}; pretraining it ({pcfg.steps} steps, runs once)", log)
+
+
+def cached_pretrained(net: nn.Module, path, pretrain, meta: dict, message: str, log) -> nn.Module:
+    """``net`` with the weights cached at ``path`` (model.safetensors + config.json ``meta``), made by
+    ``pretrain()`` and saved atomically when absent, under the entry's lock: concurrent runs and torchrun ranks
+    pretrain once, the others wait and then load the same weights. → ``net`` in eval mode."""
+    from safetensors.torch import load_file, save_file
+
     with cache_lock(path):
         if not (path / "model.safetensors").is_file():
-            log(f"no cached tiny dLLM at {path}; pretraining it ({pcfg.steps} steps, runs once)")
-            trained = pretrain_tiny_mlm(task, pcfg, progress=progress, arch=a)
+            log(message)
+            trained = pretrain()
 
             def write(tmp):
                 save_file(untied_state_dict(trained), str(tmp / "model.safetensors"))
-                (tmp / "config.json").write_text(json.dumps({"task": task.name, "arch": a, "pretrain": vars(pcfg)},
-                                                            indent=2))
+                (tmp / "config.json").write_text(json.dumps(meta, indent=2))
 
             save_dir_atomic(path, write)
     net.load_state_dict(load_file(str(path / "model.safetensors")))

@@ -27,14 +27,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..cache import cache_lock, cache_root, save_dir_atomic
+from ..cache import cache_root
 from ..config import PretrainConfig, RunConfig
-from ..console import Steps
 from ..distributed import launched_local_rank, resolve_device
 from ..tasks import VOCAB, get_task
-from .hf_masked_lm import MaskedLMPolicy, untied_state_dict
+from .hf_masked_lm import MaskedLMPolicy, cached_pretrained, pretrain_on_task
 from .masked_lm_scale import configure_model
-from .pretraining import pretrain_step
 
 TINY_BLOCK_SIZE = 4  # the built-in model's attention block when dllm.block_length is 0
 TINY_BLOCK_ARCH = dict(hidden_size=96, num_hidden_layers=3, num_attention_heads=4, intermediate_size=192)
@@ -225,52 +223,23 @@ def pretrain_tiny_block(task, pcfg: PretrainConfig, *, block_size: int, progress
     torch.manual_seed(pcfg.seed)
     P = block_prompt_length(task.prompt_length, block_size)
     net = tiny_block_lm(len(VOCAB), max_positions=P + task.gen_length, block_size=block_size, **(arch or {}))
-    pool = task.instances("train")
-    prompts = VOCAB.encode_prompts([e.prompt for e in pool], P)  # (n, P) left-padded
-    comps = VOCAB.encode_completions([e.answer for e in pool], task.gen_length)  # (n, L)
-    slips = [task.slip(e) for e in pool]
-    slips = None if slips[0] is None else VOCAB.encode_completions(slips, task.gen_length)  # (n, L)
-    opt = torch.optim.AdamW(net.parameters(), lr=pcfg.lr, weight_decay=0.01)
-    warmup = min(max(0.05, 2.0 / pcfg.steps), 0.5)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=pcfg.lr, total_steps=pcfg.steps, pct_start=warmup)
-    net.train()
-    bar = Steps(pcfg.steps, f"pretraining tiny block dLLM ({task.name})", enabled=progress)
-    ema = None
-    for _ in bar:
-        idx = torch.randint(len(pool), (pcfg.batch_size,), generator=g)  # (b,)
-        target = comps[idx]  # (b, L)
-        if pcfg.answer_noise > 0:
-            noisy = (torch.rand(idx.shape, generator=g) < pcfg.answer_noise).unsqueeze(1)  # (b, 1)
-            wrong = comps[torch.randint(len(pool), idx.shape, generator=g)] if slips is None else slips[idx]
-            target = torch.where(noisy, wrong, target)
-        loss = block_diffusion_loss(net, prompts[idx], target, VOCAB.mask_id, VOCAB.pad_id, generator=g)
-        ema = pretrain_step(loss, net, opt, sched, bar, ema)
-    return net.eval()
+    return pretrain_on_task(net, task, pcfg, P, g, f"pretraining tiny block dLLM ({task.name})", progress,
+                            lambda prompts, target: block_diffusion_loss(net, prompts, target, VOCAB.mask_id,
+                                                                         VOCAB.pad_id, generator=g))
 
 
 def load_or_pretrain_block(task, pcfg: PretrainConfig, *, block_size: int = TINY_BLOCK_SIZE, cache_dir: str = "",
                            progress: bool = True, log=print, arch: dict | None = None) -> nn.Module:
     """The cached pretrained tiny block model for this task, block and recipe; pretrains (and caches) it if absent,
     under the entry's lock (concurrent runs and ranks pretrain once)."""
-    from safetensors.torch import load_file, save_file
-
     a = {**TINY_BLOCK_ARCH, **(arch or {}), "block_size": block_size}
     path = cache_root(cache_dir) / f"tiny-block-{task.name}-{_recipe_key(task.name, a, pcfg)}"
     P = block_prompt_length(task.prompt_length, block_size)
     net = tiny_block_lm(len(VOCAB), max_positions=P + task.gen_length, **a)
-    with cache_lock(path):
-        if not (path / "model.safetensors").is_file():
-            log(f"no cached tiny block dLLM at {path}; pretraining it ({pcfg.steps} steps, runs once)")
-            trained = pretrain_tiny_block(task, pcfg, block_size=block_size, progress=progress, arch=arch)
-
-            def write(tmp):
-                save_file(untied_state_dict(trained), str(tmp / "model.safetensors"))
-                (tmp / "config.json").write_text(json.dumps({"task": task.name, "arch": a, "pretrain": vars(pcfg)},
-                                                            indent=2))
-
-            save_dir_atomic(path, write)
-    net.load_state_dict(load_file(str(path / "model.safetensors")))
-    return net.eval()
+    return cached_pretrained(net, path, lambda: pretrain_tiny_block(task, pcfg, block_size=block_size,
+                                                                    progress=progress, arch=arch),
+                             {"task": task.name, "arch": a, "pretrain": vars(pcfg)},
+                             f"no cached tiny block dLLM at {path}; pretraining it ({pcfg.steps} steps, runs once)", log)
 
 
 def build_tiny_block_policy(cfg: RunConfig, *, progress=True, log=print, pretrained=True) -> MaskedLMPolicy:
