@@ -145,13 +145,14 @@ def test_streamed_guards_equal_the_whole_set_computation(monkeypatch):
     prompts = [f"p{i // 3}" for i in range(30)]  # 10 records × 3 seeds
     mu, cov = feature_stats.gaussian_stats(feats)
     whole = {"eval/fid": feature_stats.frechet_distance(mu, cov, *guards.reference_stats(16)),
-             "eval/diversity": feature_stats.per_prompt_diversity(feats, prompts)}
+             "eval/diversity": feature_stats.per_prompt_diversity(feats, prompts),
+             "eval/guard/kid": feature_stats.kid(feats, guards.reference_features(16))}
     g = guards.GuardStats(16, 3)
     for lo in (16, 0, 8, 24):  # chunks of 8 (the last 6), records split across chunks
         idx = list(range(lo, min(lo + 8, 30)))
         g.add(idx, feats[idx])
     got = g.result()
-    assert got.keys() == whole.keys() == {"eval/fid", "eval/diversity"}
+    assert got.keys() == whole.keys() == {"eval/fid", "eval/diversity", "eval/guard/kid"}
     for k in got:
         assert got[k] == pytest.approx(whole[k], rel=1e-9), k
 

@@ -76,7 +76,7 @@ REGISTRIES = {
 }
 # string-choices keys with no registry: the options are read where they are used, one branch each
 PLAIN_OPTIONS = {"model.mixed_precision", "engine.evaluation", "engine.forward_rollout", "train.lr_schedule",
-                 "train.checkpoint_format", "train.on_hacking", "train.on_inconsistency", "dllm.logits_shift", "dllm.chat_template",
+                 "train.checkpoint_format", "train.on_hacking", "train.guard_distance", "train.on_inconsistency", "dllm.logits_shift", "dllm.chat_template",
                  "dllm.coupled_form", "daca.likelihood", "dist.mode", "dist.group_layout", "dist.fsdp_param_dtype"}
 
 

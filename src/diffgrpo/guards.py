@@ -6,7 +6,8 @@ The statistics of a feature space (Fréchet distance, diversity, their fixed-mem
 On the built-in task (``model.name=tiny``) the flow evaluation reports ``eval/fid`` and ``eval/diversity``: the
 Fréchet distance between Gaussians fitted to the digit classifier's penultimate features (the 64-d ReLU layer before
 the logits of ``rewards.image.DigitClassifier``) of the generated samples and of the digits *test* split, and their
-per-prompt diversity (:class:`GuardStats`; the test split's statistics are computed once per image size).
+per-prompt diversity (:class:`GuardStats`; the test split's statistics are computed once per image size); beside
+them ``eval/guard/kid``, the unbiased KID between the same two feature sets (``feature_stats.kid``).
 
 Each evaluation (fixed prompts and seeds) reports, beside its rewards, under ``eval/guard/``:
 
@@ -56,7 +57,7 @@ from safetensors.torch import load_file, save, save_file
 from . import consistency, distributed, plugins
 from .data import digits_split
 from .errors import ConfigError, TrainingError
-from .feature_stats import Moments, frechet_distance, gaussian_from_sums, gaussian_stats
+from .feature_stats import Moments, frechet_distance, gaussian_from_sums, gaussian_stats, kid
 from .fileio import atomic_write
 from .rewards import REWARDS, TEXT_REWARDS, clip_models, compute_rewards, make_rewards, shapes_diversity, time_limited
 from .rewards import image as image_rewards
@@ -67,6 +68,7 @@ BEST_DIR = "best"
 CLIP_REWARDS = {"pickscore": (clip_models.PICKSCORE_MODEL, clip_models.PICKSCORE_PROCESSOR),
                 "clip_score": (clip_models.CLIP_L14, ""), "aesthetic": (clip_models.CLIP_L14, "")}
 FEATURES = ("auto", "digits", "clip", "none")
+DISTANCES = ("fid", "kid")  # train.guard_distance: the guard on the distance to the task's reference features
 SHAPES_REWARDS = ("shapes_correct", "shapes_score")  # rewards of the shapes checker: detection_diversity applies
 TEXT_BUCKETS = 64
 
@@ -89,20 +91,50 @@ class Thresholds:
     max_drift: float = 0.5  # eval/guard/drift (distance to the base samples / their variance) ≤ this
     min_diversity_ratio: float = 0.8  # eval/diversity, eval/guard/diversity ≥ ratio × start
     max_reward_drop: float = 0.1  # each guard reward ≥ start − drop × |start|
+    distance: str = "fid"  # fid: the ratio limit above; kid: eval/guard/kid ≤ start + max_kid (absolute)
+    max_kid: float = 0.05
+
+
+def _finite(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def uncomputed(start: dict, row: dict, th: Thresholds) -> list[str]:
+    """The guards (with their limit on) that ``row`` reports as NaN/inf, or lacks while ``start`` had them finite:
+    a guard that cannot be computed is out of limits. (``fd_base``/``drift`` absent: no base statistics, warned.)"""
+    distance = getattr(th, "distance", "fid")
+    keys = [k for k, on in (("eval/fid", th.max_fid_ratio * (distance == "fid")),
+                            (PREFIX + "kid", getattr(th, "max_kid", 0) * (distance == "kid")),
+                            (PREFIX + "fd_base", th.max_drift), (PREFIX + "drift", th.max_drift),
+                            ("eval/diversity", th.min_diversity_ratio), (PREFIX + "diversity", th.min_diversity_ratio),
+                            (PREFIX + "detection_diversity", th.min_diversity_ratio)) if on > 0]
+    if th.max_reward_drop > 0:
+        keys += sorted(k for k in {*start, *row} if k.startswith(PREFIX + "rewards/"))
+    out = []
+    for k in keys:
+        if k in row and not _finite(row[k]):
+            out.append(f"{k} is {row[k]!r}, not a finite number (the guard cannot be computed)")
+        elif k not in row and _finite(start.get(k)) and k not in (PREFIX + "fd_base", PREFIX + "drift"):
+            out.append(f"{k} is missing (the guard cannot be computed; it was {start[k]:.4g} at the start)")
+    return out
 
 
 def tripped(start: dict, row: dict, th: Thresholds) -> list[str]:
     """The guards of evaluation ``row`` outside their limits relative to the ``start`` evaluation, each as a short
-    phrase (empty: inside every guard). Metrics missing or non-finite in either row are not judged."""
+    phrase (empty: inside every guard). A guard that is NaN or cannot be computed is out (:func:`uncomputed`); a
+    limit relative to a start value that is not finite is not judged."""
     def pair(k):
         a, b = start.get(k), row.get(k)
         ok = isinstance(a, (int, float)) and isinstance(b, (int, float)) and math.isfinite(a) and math.isfinite(b)
         return (float(a), float(b)) if ok else None
 
-    out = []
-    p = pair("eval/fid")
+    out = uncomputed(start, row, th)
+    p = pair("eval/fid") if th.distance == "fid" else None
     if th.max_fid_ratio > 0 and p and p[0] > 0 and p[1] > th.max_fid_ratio * p[0]:
         out.append(f"eval/fid {p[1]:.4g} > {th.max_fid_ratio:g} × start {p[0]:.4g}")
+    p = pair(PREFIX + "kid") if th.distance == "kid" else None
+    if th.max_kid > 0 and p and p[1] > p[0] + th.max_kid:
+        out.append(f"{PREFIX}kid {p[1]:.4g} > start {p[0]:.4g} + {th.max_kid:g}")
     d = row.get(PREFIX + "drift")
     if th.max_drift > 0 and isinstance(d, (int, float)) and math.isfinite(d) and d > th.max_drift:
         out.append(f"{PREFIX}drift {d:.4g} > {th.max_drift:g} (distance to the base model's samples)")
@@ -117,13 +149,19 @@ def tripped(start: dict, row: dict, th: Thresholds) -> list[str]:
     return out
 
 
+def thresholds(t) -> Thresholds:
+    """The ``train.guard_*`` keys of a train config section as :class:`Thresholds`."""
+    return Thresholds(t.guard_max_fid_ratio, t.guard_max_drift, t.guard_min_diversity_ratio, t.guard_max_reward_drop,
+                      t.guard_distance, t.guard_max_kid)
+
+
 def improves(value, best) -> bool:
     """Whether a finite ``value`` of the keep-best metric beats ``best`` (None: no best yet); higher is better."""
     return isinstance(value, (int, float)) and math.isfinite(value) and (best is None or value > best)
 
 
 # ---------------------------------------------------------------------- the built-in task's digit guards
-_REFERENCE: dict[int, tuple] = {}  # image size → (classifier, μ, Σ)
+_REFERENCE: dict[int, tuple] = {}  # image size → (classifier, μ, Σ, features)
 
 
 def penultimate_features(clf, images: torch.Tensor) -> torch.Tensor:
@@ -134,12 +172,22 @@ def penultimate_features(clf, images: torch.Tensor) -> torch.Tensor:
 
 def reference_stats(image_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(μ (64,), Σ (64, 64)) of the penultimate features of the digits test split at ``image_size`` (cached)."""
+    return _reference(image_size)[1:3]
+
+
+def reference_features(image_size: int) -> torch.Tensor:
+    """(N_test, 64) penultimate features of the digits test split at ``image_size`` (cached)."""
+    return _reference(image_size)[3]
+
+
+def _reference(image_size: int) -> tuple:
     clf, _ = image_rewards.load_classifier(image_size)
     cached = _REFERENCE.get(image_size)
     if cached is None or cached[0] is not clf:  # computed with this very classifier
         _, (x_te, _) = digits_split(image_size)
-        cached = _REFERENCE[image_size] = (clf, *gaussian_stats(penultimate_features(clf, x_te)))
-    return cached[1], cached[2]
+        f = penultimate_features(clf, x_te)
+        cached = _REFERENCE[image_size] = (clf, *gaussian_stats(f), f)
+    return cached
 
 
 def digit_features(images: torch.Tensor) -> torch.Tensor:
@@ -155,24 +203,29 @@ def guards_apply(cfg, images: torch.Tensor) -> bool:
 
 
 class GuardStats:
-    """``eval/fid`` and ``eval/diversity`` of one evaluation's digit images, accumulated chunk by chunk in fixed
-    memory (``Moments``). With distinct prompts it equals ``frechet_distance`` of ``gaussian_stats`` against
-    :func:`reference_stats` and ``per_prompt_diversity`` on the whole feature set (up to float64 round-off)."""
+    """``eval/fid``, ``eval/guard/kid`` and ``eval/diversity`` of one evaluation's digit images, accumulated chunk
+    by chunk (``Moments``; KID keeps the features, 512 bytes a sample). With distinct prompts it equals
+    ``frechet_distance`` of ``gaussian_stats`` against :func:`reference_stats` and ``per_prompt_diversity`` on the
+    whole feature set (up to float64 round-off)."""
 
     def __init__(self, image_size: int, group_size: int):
-        self.image_size, self.moments = image_size, Moments(group_size)
+        self.image_size, self.moments, self.feats = image_size, Moments(group_size), {}
 
     def add(self, index: list[int], feats: torch.Tensor) -> None:
         """Samples ``index`` (their evaluation order) with features (n, 64)."""
         self.moments.add(index, feats)
+        self.feats.update(zip(index, feats.detach().double().cpu()))
 
     def result(self) -> dict[str, float]:
-        """{"eval/fid", "eval/diversity"} (diversity when some record has two samples); {} below two samples."""
+        """{"eval/fid", "eval/guard/kid", "eval/diversity"} (diversity when some record has two samples); {} below
+        two samples."""
         m = self.moments
         if m.n < 2:
             return {}
         mu, cov = gaussian_from_sums(m.n, m.s1, m.s2)
-        out = {"eval/fid": frechet_distance(mu, cov, *reference_stats(self.image_size))}
+        out = {"eval/fid": frechet_distance(mu, cov, *reference_stats(self.image_size)),
+               PREFIX + "kid": kid(torch.stack([self.feats[i] for i in sorted(self.feats)]),
+                                   reference_features(self.image_size))}
         if m.spreads:
             out["eval/diversity"] = m.diversity()
         return out
@@ -191,8 +244,24 @@ class Base:
 
     @classmethod
     def load(cls, path: Path) -> Base:
-        t = load_file(str(path))
-        return cls(t["mean"].double(), t["cov"].double(), int(t["n"][0]))
+        """The statistics written by :meth:`save`; a damaged file (unreadable, missing tensors, shapes that do not
+        fit, non-finite values) is a one-line TrainingError."""
+        try:
+            t = load_file(str(path))
+            mean, cov, n = t["mean"].double(), t["cov"].double(), t["n"].reshape(-1)
+        except Exception as e:  # noqa: BLE001 - a safetensors error of a damaged file, on one line
+            raise _damaged(path, f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}") from None
+        d = mean.shape[0] if mean.dim() == 1 else -1
+        if d < 1 or tuple(cov.shape) != (d, d) or n.numel() != 1 or int(n[0]) < 2:
+            raise _damaged(path, f"mean {tuple(mean.shape)}, cov {tuple(cov.shape)}, n {n.tolist()[:4]}; expected "
+                                 "(D,), (D, D) and one count >= 2")
+        if not (torch.isfinite(mean).all() and torch.isfinite(cov).all()):
+            raise _damaged(path, "its mean or covariance is not finite")
+        return cls(mean, cov, int(n[0]))
+
+
+def _damaged(path: Path, why: str) -> TrainingError:
+    return TrainingError(f"{path} is damaged ({why}); delete it to resume without {PREFIX}fd_base / drift")
 
 
 # ---------------------------------------------------------------------- what an evaluation computes
@@ -303,7 +372,11 @@ class Evaluation:
             if not self.g.anchored:
                 self.g.set_base(Base(mu, cov, m.n))
             base = self.g.base
-            if base is not None and base.mean.shape == mu.shape:
+            if base is not None and base.mean.shape != mu.shape:  # another feature space: no distance
+                self.g.log(f"warning: the base statistics ({BASE_FILE}) have {base.mean.shape[0]} features and this "
+                           f"evaluation {mu.shape[0]}: {PREFIX}fd_base / drift cannot be computed")
+                row[PREFIX + "fd_base"] = row[PREFIX + "drift"] = float("nan")
+            elif base is not None:
                 fd = frechet_distance(mu, cov, base.mean, base.cov)
                 row[PREFIX + "fd_base"] = fd
                 row[PREFIX + "drift"] = fd / max(float(torch.trace(base.cov)), 1e-12)
@@ -372,16 +445,31 @@ def plugin(spec: str, key: str) -> Callable:
 
 
 # ---------------------------------------------------------------------- the policy
+def read_best(path: Path, metric: str, log=print) -> dict | None:
+    """``best/best.json`` of a resumed run: {"iteration", "metric", "value"}, or None (with a warning) when it is
+    damaged or names another metric; the next evaluation inside the guards then becomes the best."""
+    try:
+        best = json.loads(path.read_text())
+        ok = isinstance(best, dict) and best.get("metric") == metric and _finite(best.get("value"))
+    except (OSError, ValueError, RecursionError):
+        ok = False
+    if not ok:
+        log(f"warning: {path} is damaged or not of train.keep_best={metric}; it is ignored (the next evaluation "
+            "inside the guards replaces best/)")
+        return None
+    return best
+
+
 class Watch:
     """``train.on_hacking`` and ``train.keep_best`` over a run's evaluations (called on every rank, the same rows)."""
 
     def __init__(self, train_cfg, log=print):
         t = train_cfg
         self.mode, self.metric, self.log = t.on_hacking, t.keep_best, log
-        self.th = Thresholds(t.guard_max_fid_ratio, t.guard_max_drift, t.guard_min_diversity_ratio,
-                             t.guard_max_reward_drop)
+        self.th = thresholds(t)
         self.start: dict | None = None
         self.best: dict | None = None  # {"iteration", "metric", "value"}
+        self.told_missing = False  # whether the keep-best metric was reported missing
         self.stop: str | None = None  # why the run stops (on_hacking=stop and a guard fell)
         self.consistency_mode, self.consistency_limit = t.on_inconsistency, t.max_inconsistency
         self.inconsistent: str | None = None  # why the run stops (on_inconsistency=stop: rollout and update differ)
@@ -392,7 +480,7 @@ class Watch:
         self.start = start
         path = Path(run_dir) / BEST_DIR / "best.json"
         if self.metric and path.is_file() and not path.is_symlink():
-            self.best = json.loads(path.read_text())
+            self.best = read_best(path, self.metric, self.log)
 
     def judge(self, row: dict, *, run_dir: Path, lead: bool, weights: Callable[[], dict],
               base: EvalGuards | None = None) -> list[str]:
@@ -411,6 +499,10 @@ class Watch:
             if self.mode == "stop":
                 self.stop = msg
             self.log(("stopping (train.on_hacking=stop): " if self.mode == "stop" else "warning: ") + msg)
+        if self.metric and self.metric not in row and not self.told_missing:
+            self.told_missing = True
+            self.log(f"warning: train.keep_best: no evaluation metric {self.metric!r} (this run's: "
+                     f"{', '.join(sorted(k for k in row if k.startswith('eval/')))}); no best weights are kept")
         if self.metric and not out and improves(row.get(self.metric), (self.best or {}).get("value")):
             state = weights()  # a collective under FSDP2: every rank calls it
             self.best = {"iteration": it, "metric": self.metric, "value": float(row[self.metric])}
@@ -447,6 +539,9 @@ def check_config(cfg, family: str) -> dict[str, float]:
     if t.keep_best and not re.fullmatch(r"eval/[\w/.\-]+", t.keep_best):
         raise ConfigError(f"train.keep_best: value {t.keep_best!r} must be an evaluation metric such as "
                           "eval/reward (higher is better), or empty to keep no best checkpoint")
+    if 0 < t.guard_max_fid_ratio < 1:  # the start evaluation itself would be out of limits
+        raise ConfigError(f"train.guard_max_fid_ratio: value {t.guard_max_fid_ratio:g} is out of range; must be 0 "
+                          "(off) or >= 1 (eval/fid at most this × its start value)")
     if family == "dllm":
         for n in names:
             if n not in TEXT_REWARDS and ":" not in n:
@@ -478,5 +573,5 @@ def check_config(cfg, family: str) -> dict[str, float]:
 
 __all__ = ["PREFIX", "BASE_FILE", "BEST_DIR", "Thresholds", "tripped", "improves", "text_features", "Base",
            "EvalGuards", "Evaluation", "Watch", "check_config", "image_feature_fn", "clip_features", "feature_kind",
-           "plugin", "penultimate_features", "reference_stats", "digit_features", "guards_apply", "GuardStats",
+           "plugin", "penultimate_features", "reference_stats", "reference_features", "thresholds", "DISTANCES", "digit_features", "guards_apply", "GuardStats",
            "SHAPES_REWARDS"]

@@ -278,6 +278,9 @@ class TrainConfig:
                                                                     "least this × their start value")
     guard_max_reward_drop: float = _f(0.1, lo=0.0, doc="each eval/guard/rewards/<name>/mean at least start − this "
                                                         "× |start|")
+    guard_distance: str = _f("fid", choices=("fid", "kid"), doc="the guard on the distance to the task's reference "
+                                                              "features: eval/fid (ratio) or eval/guard/kid (absolute)")
+    guard_max_kid: float = _f(0.05, lo=0.0, doc="guard_distance=kid: eval/guard/kid at most its start value + this")
     keep_best: str = _f("", doc="keep the weights of the evaluation with the highest value of this metric (e.g. "
                                 "eval/reward) among those inside the guards in <run>/best/; empty = off")
 
@@ -424,8 +427,10 @@ class LogConfig:
     progress: bool = _f(True, doc="progress bar on a terminal (elsewhere, and with false, a line every log.every "
                                   "iterations)")
     every: int = _f(0, lo=0, doc="iterations between progress lines when no bar is drawn; 0 = about ten per run")
-    tensorboard: bool = _f(False, doc="TensorBoard event files beside metrics.jsonl (needs the tensorboard package)")
-    wandb: bool = _f(False, doc="also log to Weights & Biases (needs the wandb package)")
+    trackers: list = _f([], doc="experiment trackers (accelerate's): tensorboard, wandb, mlflow, trackio, comet_ml, "
+                                "aim, clearml, dvclive; each needs its package: pip install 'diffgrpo[<name>]'")
+    tensorboard: bool = _f(False, doc="alias of tensorboard in log.trackers: event files in <run>/tensorboard")
+    wandb: bool = _f(False, doc="alias of wandb in log.trackers (Weights & Biases)")
     wandb_project: str = _f("", doc="W&B project; empty = $WANDB_PROJECT, else diffgrpo")
     wandb_name: str = _f("", doc="W&B run name; empty = $WANDB_NAME, else the run directory's name")
     wandb_tags: list = _f([], doc="W&B tags, e.g. [sd35, pickscore]; empty = $WANDB_TAGS (comma-separated)")
@@ -464,3 +469,7 @@ class DiversityConfig:
     drift_subset: float = _f(0.75, gt=0.0, hi=1.0, doc="drift: share of each group kept, nearest its median reward")
     drift_shaping: float = _f(0.5, lo=0.0, doc="drift: λ of the reward bonus λ·(Φ(G) − Φ(G∖i)), Φ = mean pairwise "
                                                 "cosine distance")
+    gardo_gate: float = _f(0.0, lo=0.0, hi=1.0, doc="gardo: KL only on samples with |advantage| at or above this "
+                                                    "quantile of the batch (0 = every sample); needs loss.beta > 0")
+    gardo_ref_every: int = _f(0, lo=0, doc="gardo: reset the KL reference to the policy every N iterations (0 = never)")
+    step_weight_power: float = _f(0.0, lo=0.0, doc="diversegrpo: KL weight of step k ∝ σ_k^p, mean 1 (0 = uniform)")

@@ -249,8 +249,7 @@ def run(base: RunConfig, variants: dict[str, list[str]], seeds: list[int], *, ou
                                 "evaluation mark; nothing to summarise")
         interrupted = {"signal": stopped[0], "marks": kept}
         log(f"bench quality: stopped by signal {stopped[0]}; summarised at mark {kept}/{evals} (cost {cost:.0f})")
-    th = guards.Thresholds(base.train.guard_max_fid_ratio, base.train.guard_max_drift,
-                           base.train.guard_min_diversity_ratio, base.train.guard_max_reward_drop)
+    th = guards.thresholds(base.train)
     s = summarize(cells, reference, metric=metric, target_fraction=target_fraction, check=guard_check(th),
                   target=target, budget=cost)
     meta = {"title": title or f"{base.model.name} model, rewards {sorted(base.reward.weights)}", "command": command,

@@ -34,7 +34,8 @@ def first_out_words(outs: list) -> str:
 def guard_words(g: dict, start: dict) -> str:
     """Seed-mean guard metrics at the end, FID and diversity as ratios to the start: 'fid 1.21×, drift 0.31, …'."""
     out = []
-    for key, name, ratio in (("eval/fid", "fid", True), ("eval/guard/drift", "drift", False),
+    for key, name, ratio in (("eval/fid", "fid", True), ("eval/guard/kid", "kid", False),
+                             ("eval/guard/drift", "drift", False),
                              ("eval/guard/diversity", "div", True)):
         v, v0 = g.get(key), start.get(key)
         if v is None or not math.isfinite(v):
@@ -73,7 +74,9 @@ def to_markdown(meta: dict, s: dict) -> str:
         + f". Reference plateaued: {plat}."
         + (" **The reference gained nothing within the budget: the target is not a gain; raise the budget.**"
            if s["reference_gain"] <= 0 else ""), "",
-        (f"Guards, each relative to the cell's own start: eval/fid ≤ {th['max_fid_ratio']:g}× (built-in task), "
+        ("Guards, each relative to the cell's own start: "
+        + (f"eval/guard/kid ≤ start + {th.get('max_kid', 0):g} (built-in task), " if th.get("distance") == "kid"
+           else f"eval/fid ≤ {th['max_fid_ratio']:g}× (built-in task), ") +
         f"eval/guard/drift ≤ {th['max_drift']:g}, diversity ≥ {th['min_diversity_ratio']:g}×, guard rewards ≥ start − "
         f"{th['max_reward_drop']:g}×|start| (0 = off)."), "",
         ("| variant | s / it | cost / it | iterations | reached | time to target (s) [95% CI] | cost to target | "
