@@ -8,9 +8,12 @@ Each call POSTs JSON batches of at most ``batch_size`` samples to ``url``::
 
 and reads back ``{"scores": [float, ...]}`` (or a bare JSON list), one number per sample; ``null`` marks a sample
 the server could not score (it becomes NaN: excluded from its group). A request that fails (connection refused,
-timeout after ``timeout`` seconds, HTTP 5xx or 429) is tried again up to ``attempts`` times in all, with a short
-backoff; a 4xx other than 429, a reply that is not JSON or has the wrong length, or the last failed attempt is a
-one-line RewardError naming the URL. Standard library only (``urllib``); the images are encoded with Pillow.
+no complete reply within ``timeout`` seconds, HTTP 5xx or 429) is tried again up to ``attempts`` times in all, with
+a short backoff; ``timeout`` bounds each attempt as a whole (a reply trickling in ends at it). A 4xx other than 429,
+a redirect (never followed: the payload and the token go to ``url`` only), a reply larger than
+:data:`MAX_REPLY_BYTES`, a reply that is not JSON or has the wrong length, or the last failed attempt is a one-line
+RewardError naming the URL. Standard library only (``http.client``, through the remote sandbox's bounded
+request); the images are encoded with Pillow.
 """
 from __future__ import annotations
 
@@ -19,14 +22,13 @@ import io
 import json
 import math
 import time
-import urllib.error
-import urllib.request
 
 import numpy as np
 import torch
 from PIL import Image
 
 from ..errors import RewardError
+from ..sandbox.remote import RemoteFailure, ReplyTooLarge, exchange
 from .loading import batches, to_uint8_hwc
 
 
@@ -69,26 +71,43 @@ def _scores(url: str, reply: bytes, n: int) -> list[float]:
 
 
 BACKOFF = 0.5  # seconds before the second attempt, doubling, at most 4 s
+MAX_REPLY_BYTES = 64 << 20  # a reply's body: far above any batch's scores; a larger one is refused unread
+REDIRECTS = (301, 302, 303, 307, 308)
+
+
+def _refused(url: str, status: int, reason: str, head: dict) -> str | None:
+    """Why a reply of ``status`` is refused without another attempt, or None when it may be retried."""
+    if status in REDIRECTS:  # never followed: the body (and the token) go to ``url`` only
+        where = " ".join(str(head.get("location", "")).split())[:120]
+        return (f"HTTP {status} {reason}, a redirect to {where!r}; redirects are not followed: set "
+                "reward.options.http.url to the address that scores")
+    if status != 429 and status < 500:
+        return f"HTTP {status} {reason} (not retried: the request itself is refused)"
+    return None
 
 
 def post(url: str, payload: dict, *, timeout: float, attempts: int, headers: dict | None = None) -> bytes:
-    """POST ``payload`` as JSON; → the reply body. Retries transient failures (see the module docstring)."""
+    """POST ``payload`` as JSON; → the reply body. Each attempt ends within ``timeout`` seconds as a whole (connect,
+    send, the reply's headers and body), its body at most :data:`MAX_REPLY_BYTES`; no redirect is followed.
+    Retries transient failures (see the module docstring)."""
     body = json.dumps(payload, default=str).encode()  # metadata values JSON cannot hold: as text
     last = ""
     for attempt in range(1, attempts + 1):
-        req = urllib.request.Request(url, data=body, method="POST",
-                                     headers={"Content-Type": "application/json", **(headers or {})})
         try:
-            with urllib.request.urlopen(req, timeout=timeout) as resp:
-                return resp.read()
-        except urllib.error.HTTPError as e:
-            last = f"HTTP {e.code} {e.reason}"
-            if e.code != 429 and e.code < 500:
-                raise RewardError(f"reward 'http' at {url}: {last} (not retried: the request itself is refused)"
-                                  ) from None
-        except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
-            reason = getattr(e, "reason", e)
-            last = f"{type(reason).__name__}: {' '.join(str(reason).split())[:120]}"
+            status, reason, head, reply = exchange(url, body, time.monotonic() + timeout, MAX_REPLY_BYTES,
+                                                   headers=headers)
+        except ReplyTooLarge:
+            raise RewardError(f"reward 'http' at {url}: a reply larger than {MAX_REPLY_BYTES} bytes "
+                              "(rewards.http.MAX_REPLY_BYTES); not read further") from None
+        except RemoteFailure as e:
+            last = " ".join(str(e).split())[:160]
+        else:
+            if status == 200:
+                return reply
+            last = f"HTTP {status} {reason}"
+            refused = _refused(url, status, reason, head)
+            if refused:
+                raise RewardError(f"reward 'http' at {url}: {refused}") from None
         if attempt < attempts:
             time.sleep(min(BACKOFF * 2 ** (attempt - 1), 4.0))
     raise RewardError(f"reward 'http' at {url}: {last} after {attempts} attempt{'s' if attempts > 1 else ''} "

@@ -43,9 +43,15 @@ def _failure(e: BaseException, deadline: float, left: float, cancelled) -> Remot
     return e if isinstance(e, RemoteFailure) else RemoteFailure(f"{type(e).__name__}: {e}")
 
 
-def post_bounded(url: str, body: bytes, deadline: float, cap: int, cancelled=None) -> bytes:
-    """POST ``body`` as JSON to ``url`` → the reply's body (HTTP 200, at most ``cap`` bytes), all of it before
-    ``deadline`` (time.monotonic()); RemoteFailure otherwise."""
+class ReplyTooLarge(RemoteFailure):
+    """The reply's body is larger than the cap (not worth asking again)."""
+
+
+def exchange(url: str, body: bytes, deadline: float, cap: int, cancelled=None,
+             headers: dict | None = None) -> tuple[int, str, dict[str, str], bytes]:
+    """POST ``body`` as JSON to ``url`` (no redirect followed) → (status, reason, the reply's headers with lower-case
+    names, its body of at most ``cap`` bytes), all of it before ``deadline`` (time.monotonic()); RemoteFailure
+    otherwise (ReplyTooLarge past ``cap``)."""
     u = urllib.parse.urlsplit(url)
     left = deadline - time.monotonic()
     kind = http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection
@@ -57,18 +63,18 @@ def post_bounded(url: str, body: bytes, deadline: float, cap: int, cancelled=Non
     try:
         conn.connect()
         socks.append(conn.sock)
-        conn.request("POST", u.path or "/", body, {"Content-Type": "application/json"})
+        target = u.path or "/"
+        conn.request("POST", target + (f"?{u.query}" if u.query else ""), body,
+                     {"Content-Type": "application/json", **(headers or {})})
         resp = conn.getresponse()
-        if resp.status != 200:
-            raise RemoteFailure(f"HTTP {resp.status} {resp.reason}")
         data = bytearray()
         while chunk := resp.read1(65536):
             data += chunk
             if len(data) > cap:
-                raise RemoteFailure(f"a reply larger than {cap} bytes")
+                raise ReplyTooLarge(f"a reply larger than {cap} bytes")
         if time.monotonic() >= deadline - 0.01 or (cancelled is not None and cancelled.is_set()):
             raise RemoteFailure("cut")  # the socket was shut under the read: the reply is not complete
-        return bytes(data)
+        return resp.status, resp.reason, {k.lower(): v for k, v in resp.getheaders()}, bytes(data)
     except (RemoteFailure, http.client.HTTPException, OSError, ValueError) as e:
         raise _failure(e, deadline, left, cancelled) from None
     finally:
@@ -78,8 +84,32 @@ def post_bounded(url: str, body: bytes, deadline: float, cap: int, cancelled=Non
             sock.close()
 
 
+def post_bounded(url: str, body: bytes, deadline: float, cap: int, cancelled=None) -> bytes:
+    """POST ``body`` as JSON to ``url`` → the reply's body (HTTP 200, at most ``cap`` bytes), all of it before
+    ``deadline`` (time.monotonic()); RemoteFailure otherwise."""
+    status, reason, _, data = exchange(url, body, deadline, cap, cancelled)
+    if status != 200:
+        raise RemoteFailure(f"HTTP {status} {reason}")
+    return data
+
+
 def read_reply(raw: bytes, token: str, n: int, limits: Limits) -> Result:
-    """A service's reply → :class:`Result`; RemoteFailure when it is malformed or says the service failed."""
+    """A service's reply → :class:`Result`; RemoteFailure when it is malformed (not JSON, nested too deeply, fields
+    of the wrong type) or says the service failed."""
+    try:
+        return _read_reply(raw, token, n, limits)
+    except (TypeError, ValueError, RecursionError, AttributeError) as e:  # whatever shape the service sent
+        raise RemoteFailure(f"a malformed reply ({type(e).__name__}: {' '.join(str(e).split())[:80]})") from None
+
+
+def _text(rr: dict, field: str, limit: int) -> str:
+    v = rr.get(field)
+    if v is not None and not isinstance(v, str):
+        raise TypeError(f"run_result.{field} is a {type(v).__name__}, not a string")
+    return (v or "")[:limit]
+
+
+def _read_reply(raw: bytes, token: str, n: int, limits: Limits) -> Result:
     try:
         reply = json.loads(raw)
     except ValueError:
@@ -87,15 +117,19 @@ def read_reply(raw: bytes, token: str, n: int, limits: Limits) -> Result:
     rr = reply.get("run_result") if isinstance(reply, dict) else None
     if not isinstance(rr, dict) or reply.get("status") == "SandboxError":
         raise RemoteFailure(f"a reply without a run result ({str(raw[:120])})")
-    out = str(rr.get("stdout") or "")[: limits.output_bytes]
-    status = {"Finished": "ok", "TimeLimitExceeded": "timeout"}.get(rr.get("status"))
+    out = _text(rr, "stdout", limits.output_bytes)
+    status = rr.get("status")
+    status = {"Finished": "ok", "TimeLimitExceeded": "timeout"}.get(status) if isinstance(status, str) else None
     if status is None:
         raise RemoteFailure(f"run status {str(rr.get('status'))[:60]!r}")
     if status == "ok" and f"{token} confined" not in out:
         raise RemoteFailure("the program finished without the harness's first line (it did not run)")
     passed, _, loaded = parse_report(out, token, n)
-    return Result(passed, status, rr.get("return_code"), out, str(rr.get("stderr") or "")[: limits.output_bytes],
-                  0.0, ("remote",), False, loaded)
+    code = rr.get("return_code")
+    if code is not None and (not isinstance(code, int) or isinstance(code, bool)):
+        raise TypeError(f"run_result.return_code is a {type(code).__name__}, not an integer")
+    return Result(passed, status, code, out, _text(rr, "stderr", limits.output_bytes), 0.0, ("remote",), False,
+                  loaded)
 
 
 class RemoteBackend:
@@ -133,4 +167,4 @@ class RemoteBackend:
         return r
 
 
-__all__ = ["RemoteBackend", "RemoteFailure", "post_bounded", "read_reply"]
+__all__ = ["RemoteBackend", "RemoteFailure", "ReplyTooLarge", "exchange", "post_bounded", "read_reply"]
