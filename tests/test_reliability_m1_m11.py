@@ -4,16 +4,22 @@ plug-in reward that changes the working directory; editing sources that are malf
 pixel type or rotated by EXIF; the decoded-source cache's memory; ``sample`` / ``export`` of a plug-in run."""
 from __future__ import annotations
 
+import io
 import json
 import threading
 import time
+from collections import OrderedDict
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 import diffgrpo.rewards.http as http_reward
-from diffgrpo.errors import RewardError
+from diffgrpo import sources
+from diffgrpo.data_sources import load_prompts
+from diffgrpo.errors import ConfigError, RewardError
 from diffgrpo.sandbox import SandboxError
 from diffgrpo.sandbox.backends import choose
 
@@ -136,3 +142,89 @@ def test_m4_the_remote_probe_refuses_a_malformed_reply_in_one_line(serve, mode):
     with pytest.raises(SandboxError, match="sandbox backend 'remote' cannot run a trivial program here") as e:
         choose("remote", url=url)
     assert "\n" not in str(e.value)
+
+
+# ------------------------------------------------------------------------------------------ editing source images
+def _edit_file(d, value) -> str:
+    f = d / "edits.jsonl"
+    f.write_text(json.dumps({"prompt": "make it blue", "image": value}) + "\n")
+    return str(f)
+
+
+@pytest.mark.parametrize("value", [{"bytes": "aGVsbG8="}, {"bytes": [1, 2]}, {"bytes": {"a": 1}}, {"bytes": None}])
+def test_m6_an_image_field_holding_no_file_bytes_is_refused_in_one_line(tmp_path, value):
+    with pytest.raises(ConfigError, match="train.prompts_file: .*record 1 field 'image'.* not an image file's bytes") as e:
+        load_prompts(_edit_file(tmp_path, value))
+    assert "\n" not in str(e.value)
+
+
+def _gradient(h: int = 24, w: int = 40) -> np.ndarray:
+    """An asymmetric (H, W, 3) uint8 image: each orientation differs."""
+    y, x = np.mgrid[0:h, 0:w]
+    return np.stack([x * 255 // (w - 1), y * 255 // (h - 1), (x + 2 * y) % 256], -1).astype(np.uint8)
+
+
+def test_m7_a_truncated_image_is_refused_at_load_and_by_sample_image(tmp_path, capsys):
+    from diffgrpo.cli.app import main
+
+    buf = io.BytesIO()
+    Image.fromarray(_gradient()).save(buf, format="PNG")
+    (tmp_path / "cut.png").write_bytes(buf.getvalue()[: len(buf.getvalue()) * 2 // 3])
+    with pytest.raises(ConfigError, match="record 1 field 'image'.*'cut.png' does not decode whole") as e:
+        load_prompts(_edit_file(tmp_path, "cut.png"))
+    assert "\n" not in str(e.value)
+    rc = main(["sample", "--prompt", "x", "--image", str(tmp_path / "cut.png"), "--out", str(tmp_path / "s.png")])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("error: --image:") and "does not decode whole" in err, err
+    assert err.count("\n") == 1 and not (tmp_path / "s.png").exists()  # refused before any model loads
+
+
+def test_m8_deep_pixel_types_are_scaled_or_refused_not_clipped(tmp_path):
+    g16 = (np.arange(24 * 40).reshape(24, 40) * 68).astype(np.uint16)  # 0 .. 65212
+    Image.fromarray(g16).save(tmp_path / "g16.png")
+    (rec,) = load_prompts(_edit_file(tmp_path, "g16.png"))
+    want = np.rint(g16.astype(np.float64) * 255 / 65535).astype(np.uint8)  # the 16-bit values' top 8 bits, rounded
+    got = np.asarray(sources.load_rgb(rec["image"]))
+    assert got.shape == (24, 40, 3) and all(np.array_equal(got[..., c], want) for c in range(3))
+    f32 = np.linspace(0, 1, 24 * 40, dtype=np.float32).reshape(24, 40)
+    Image.fromarray(f32).save(tmp_path / "f.tiff")
+    (rec,) = load_prompts(_edit_file(tmp_path, "f.tiff"))
+    assert np.array_equal(np.asarray(sources.load_rgb(rec["image"]))[..., 1], np.rint(f32 * 255).astype(np.uint8))
+    for name, arr, match in (("i32.tiff", (np.arange(24 * 40).reshape(24, 40) * 9000).astype(np.int32), "32-bit"),
+                             ("big.tiff", f32 * 4 - 1, "outside \\[0, 1\\]")):
+        Image.fromarray(arr).save(tmp_path / name)
+        with pytest.raises(ConfigError, match=f"'{name}' .*{match}") as e:
+            load_prompts(_edit_file(tmp_path, name))
+        assert "\n" not in str(e.value)
+
+
+def test_m9_exif_orientation_is_applied_as_diffusers_load_image_applies_it(tmp_path):
+    a = _gradient()
+    exif = Image.Exif()
+    exif[0x0112] = 6  # Orientation: the stored pixels are shown turned 90° clockwise
+    Image.fromarray(a).save(tmp_path / "turned.png", exif=exif)
+    (rec,) = load_prompts(_edit_file(tmp_path, "turned.png"))
+    got = np.asarray(sources.load_rgb(rec["image"]))
+    assert np.array_equal(got, np.rot90(a, k=-1))  # (40, 24, 3): turned clockwise
+    from diffusers.utils import load_image
+
+    assert np.array_equal(got, np.asarray(load_image(str(tmp_path / "turned.png"))))
+    assert sources.as_tensor(rec["image"]).shape == (3, 40, 24)
+
+
+def test_m10_the_decoded_source_cache_is_bounded_by_bytes(tmp_path, monkeypatch):
+    one = 3 * 24 * 40 * 4  # a (3, 24, 40) float32 source
+    monkeypatch.setattr(sources, "_DECODED", OrderedDict())
+    monkeypatch.setattr(sources, "CACHE_BYTES", 3 * one, raising=False)
+    refs = []
+    for i in range(6):
+        Image.fromarray(np.roll(_gradient(), i, axis=1)).save(tmp_path / f"s{i}.png")
+        refs.append(str(tmp_path / f"s{i}.png"))
+    for i, r in enumerate(refs):
+        t = sources.as_tensor(r)
+        assert torch.equal(t, torch.from_numpy(np.roll(_gradient(), i, axis=1)).permute(2, 0, 1).float() / 255)
+        assert sum(x.nbytes for x in sources._DECODED.values()) <= 3 * one
+    assert list(sources._DECODED) == refs[3:]  # the most recent three, least recently used out first
+    Image.fromarray(np.zeros((48, 80, 3), np.uint8)).save(tmp_path / "big.png")
+    sources.as_tensor(str(tmp_path / "big.png"))  # larger than the whole cache: decoded, not held
+    assert list(sources._DECODED) == refs[3:]

@@ -9,13 +9,20 @@ metadata stays JSON (sample tables, logs).
 Checks at data load (``load_prompts``, so at validation with ``--check-data`` and before any model loads): every
 path is a regular file reached without symbolic links (none in the path below the prompt file's folder, the file
 itself none), resolving inside that folder, that Pillow recognises as an image of at most :data:`MAX_PIXELS`
-pixels (read from the header; nothing is decoded). Each problem is a one-line ConfigError naming the config key,
-the row and the path.
+pixels (read from the header first) and decodes whole (``Image.verify`` and ``load``: a truncated or corrupt file
+is refused here, not at its first use). Each problem is a one-line ConfigError naming the config key, the row and
+the path. An hf: image value is checked the same way (its ``bytes`` must be an encoded file's bytes).
+
+Decoding (:func:`to_rgb`) applies the EXIF orientation (``ImageOps.exif_transpose``, as diffusers' ``load_image``
+does) and scales deeper pixel types to 8 bits: 16-bit (``I;16*``, and a PNG's ``I``) by 255/65535, float (``F``)
+with values in [0, 1] by 255; a 32-bit integer image or a float one outside [0, 1] has no known range and is
+refused in one line (Pillow's ``convert("RGB")`` would clip it to white or black).
 
 After resolution a record's ``image`` / ``images`` hold absolute paths (or hf keys); :func:`of_record` gives a
 record's sources as a tuple, :func:`load_rgb` one source as an RGB Pillow image (decoded under the same pixel
 cap), :func:`attach` the metadata rewards receive: each sample's ``source_images``, a list of (3, H, W) float
-tensors in [0, 1] at the source's own size (decoded once per process: an LRU of :data:`CACHE_SIZE` images).
+tensors in [0, 1] at the source's own size (decoded once per process: an LRU of at most :data:`CACHE_BYTES` bytes
+of tensors; a source larger than that is decoded at each use).
 """
 from __future__ import annotations
 
@@ -32,7 +39,7 @@ from .errors import ConfigError
 FIELDS = ("image", "images")  # the metadata fields naming a record's source images
 REWARD_FIELD = "source_images"  # what rewards receive beside the sample (a list of (3, H, W) tensors per sample)
 MAX_PIXELS = 64 * 1024 * 1024  # per source image (Pillow's own decompression-bomb limit is 89 MP)
-CACHE_SIZE = 256
+CACHE_BYTES = 1 << 30  # of decoded (3, H, W) float32 sources held at once (a 64 MP source alone is 768 MiB)
 HF_KEY = "hf:"
 _HF_IMAGES: dict[str, object] = {}  # hf key → the encoded file's bytes or a Pillow image (datasets image columns)
 _DECODED: OrderedDict[str, torch.Tensor] = OrderedDict()
@@ -48,8 +55,58 @@ def _open_checked(path: Path | io.BytesIO, what: str):
         raise ConfigError(f"{what} is not an image Pillow can read ({type(e).__name__})") from None
     w, h = im.size
     if w * h > MAX_PIXELS or w < 1 or h < 1:
+        im.close()
         raise ConfigError(f"{what} has {w}×{h} pixels; the limit is {MAX_PIXELS} (resize it)")
     return im
+
+
+def _one_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {' '.join(str(e).split())[:120]}"
+
+
+def to_rgb(im, what: str):
+    """An opened Pillow image → RGB (8 bits a channel) with its EXIF orientation applied; a 16-bit image scaled by
+    255/65535, a float one in [0, 1] by 255. A file that does not decode whole (truncated, corrupt) or a pixel
+    type of unknown range is a one-line ConfigError."""
+    from PIL import Image, ImageOps
+
+    fmt = im.format  # the file's format (a transposed copy has none)
+    try:
+        im.load()
+        im = ImageOps.exif_transpose(im)
+    except (OSError, ValueError, SyntaxError, EOFError) as e:
+        raise ConfigError(f"{what} does not decode whole, truncated or corrupt ({_one_line(e)})") from None
+    mode = im.mode
+    if mode.startswith("I;16") or (mode == "I" and fmt == "PNG"):  # 16 bits a pixel
+        arr = np.asarray(im).astype(np.float64) * (255.0 / 65535.0)  # (H, W)
+        return Image.fromarray(np.rint(arr).astype(np.uint8)).convert("RGB")
+    if mode == "F":
+        arr = np.asarray(im, dtype=np.float64)  # (H, W)
+        if not (np.isfinite(arr).all() and arr.min() >= 0.0 and arr.max() <= 1.0):
+            raise ConfigError(f"{what} is a float image with values outside [0, 1]; save it as an 8- or 16-bit "
+                              "image")
+        return Image.fromarray(np.rint(arr * 255.0).astype(np.uint8)).convert("RGB")
+    if mode in ("I", "I;32", "I;32B", "I;32L"):
+        raise ConfigError(f"{what} is a 32-bit integer image (mode {mode}), whose range is not known; save it as an "
+                          "8- or 16-bit image")
+    try:
+        return im.convert("RGB")
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{what} cannot be converted to RGB (mode {mode}: {_one_line(e)})") from None
+
+
+def _decode_checked(opener, what: str):
+    """The image ``opener()`` opens (a path or a fresh BytesIO), checked (pixel cap, ``verify``) and decoded whole
+    → RGB (:func:`to_rgb`)."""
+    im = _open_checked(opener(), what)
+    try:
+        im.verify()  # the file's structure and checksums (a PNG cut short or with a broken chunk)
+    except Exception as e:  # noqa: BLE001 - Pillow's plug-ins raise what they will for a damaged file
+        raise ConfigError(f"{what} does not decode whole, truncated or corrupt ({_one_line(e)})") from None
+    finally:
+        im.close()
+    with _open_checked(opener(), what) as im:
+        return to_rgb(im, what)
 
 
 def _check_path(value: str, base: Path | None, what: str) -> str:
@@ -76,7 +133,7 @@ def _check_path(value: str, base: Path | None, what: str) -> str:
         real.relative_to(Path(os.path.realpath(root)))
     except (OSError, ValueError):
         raise ConfigError(f"{what}: {value!r} resolves outside the prompt file's folder") from None
-    _open_checked(p, f"{what}: {value!r}").close()
+    _decode_checked(lambda: p, f"{what}: {value!r}")
     return str(p)
 
 
@@ -84,16 +141,22 @@ def _hf_image(value, key: str, what: str) -> str:
     """A datasets image value (Pillow image or {"bytes", "path"}) held in memory under ``key``."""
     from PIL import Image
 
-    if isinstance(value, dict) and value.get("bytes"):  # an undecoded image column: kept compressed
-        _open_checked(io.BytesIO(value["bytes"]), what).close()
-        _HF_IMAGES[key] = bytes(value["bytes"])
+    if isinstance(value, dict) and "bytes" in value:  # an undecoded image column: kept compressed
+        data = value["bytes"]
+        if not isinstance(data, (bytes, bytearray)) or not data:
+            raise ConfigError(f"{what}: its 'bytes' is a {type(data).__name__}, not an image file's bytes (an hf: "
+                              "image column's value); in a JSONL or CSV file name the image by its path (a string)")
+        data = bytes(data)
+        _decode_checked(lambda: io.BytesIO(data), what)
+        _HF_IMAGES[key] = data
         return key
     if not isinstance(value, Image.Image):
-        raise ConfigError(f"{what}: {value!r} is neither a path (a string) nor an image (an hf: image column's "
-                          "value)")
+        raise ConfigError(f"{what}: {str(value)[:80]!r} is neither a path (a string) nor an image (an hf: image "
+                          "column's value)")
     w, h = value.size
     if w * h > MAX_PIXELS:
         raise ConfigError(f"{what} has {w}×{h} pixels; the limit is {MAX_PIXELS}")
+    to_rgb(value, what)
     _HF_IMAGES[key] = value
     return key
 
@@ -143,31 +206,39 @@ def of_batch(metadata: list[dict]) -> list[tuple[str, ...]] | None:
 
 
 def load_rgb(ref: str):
-    """One source (a resolved path or an hf key) as an RGB Pillow image."""
+    """One source (a resolved path or an hf key) as an RGB Pillow image (:func:`to_rgb`)."""
+    what = f"source image {ref!r}"
     if ref.startswith(HF_KEY):
         if ref not in _HF_IMAGES:
             raise ConfigError(f"source image {ref!r} is not loaded (load its dataset with load_prompts)")
         held = _HF_IMAGES[ref]
         if isinstance(held, bytes):
-            with _open_checked(io.BytesIO(held), f"source image {ref!r}") as im:
-                return im.convert("RGB")
-        return held.convert("RGB")
+            with _open_checked(io.BytesIO(held), what) as im:
+                return to_rgb(im, what)
+        return to_rgb(held, what)
     p = Path(ref)
     if p.is_symlink():
         raise ConfigError(f"source image {ref!r} is a symbolic link")
-    with _open_checked(p, f"source image {ref!r}") as im:
-        return im.convert("RGB")
+    with _open_checked(p, what) as im:
+        return to_rgb(im, what)
+
+
+def _cached_bytes() -> int:
+    return sum(t.nbytes for t in _DECODED.values())
 
 
 def as_tensor(ref: str) -> torch.Tensor:
-    """A source as a (3, H, W) float32 tensor in [0, 1] (cached)."""
+    """A source as a (3, H, W) float32 tensor in [0, 1], cached while the cache holds at most
+    :data:`CACHE_BYTES` bytes (least recently used first out)."""
     if ref in _DECODED:
         _DECODED.move_to_end(ref)
         return _DECODED[ref]
     arr = np.asarray(load_rgb(ref), dtype=np.float32) / 255.0  # (H, W, 3)
     t = torch.from_numpy(arr).permute(2, 0, 1).contiguous()
+    if t.nbytes > CACHE_BYTES:
+        return t
     _DECODED[ref] = t
-    while len(_DECODED) > CACHE_SIZE:
+    while _cached_bytes() > CACHE_BYTES:
         _DECODED.popitem(last=False)
     return t
 
@@ -192,5 +263,5 @@ def first_source(meta: dict, size: tuple[int, int]) -> torch.Tensor | None:
     return t.clamp(0, 1)
 
 
-__all__ = ["FIELDS", "MAX_PIXELS", "REWARD_FIELD", "as_tensor", "attach", "first_source", "load_rgb", "of_batch",
-           "of_record", "resolve"]
+__all__ = ["CACHE_BYTES", "FIELDS", "MAX_PIXELS", "REWARD_FIELD", "as_tensor", "attach", "first_source", "load_rgb",
+           "of_batch", "of_record", "resolve", "to_rgb"]
