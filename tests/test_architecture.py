@@ -210,7 +210,7 @@ FLOORS = [
     {"errors", "types", "fileio", "config", "cache", "data", "data_sources", "media", "losses", "advantages",
      "prompts", "tasks", "_version", "schema", "console", "yamlio", "configvalues", "threads", "sources", "sandbox",
      "feature_stats", "plugins"},
-    {"distributed", "ema", "samplers", "loss_weights", "run.runlog", "models", "rewards", "run.rundir",
+    {"distributed", "ema", "samplers", "loss_weights", "run.runlog", "run.trackers", "models", "rewards", "run.rundir",
      "guards", "metering", "diversity", "consistency"},
     {"engines", "family", "run.checkpoint", "run.saved_config"},
     {"flow", "dllm"},

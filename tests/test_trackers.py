@@ -124,15 +124,21 @@ def test_wandb_offline_run_holds_the_end_evaluation(make_trainer, tmp_path, monk
     assert len(list((offline[0] / "files" / "media" / "images").rglob("*.png"))) == 3  # start, 1, end
 
 
-def test_tensorboard_run_is_one_event_file_with_the_end_evaluation(make_trainer, tmp_path):
+@pytest.mark.parametrize("switch", ["log.tensorboard=true", "log.trackers=[tensorboard]"])
+def test_tensorboard_run_is_one_event_file_with_the_end_evaluation(make_trainer, tmp_path, switch):
     pytest.importorskip("tensorboard")
+    import yaml
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     run = tmp_path / "run"
-    make_trainer(*RUN, f"log.output_dir={run}", "log.tensorboard=true").train()
+    make_trainer(*RUN, f"log.output_dir={run}", switch).train()
     end = [r for r in _rows(run) if "eval/reward" in r][-1]
-    files = list(run.rglob("events.out.tfevents.*"))
+    files = list((run / "tensorboard").glob("events.out.tfevents.*"))
     assert len(files) == 1, files
+    hparams = list((run / "tensorboard").glob("*/hparams.yml"))  # store_init_configuration: the flat config
+    assert len(hparams) == 1 and len(list(run.rglob("events.out.tfevents.*"))) == 2
+    config = yaml.safe_load(hparams[0].read_text())
+    assert config["train.num_iterations"] == 2 and config["log.output_dir"] == str(run)
     ea = EventAccumulator(str(files[0]), size_guidance={"images": 0, "scalars": 0, "tensors": 0}).Reload()
     scalars = ea.Scalars("eval/reward")
     assert [s.step for s in scalars] == [0, 1, 2]
@@ -170,21 +176,45 @@ def test_tracker_setup_problems_are_one_line_before_the_model_loads(tmp_path, ca
                                                             (".diffgrpo-run", "tensorboard", "wandb_id"))
 
 
-def test_a_tracker_that_fails_to_start_is_one_line(tmp_path):  # M-11: whatever else a tracker raises
-    from diffgrpo.run.runlog import MetricsWriter, WandBTracker
+def test_a_tracker_that_fails_to_start_is_one_line(tmp_path, monkeypatch):  # M-11: whatever else a tracker raises
+    pytest.importorskip("wandb")
+    from accelerate import tracking
 
-    class Broken(WandBTracker):
-        def __init__(self, *a):
-            raise RuntimeError("api_key not configured (no-tty)\ncall wandb.login()")
+    def broken(self):
+        raise RuntimeError("api_key not configured (no-tty)\ncall wandb.login()")
 
-    from diffgrpo.run import runlog
-
-    orig = runlog.WandBTracker
-    runlog.WandBTracker = Broken
-    try:
-        with pytest.raises(TrainingError) as err:
-            MetricsWriter(tmp_path, wandb=True)
-    finally:
-        runlog.WandBTracker = orig
-    assert str(err.value).startswith("log.wandb: the tracker could not start (RuntimeError: api_key not configured")
+    monkeypatch.setattr(tracking.WandBTracker, "start", broken)
+    with pytest.raises(TrainingError) as err:
+        MetricsWriter(tmp_path, {"wandb": "log.wandb"})
+    assert str(err.value).startswith("log.wandb: the wandb tracker could not start (RuntimeError: api_key not "
+                                     "configured (no-tty)); fix it or set log.wandb=false"), err.value
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("value, why", [
+    ("[tensorboard, neptune]", "log.trackers: value 'neptune' is not a tracker; choose among ['tensorboard', 'wandb', "
+                               "'mlflow', 'trackio', 'comet_ml', 'aim', 'clearml', 'dvclive']"),
+    ("[dvclive]", "log.trackers: dvclive needs the dvclive package, which is not installed; pip install "
+                  "'diffgrpo[dvclive]', or remove dvclive from log.trackers")])
+def test_a_tracker_unknown_or_not_installed_is_one_line_before_the_model_loads(tmp_path, capsys, monkeypatch, value,
+                                                                             why):
+    import importlib.util
+
+    import diffgrpo.trainer
+
+    if "dvclive" in why and importlib.util.find_spec("dvclive") is not None:
+        pytest.skip("dvclive is installed")
+    monkeypatch.setattr(diffgrpo.trainer, "Trainer", lambda *a, **k: pytest.fail("the model was loaded"))
+    run = tmp_path / "run"
+    assert main(["train", *FAST_CLI, "train.num_iterations=1", f"log.trackers={value}", f"log.output_dir={run}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: {why}"], err
+    assert not run.exists()
+
+
+def test_the_switches_are_aliases_in_the_trackers_list():
+    from diffgrpo.run.trackers import requested
+
+    assert requested({"trackers": ["mlflow", "wandb"], "wandb": True, "tensorboard": True}) == {
+        "mlflow": "log.trackers", "wandb": "log.trackers", "tensorboard": "log.tensorboard"}
+    assert requested({"trackers": [], "wandb": True, "tensorboard": False}) == {"wandb": "log.wandb"}

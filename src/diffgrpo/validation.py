@@ -27,6 +27,7 @@ from .data_sources import check_prompts
 from .distributed import launched_world_size
 from .errors import ConfigError
 from .families import FAMILIES
+from .run import trackers
 
 # What a config is validated for: the command that will use it. Every purpose runs every check but these two.
 PURPOSES = {
@@ -155,13 +156,7 @@ def _importable(name: str) -> bool:
 
 
 def _validate_logging(log: LogConfig) -> None:
-    if log.wandb and not _importable("wandb"):
-        raise ConfigError("log.wandb: value True needs the wandb package, which is not installed; pip install wandb, "
-                          "or set log.wandb=false")
-    if log.tensorboard and not _importable("tensorboard"):  # runlog writes with torch.utils.tensorboard
-        raise ConfigError("log.tensorboard: value True needs the tensorboard package (torch.utils.tensorboard writes "
-                          "with it), which is not installed; pip install 'diffgrpo[tensorboard]', or set "
-                          "log.tensorboard=false")
+    trackers.check_config(log)  # log.trackers names, and their packages
     if log.output_dir:
         _validate_output_dir(log.output_dir)
 

@@ -25,6 +25,7 @@ from ..media import SampleTable, caption_of, side_by_side
 from . import checkpoint, rundir
 from .runlog import MetricsWriter, plot_curves, read_metrics, save_grid
 from .saved_config import check_checkpoint
+from .trackers import requested
 
 
 def resume(trainer, out: Path) -> bool:
@@ -99,7 +100,7 @@ class Job:
                                 "--resume or choose another directory")
         if self.lead:  # a resumed run's config carries the overrides it was resumed with
             atomic_write(out / "config.yaml", cfg.to_yaml())
-        writer = (MetricsWriter(out, tensorboard=cfg.log.tensorboard, wandb=cfg.log.wandb, config=cfg.to_dict())
+        writer = (MetricsWriter(out, requested(cfg.log), config=cfg.to_dict())
                   if self.lead else _NullWriter())
         self.log(f"run directory: {out}")
         with writer:  # closed once, after the end evaluation, or on a signal or an error

@@ -33,7 +33,7 @@ from ..config import RunConfig
 from ..distributed import WorldInfo
 from ..errors import ConfigError
 from ..fileio import atomic_write
-from .runlog import check_trackers
+from .trackers import check_files, requested
 
 MARKER = ".diffgrpo-run"
 DATA_KEYS = (("train", "prompts_file"), ("eval", "prompts_file"), ("dllm", "data_file"), ("dllm", "eval_file"))
@@ -96,7 +96,7 @@ def check(out: str | Path, cfg, resume: bool) -> None:
                           f"{MARKER}); choose a new or empty directory, so that no file of yours is overwritten")
     if out.exists() and not out.is_dir():
         raise ConfigError(f"log.output_dir: {str(out)!r} exists and is not a directory")
-    check_trackers(out, tensorboard=cfg.log.tensorboard, wandb=cfg.log.wandb)  # before any model loads
+    check_files(out, requested(cfg.log))  # before any model loads
     if not resume:
         return
     recorded = (read_marker(out) or {}).get("data_files") or {}
