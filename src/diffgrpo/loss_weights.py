@@ -26,6 +26,7 @@ import torch
 from . import distributed
 from .advantages import group_advantages, per_reward_advantages
 from .config import AdvantageConfig
+from .diversity import gardo
 from .losses import aggregation_weights
 
 
@@ -38,6 +39,7 @@ class GRPOWeights:
     loss_weights: torch.Tensor  # (B, N)
     batch_rewards: torch.Tensor  # (W·B,) every rank's rewards
     stats: dict[str, float]  # advantage statistics (frac_reward_zero_std, adv_clip_frac, …, trained_units: all ranks')
+    kl_weights: torch.Tensor | None = None  # (B,) per-sample weight of the KL term (None: every sample 1)
 
 
 def grpo_loss_weights(rewards: torch.Tensor, group_ids: torch.Tensor, planned: torch.Tensor, *, adv_cfg: AdvantageConfig,
@@ -46,7 +48,8 @@ def grpo_loss_weights(rewards: torch.Tensor, group_ids: torch.Tensor, planned: t
                       sample_weights: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
                       wave: tuple | None = None, components: dict | None = None, log=print,
                       bonus: torch.Tensor | None = None, subset: torch.Tensor | None = None,
-                      adjust: Callable[[torch.Tensor], torch.Tensor] | None = None) -> GRPOWeights:
+                      adjust: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                      kl_gate: float = 0.0) -> GRPOWeights:
     """rewards (B,), group_ids (B,), planned (B, N) bool → :class:`GRPOWeights` (tensors on ``planned``'s device).
 
     ``adv_cfg``: the ``advantage`` config section (clip, eps, filter_zero_std, and std_mode / baseline unless
@@ -57,8 +60,9 @@ def grpo_loss_weights(rewards: torch.Tensor, group_ids: torch.Tensor, planned: t
     weighted sum of rewards, normalised one by one (``advantages.per_reward_advantages``) when
     ``adv_cfg.per_reward_norm``. Diversity objectives (``diversity.compose``): ``bonus`` (B,) added to the rewards
     the advantages are formed from (``batch_rewards`` stay the scored ones), ``subset`` (B,) bool: the samples that
-    enter the statistics and the loss, ``adjust``: this rank's advantages (B,) → (B,). A collective when W > 1
-    (every rank calls it).
+    enter the statistics and the loss, ``adjust``: this rank's advantages (B,) → (B,); ``kl_gate`` > 0: GARDO's
+    gate (``diversity.gardo.kl_gate_weights``) over EVERY rank's samples, this rank's rows as ``kl_weights``
+    (0 = None, the KL term as it is). A collective when W > 1 (every rank calls it).
     """
     W, rank, B = world.world_size, world.rank, len(rewards)
     dev = planned.device
@@ -77,6 +81,11 @@ def grpo_loss_weights(rewards: torch.Tensor, group_ids: torch.Tensor, planned: t
         adv, stats = per_reward_advantages(scores.to(all_rewards.device), w_k.to(all_rewards.device), all_gids, **kw)
     else:
         adv, stats = group_advantages(shaped, all_gids, **kw)
+    kl_w = None
+    if kl_gate > 0:  # over the whole (W·B,) batch, before this rank's slice and adjustment
+        kl_w = gardo.kl_gate_weights(adv, in_stats, kl_gate)
+        stats["diversity/kl_gated_share"] = float(kl_w[in_stats].mean()) if bool(in_stats.any()) else 0.0
+        kl_w = (kl_w[rank * B:(rank + 1) * B] if W > 1 else kl_w).to(dev)
     adv = adv[rank * B:(rank + 1) * B] if W > 1 else adv
     if adjust is not None:
         adv = adjust(adv)
@@ -109,7 +118,7 @@ def grpo_loss_weights(rewards: torch.Tensor, group_ids: torch.Tensor, planned: t
     # some rank trains: every rank runs its planned units (filtered ones at weight 0) so collectives pair up
     selected = planned if (W > 1 and bool(full.any())) else trained
     return GRPOWeights(advantages=adv.to(dev), valid=valid.to(dev), trained=trained, selected=selected,
-                       loss_weights=weights, batch_rewards=all_rewards, stats=stats)
+                       loss_weights=weights, batch_rewards=all_rewards, stats=stats, kl_weights=kl_w)
 
 
 def _diversity_inputs(all_rewards: torch.Tensor, group_ids: torch.Tensor, bonus: torch.Tensor | None,
@@ -131,6 +140,7 @@ def apply(ro, w: GRPOWeights) -> None:
     """Write ``w`` into the rollout ``ro``'s GRPO fields."""
     ro.advantages, ro.valid, ro.trained, ro.selected = w.advantages, w.valid, w.trained, w.selected
     ro.loss_weights, ro.batch_rewards, ro.advantage_stats = w.loss_weights, w.batch_rewards, w.stats
+    ro.kl_weights = w.kl_weights
 
 
 __all__ = ["GRPOWeights", "grpo_loss_weights", "apply"]

@@ -96,6 +96,7 @@ class Rollout:
     valid: torch.Tensor | None = None  # (B,) bool: reward usable in statistics
     advantages: torch.Tensor | None = None  # (B,) float
     loss_weights: torch.Tensor | None = None  # (B, N) aggregation weights (see loss_weights.grpo_loss_weights)
+    kl_weights: torch.Tensor | None = None  # (B,) per-sample weight of the KL term (None: every sample 1)
     batch_rewards: torch.Tensor | None = None  # (W·B,) every rank's rewards (= rewards in one process)
     advantage_stats: dict[str, float] = field(default_factory=dict)  # frac_reward_zero_std, adv_clip_frac, …
     metadata: list[dict[str, Any]] = field(default_factory=list)

@@ -7,8 +7,11 @@ group's samples, and a regulariser concentrated on the early, high-noise steps.
   ``diversity.cluster_bonus``), added to its reward before the group-relative advantages: a sample in a rare mode
   gains against one in a crowded mode. A group of identical samples (one cluster of n) and a group of mutually
   distant samples (n singletons) each get a constant bonus, so their advantages are unchanged.
-* **Early-step weights** (:func:`early_step_weights`, pure): per-step weights of the KL term growing with the noise
-  level σ_k. The engines' losses take one β for every step, so this is not wired here.
+* **Early-step weights** (wired: a per-step KL weight, ``diversity.step_weight_power`` = p, any
+  ``diversity.method``): the KL term of grid step k is weighted by s_k = σ_k^p / mean_j σ_j^p (:func:`early_step_weights`,
+  mean 1 over the T steps), so the regulariser concentrates on the early, high-noise steps; the forward-process
+  engines weigh a unit at grid time σ_k alike. Every engine multiplies its per-(sample, step) KL term by it
+  (``engines.base.kl_weights``). p = 0: no weight, today's term bit for bit. No extra forward.
 
 Cost: one feature extraction per training sample (the guards' feature space), O(n²·D) per group; no policy forward.
 
@@ -16,6 +19,7 @@ Where it differs from the paper: the paper clusters with spectral clustering on 
 abstract) allocates rewards by group size; its equations could not be read from this machine. Threshold single
 linkage is used here instead of spectral clustering: deterministic, no cluster count to choose, no eigensolver.
 The bonus is inverse to cluster size as the abstract states; its exact normalisation in the paper is not known here.
+The step weights' form (a power of σ, mean 1) is this module's choice for "concentrated on the early steps".
 """
 from __future__ import annotations
 

@@ -7,10 +7,15 @@ What is here, and how it acts:
   the group, d̂_i = d_i / max_g d (0 for a group of identical samples). A sample that is both good and diverse gets
   its advantage amplified, A'_i = A_i·(1 + λ·d̂_i) where A_i > 0; other advantages are unchanged (λ =
   ``diversity.gardo_amplify``). A group of identical samples is left exactly as it was.
-* **The uncertainty gate** (:func:`uncertainty_gate`) and **the adaptive reference's clock** (:func:`refresh_due`):
-  pure functions. They act on the KL term (which samples it regularises, what it is measured against); the
-  engines' losses take one β for every sample and one fixed reference, so they are not wired here, and
-  ``diversity.method`` changes no KL term.
+* **Gated regularisation** (wired: a per-sample KL weight, ``diversity.gardo_gate`` = q, any ``diversity.method``).
+  The KL term β·KL_ik of sample i is kept where its uncertainty u_i is at or above the q-quantile of the batch's
+  valid samples and dropped elsewhere: g_i = 1[u_i ≥ Q_q(u)] multiplies every engine's per-(sample, step) KL term
+  (:func:`kl_gate_weights`, carried as ``GRPOWeights.kl_weights``; the quantile over every rank's samples, or over
+  one wave's when the batch is rolled out in waves). The uncertainty proxy is |A_i|, the magnitude of the sample's
+  group-relative advantage (its within-group reward z-score under ``advantage.std_mode=group``): the reward is
+  trusted least where a sample stands furthest from its group. q = 0: no weight at all, today's term bit for bit.
+  No extra forward.
+* **The adaptive reference's clock** (:func:`refresh_due`, ``diversity.gardo_ref_every``).
 
 Cost: one feature extraction per training sample (the guards' feature space: the digit classifier's penultimate
 features for the built-in task, CLIP features for real models), O(n²·D) per group of n; no extra network forward
@@ -20,7 +25,9 @@ Where it differs from the paper: the paper's text beyond its abstract (section a
 read from this machine, so this is the method as the abstract states it — regularisation gated to high-uncertainty
 samples, a reference periodically reset to the online policy, rewards amplified for samples both good and diverse.
 The paper measures diversity with DINO-style image features; here the run's guard features. The paper estimates
-uncertainty with auxiliary reward models; :func:`uncertainty_gate` takes any per-sample uncertainty.
+uncertainty with auxiliary reward models (their disagreement); here no second reward model is assumed, and the
+proxy is |A_i| (:func:`uncertainty_gate` takes any per-sample uncertainty). The gate is hard (0/1) and its kept
+terms are not renormalised.
 """
 from __future__ import annotations
 
@@ -48,12 +55,25 @@ def amplify(adv: torch.Tensor, diversity: torch.Tensor, strength: float) -> torc
     return torch.where(adv > 0, adv * (1 + strength * diversity.to(adv.device)), adv)
 
 
-def uncertainty_gate(uncertainty: torch.Tensor, quantile: float) -> torch.Tensor:
-    """The samples the gated KL term regularises: uncertainty at or above its ``quantile`` over the batch
-    (quantile 0: every sample). uncertainty (B,) → (B,) bool."""
+def uncertainty_gate(uncertainty: torch.Tensor, quantile: float, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """The samples the gated KL term regularises: uncertainty at or above its ``quantile`` (linear interpolation,
+    ``torch.quantile``) over the ``valid`` samples (quantile 0: every sample; invalid ones: never when gating).
+    uncertainty (B,), valid (B,) bool → (B,) bool."""
     if quantile <= 0:
         return torch.ones_like(uncertainty, dtype=torch.bool)
-    return uncertainty >= torch.quantile(uncertainty.float(), quantile)
+    u = uncertainty.float()
+    ok = torch.ones_like(u, dtype=torch.bool) if valid is None else valid.to(u.device).bool()
+    if not bool(ok.any()):
+        return torch.zeros_like(ok)
+    return ok & (u >= torch.quantile(u[ok], quantile))
+
+
+def kl_gate_weights(advantages: torch.Tensor, valid: torch.Tensor, quantile: float) -> torch.Tensor:
+    """GARDO's gated regularisation as per-sample KL weights: 1 for the samples whose uncertainty — here the
+    magnitude |A_i| of the group-relative advantage, the within-group reward z-score under ``std_mode=group``
+    (the reward is least trusted where a sample stands furthest from its group) — is at or above ``quantile`` of
+    the batch's valid samples, 0 elsewhere. advantages (B,), valid (B,) bool → (B,) float32."""
+    return uncertainty_gate(advantages.detach().abs(), quantile, valid).float()
 
 
 def refresh_due(iteration: int, every: int) -> bool:

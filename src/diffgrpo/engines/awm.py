@@ -53,9 +53,11 @@ from ._forward import (
 )
 from .base import (
     EngineContext,
+    kl_weights,
     no_rollout_hooks,
     plain_sampling,
     unit_sample_weights,
+    weighted_kl,
 )
 
 AWM_UNITS = 6  # the released recipe's train_timesteps
@@ -136,7 +138,7 @@ class AWMEngine:
                     adv = clip_advantages(rollout.advantages[rows], self.adv_clip)
                     per, ratio, clipped = ppo_clip_loss(lp, state.old_log_prob[rows, cols], adv, self.clip_range)
                     kl = velocity_kl(v, v_ref)
-                    per = per + ctx.beta * kl
+                    per = per + ctx.beta * weighted_kl(kl, kl_weights(ctx, rollout, rows, state.idx[rows, cols]))
                     w = rollout.loss_weights[rows, cols]
                     aggregate(per, w).backward()
                 count_unit_backward(stats, len(rows))

@@ -16,6 +16,7 @@ import torch
 
 from .. import consistency
 from ..config import RunConfig
+from ..diversity.diversegrpo import early_step_weights
 from ..losses import aggregate, gaussian_step_kl, policy_loss
 from ..metering import record_backward
 from ..samplers import flow_sde
@@ -43,6 +44,7 @@ class EngineContext:
     trust_region: str = "clip"  # loss.trust_region: PPO clip, or Flow-DPPO's KL mask (losses.policy_loss)
     ratio_norm: bool = False  # loss.ratio_norm: GRPO-Guard's normalised ratio under the clip
     kl_mask_bound: float = 1e-5  # loss.kl_mask_bound: the KL mask's bound (mean-reduced per-step KL)
+    kl_step_power: float = 0.0  # diversity.step_weight_power: KL weight of grid step k ∝ σ_k^p (0: every step 1)
 
 
 def trainable_params(ctx: EngineContext) -> list[torch.Tensor]:
@@ -129,6 +131,30 @@ def take_cond(cond: dict[str, torch.Tensor], idx: torch.Tensor) -> dict[str, tor
     return {k: v[idx] for k, v in cond.items()}
 
 
+def kl_step_weights(ctx: EngineContext, sigmas: torch.Tensor) -> torch.Tensor | None:
+    """DiverseGRPO's per-step KL weights over the σ grid (T+1,) → (T,) with mean 1, or None at power 0."""
+    if ctx.kl_step_power <= 0:
+        return None
+    return early_step_weights(sigmas, ctx.kl_step_power)
+
+
+def kl_weights(ctx: EngineContext, rollout: Rollout, rows: torch.Tensor, steps) -> torch.Tensor | None:
+    """The KL term's weight of the pairs (rows (n,), grid steps (n,) or one int): GARDO's per-sample gate
+    (``rollout.kl_weights``) times DiverseGRPO's step weight → (n,), or None when every weight is 1 (the KL term
+    then enters exactly as without them)."""
+    w = None if rollout.kl_weights is None else rollout.kl_weights[rows].float()
+    s = kl_step_weights(ctx, rollout.traj.sigmas)
+    if s is not None:
+        s = s.to(rollout.traj.sigmas.device)[steps].expand(len(rows))
+        w = s if w is None else w * s
+    return w
+
+
+def weighted_kl(kl: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
+    """kl (n,) times the weights (n,) of :func:`kl_weights`; ``kl`` itself (the same tensor) when None."""
+    return kl if w is None else kl * w.to(kl.device)
+
+
 def reference_velocity(ctx: EngineContext, rollout: Rollout, idx: torch.Tensor, k: int) -> torch.Tensor | None:
     """v_ref (n, *S) at the stored (x_k, σ_k) under the reference policy, or None when β = 0. No grad."""
     if ctx.beta <= 0:
@@ -167,7 +193,7 @@ def step_loss(ctx: EngineContext, rollout: Rollout, idx: torch.Tensor, k: int, v
                                  **ctx.kernel).mean
         kl = flow_sde.gaussian_kl(out.mean, ref_mean.detach(), out.std, flowgrpo_compat=ctx.kl_flowgrpo_compat,
                                   sigma=sig, sigma_next=sig_next)
-        loss = loss + ctx.beta * kl
+        loss = loss + ctx.beta * weighted_kl(kl, kl_weights(ctx, rollout, idx, k))
     w = rollout.loss_weights[idx, k]
     total = aggregate(loss, w)
     terms = {"ratio": ratio.detach(), "clipped": clipped, "kl": kl.detach(), "log_prob": out.log_prob.detach(),

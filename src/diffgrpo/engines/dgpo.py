@@ -65,9 +65,11 @@ from ._forward import (
 )
 from .base import (
     EngineContext,
+    kl_weights,
     no_rollout_hooks,
     plain_sampling,
     unit_sample_weights,
+    weighted_kl,
 )
 
 DGPO_UNITS = 4  # the released recipe's num_train_timesteps
@@ -229,10 +231,11 @@ class DGPOEngine:
                         s = s_all[rows, cols]
                     sig = torch.sigmoid(s)  # (n,) the group's DPO weight, no grad
                     kl = velocity_kl(v, v_ref)
-                    surrogate = sig * adv * e + ctx.beta * kl  # ∇ Σ w·surrogate = ∇L
+                    kl_w = weighted_kl(kl, kl_weights(ctx, rollout, rows, state.idx[rows, cols]))
+                    surrogate = sig * adv * e + ctx.beta * kl_w  # ∇ Σ w·surrogate = ∇L
                     aggregate(surrogate, w).backward()
                 count_unit_backward(stats, len(rows))
-                tot["loss"] += float((dgpo_loss_value(s, w, self.beta) + w * ctx.beta * kl.detach()).sum())
+                tot["loss"] += float((dgpo_loss_value(s, w, self.beta) + w * ctx.beta * kl_w.detach()).sum())
                 tot["kl"] += float(kl.detach().sum())
                 tot["sig"] += float(sig.sum())
                 tot["margin"] += float(s.sum())

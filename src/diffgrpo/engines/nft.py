@@ -67,9 +67,11 @@ from ._forward import (
 )
 from .base import (
     EngineContext,
+    kl_weights,
     no_rollout_hooks,
     trainable_params,
     unit_sample_weights,
+    weighted_kl,
 )
 
 NFT_TIME_FRACTION = 0.99  # the released recipe's timestep_fraction: ⌊0.99·T⌋ grid times per sample
@@ -167,7 +169,7 @@ class NFTEngine:
                     v_old = v.detach() if v_olds is None else v_olds[j]
                     per = nft_loss(v, v_old, x_t, x0, t, r, self.beta, self.adv_clip)
                     kl = velocity_kl(v, v_ref)
-                    per = per + ctx.beta * kl
+                    per = per + ctx.beta * weighted_kl(kl, kl_weights(ctx, rollout, rows, state.idx[rows, cols]))
                     w = rollout.loss_weights[rows, cols]
                     aggregate(per, w).backward()
                 count_unit_backward(stats, len(rows))

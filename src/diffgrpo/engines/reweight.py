@@ -48,10 +48,13 @@ from .base import (
     EngineContext,
     StatsAccumulator,
     keep_plan,
+    kl_step_weights,
+    kl_weights,
     plain_sampling,
     take_cond,
     trainable_params,
     unit_sample_weights,
+    weighted_kl,
 )
 
 
@@ -96,12 +99,22 @@ def trajectory_factors(loss_weights: torch.Tensor, planned: torch.Tensor) -> tor
     return torch.where(has, big, torch.zeros_like(big))
 
 
-def combine(pg: torch.Tensor, kl: torch.Tensor | None, adv: torch.Tensor, c: torch.Tensor, beta: float) -> torch.Tensor:
-    """Flat gradient Σ_i c_i·(−A_i·G_i + β·K_i). pg, kl (B, P); adv, c (B,) → (P,)."""
+def combine(pg: torch.Tensor, kl: torch.Tensor | None, adv: torch.Tensor, c: torch.Tensor, beta: float,
+            kl_gate: torch.Tensor | None = None) -> torch.Tensor:
+    """Flat gradient Σ_i c_i·(−A_i·G_i + β·g_i·K_i) (g: the KL term's per-sample weights, 1 when None).
+    pg, kl (B, P); adv, c, kl_gate (B,) → (P,)."""
     g = -(c * adv) @ pg
     if kl is not None and beta > 0:
-        g = g + beta * (c @ kl)
+        g = g + beta * ((c if kl_gate is None else c * kl_gate.to(c)) @ kl)
     return g
+
+
+def pair_kl(ctx: EngineContext, rollout: Rollout, kl_pairs: torch.Tensor) -> torch.Tensor:
+    """The (B, T) per-pair KL terms times their weights (:func:`~diffgrpo.engines.base.kl_weights`)."""
+    B, T = kl_pairs.shape
+    rows = torch.arange(B, device=kl_pairs.device).repeat_interleave(T)
+    steps = torch.arange(T, device=kl_pairs.device).repeat(B)
+    return weighted_kl(kl_pairs.reshape(-1), kl_weights(ctx, rollout, rows, steps)).reshape(B, T)
 
 
 def check_reweight_config(cfg: RunConfig) -> None:
@@ -140,6 +153,7 @@ class ReweightEngine:
             raise RuntimeError("reweight under dist.mode=fsdp2 needs per-sample gradients of every trainable layer "
                                "(nn.Linear / nn.Conv2d); use dist.mode=ddp or another engine")
         planned = plan.selected
+        step_w = kl_step_weights(ctx, sigmas)  # (T,) or None
         buf = GradBuffers(planned.shape[0], psg.numel, ctx.beta > 0, planned)
         plan.engine_state = buf
         last_k = int(planned.any(0).nonzero().max()) if bool(planned.any()) else -1
@@ -166,6 +180,8 @@ class ReweightEngine:
                     kl = flow_sde.gaussian_kl(out.mean, ref_mean, out.std, flowgrpo_compat=ctx.kl_flowgrpo_compat,
                                               sigma=sigmas[k], sigma_next=sigmas[k + 1])
                     g_kl = torch.autograd.grad(kl.sum(), v_leaf)[0]
+                    if step_w is not None:  # DiverseGRPO's step weight, known before the rewards
+                        g_kl = g_kl * step_w[k]
                     buf.kl_pairs[idx, k] = kl.detach()
             # per-trajectory gradients: one batched backward per term, activations freed afterwards
             recs = psg.take() if psg.supported() else None
@@ -209,7 +225,7 @@ class ReweightEngine:
             if bool(missing.any()):  # (not through the Trainer, which plans every trained pair)
                 # synced: under FSDP2 a no_sync gradient stays in FSDP's own buffers, out of add_mean_grad_'s reach
                 recompute_pairs(ctx, rollout, stats, acc, missing, last_backward=True)
-            flat = combine(buf.pg, buf.kl, rollout.advantages.float(), c.float(), ctx.beta)  # (P,)
+            flat = combine(buf.pg, buf.kl, rollout.advantages.float(), c.float(), ctx.beta, rollout.kl_weights)
             n_comm = sum(distributed.COUNTERS.values())
             # the one gradient sync of this optimizer step: one all-reduce (DDP) or reduce-scatter (FSDP2 shards),
             # added to .grad, which may hold an already synced part of it (missing pairs)
@@ -221,7 +237,7 @@ class ReweightEngine:
             acc.ratio += float(n_pairs)  # r ≡ 1 on the first update
             acc.kl += float((buf.kl_pairs * rollout.selected).sum())
             # the loss needs no forward either: with r ≡ 1 the clipped surrogate of pair (i, k) is −A_i (+ β·KL_ik)
-            per_pair = -rollout.advantages.float()[:, None] + ctx.beta * buf.kl_pairs
+            per_pair = -rollout.advantages.float()[:, None] + ctx.beta * pair_kl(ctx, rollout, buf.kl_pairs)
             acc.loss += float((rollout.loss_weights * sel * per_pair).sum())
             stats.metrics["grad_buffer_bytes"] = float(buf.nbytes)
             buf.release()

@@ -67,7 +67,8 @@ class FlowFamily:
                                  beta=cfg.loss.beta, kl_flowgrpo_compat=cfg.loss.kl_flowgrpo_compat,
                                  micro_batch_size=cfg.engine.micro_batch_size, sigmas=self.sigmas,
                                  forward_mult=2 if policy.uses_cfg else 1, trust_region=cfg.loss.trust_region,
-                                 ratio_norm=cfg.loss.ratio_norm, kl_mask_bound=cfg.loss.kl_mask_bound)
+                                 ratio_norm=cfg.loss.ratio_norm, kl_mask_bound=cfg.loss.kl_mask_bound,
+                                 kl_step_power=cfg.diversity.step_weight_power)
         rank = world.rank
         plan_seed = (lambda x: x) if self.spread else (lambda x: distributed.seed_for(x, rank))
         self.gen_prompts = torch.Generator().manual_seed(plan_seed(cfg.seed))
@@ -304,7 +305,8 @@ class FlowFamily:
             world=self.world, spread=self.spread, wave=wave, log=self.log,
             components=({k: (w, ro.reward_components[k]) for k, w in self.cfg.reward.weights.items()}
                         if self.cfg.advantage.per_reward_norm else None),
-            sample_weights=lambda trained: self.engine.sample_weights(self.ctx, ro.traj, trained), **kw))
+            sample_weights=lambda trained: self.engine.sample_weights(self.ctx, ro.traj, trained),
+            kl_gate=self.cfg.diversity.gardo_gate, **kw))
         if part is not None:
             ro.advantage_stats.update(part.stats)
 

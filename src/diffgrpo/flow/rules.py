@@ -32,6 +32,9 @@ def check_diversity(cfg: RunConfig) -> None:
         methods = diversity.parse_methods(cfg.diversity.method, diversity.METHODS)
     except ValueError as e:
         raise ConfigError(f"diversity.method: {e}") from None
+    for key in ("gardo_gate", "gardo_ref_every", "step_weight_power"):  # the KL-side parts, any method
+        if getattr(cfg.diversity, key) and cfg.loss.beta <= 0:
+            raise ConfigError(f"diversity.{key}: acts on the KL term; needs loss.beta > 0 (it is {cfg.loss.beta})")
     if not methods:
         return
     if guards.feature_kind(cfg) == "none":
