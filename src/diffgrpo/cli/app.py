@@ -134,6 +134,12 @@ def _add_bench_quality(bsub) -> None:
     bq.add_argument("--from", dest="from_dir", default="", metavar="DIR",
                     help="summarise a finished benchmark's cells again (another --target-fraction, --target or "
                          "--metric), training nothing")
+    bq.add_argument("--tune", action="store_true", help="first choose each variant's settings on a small grid run on "
+                                                        "--tune-seeds, then measure the chosen ones on --seeds")
+    bq.add_argument("--tune-seeds", type=int, nargs="+", default=[100, 101], help="tuning seeds (not in --seeds)")
+    bq.add_argument("--tune-grid", nargs="+", default=[], metavar="KEY=V1,V2",
+                    help="the grid (x0.5: a multiple of the variant's value), or one YAML file; default: train.lr "
+                         "and loss.beta ×0.5, ×1, ×2 and the strength of each diversity objective used")
     bq.add_argument("--out", default=str(Path("runs") / "bench_quality"), help="output directory")
     bq.set_defaults(func=cmd_bench_quality)
 

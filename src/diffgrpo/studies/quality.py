@@ -56,6 +56,7 @@ from ..console import emit, signal_note
 from ..errors import ConfigError, TrainingError
 from ..fileio import atomic_write, claim_folder, run_root
 from ..trainer import Trainer
+from . import quality_tune
 from .quality_report import plot, to_markdown
 from .quality_stats import METRIC, PHASES, GuardCheck, summarize
 
@@ -220,8 +221,9 @@ def run(base: RunConfig, variants: dict[str, list[str]], seeds: list[int], *, ou
         iterations: int = 0, budget_cost: float = 0.0, evals: int = 4, eval_spacing: str = "linear",
         target_fraction: float = 0.95,
         target: float | None = None, metric: str = METRIC, title: str = "", command: str = "",
-        max_iterations: int = 0, log=emit) -> dict:
-    """The whole benchmark; writes the outputs under ``out`` and returns the summary (see the module docstring)."""
+        max_iterations: int = 0, tuning: dict | None = None, log=emit) -> dict:
+    """The whole benchmark; writes the outputs under ``out`` and returns the summary (see the module docstring);
+    ``tuning``: what :func:`.quality_tune.tune` chose, recorded in the outputs."""
     reference = reference or next(iter(variants))
     if reference not in variants:
         raise ConfigError(f"--reference: {reference!r} is not one of the variants {list(variants)}")
@@ -254,7 +256,7 @@ def run(base: RunConfig, variants: dict[str, list[str]], seeds: list[int], *, ou
                   target=target, budget=cost)
     meta = {"title": title or f"{base.model.name} model, rewards {sorted(base.reward.weights)}", "command": command,
             "variants": variants, "seeds": seeds, "iterations": iterations, "budget_cost": cost, "evals": evals,
-            "eval_spacing": eval_spacing, "interrupted": interrupted,
+            "eval_spacing": eval_spacing, "interrupted": interrupted, "tuning": tuning,
             "eval_samples": _eval_samples(cells[0]),
             "total_seconds": time.perf_counter() - t0, "load": f"{load:.2f}", "torch_threads": torch.get_num_threads()}
     cells_json = [{"variant": c.variant, "seed": c.seed, "iterations": c.iterations, "seconds": c.seconds,
@@ -375,10 +377,22 @@ def from_args(base: RunConfig, args) -> dict:
         ["--budget-cost", str(args.budget_cost)] if args.budget_cost else [])
     words += (["--reference", args.reference] if args.reference else []) + (
         ["--target", str(args.target)] if args.target is not None else []) + list(args.overrides)
+    words += ["--tune", "--tune-seeds", *map(str, args.tune_seeds)] + (
+        ["--tune-grid", *args.tune_grid] if args.tune_grid else []) if args.tune else []
     command = "diffgrpo bench quality " + " ".join(shlex.quote(w) for w in words)
-    return run(base, variants, args.seeds, out=args.out, reference=args.reference, iterations=args.iterations,
-               budget_cost=args.budget_cost, evals=args.evals, eval_spacing=args.eval_spacing,
-               target_fraction=frac, target=args.target, metric=metric, command=command)
+    bench = dict(iterations=args.iterations, budget_cost=args.budget_cost, evals=args.evals,
+                 eval_spacing=args.eval_spacing, target_fraction=frac, target=args.target, metric=metric)
+    tuning = None
+    if args.tune:
+        claim_out(Path(args.out))  # a foreign folder is refused before the grid trains
+        tuned = quality_tune.tune(base, variants, args.tune_seeds, args.seeds, out=Path(args.out),
+                                  reference=args.reference or next(iter(variants)),
+                                  grid=quality_tune.parse_grid(args.tune_grid), run=run,
+                                  command=command + "  (tuning stage)", **bench)
+        variants = {v: tuned["chosen"][v]["overrides"] for v in variants}
+        tuning = {"chosen": {v: c["settings"] for v, c in tuned["chosen"].items()}, **tuned["cost"]}
+    return run(base, variants, args.seeds, out=args.out, reference=args.reference, command=command, tuning=tuning,
+               **bench)
 
 
 def again_from_args(args) -> dict:

@@ -45,6 +45,15 @@ def guard_words(g: dict, start: dict) -> str:
     return ", ".join(out) or "—"
 
 
+def _tuning_lines(t: dict | None) -> list[str]:
+    """The tuning stage's chosen settings and cost (``--tune``), or nothing."""
+    if not t:
+        return []
+    chosen = "; ".join(f"{v}: " + ", ".join(f"{k}={x}" for k, x in st.items()) for v, st in t["chosen"].items())
+    return [f"Settings tuned first (tune/grid.md): {t['cells']} grid cells × tuning seeds {t['seeds']} (not the "
+            f"measuring seeds), {t['counted_cost']:.0f} counted cost units, {t['seconds']:.0f} s. Chosen: {chosen}.", ""]
+
+
 def to_markdown(meta: dict, s: dict) -> str:
     """``table.md``: the cells and budget (``meta``), the target, the guards, one row per variant, and where each
     speed-up comes from (summary ``s``)."""
@@ -79,6 +88,7 @@ def to_markdown(meta: dict, s: dict) -> str:
            else f"eval/fid ≤ {th['max_fid_ratio']:g}× (built-in task), ") +
         f"eval/guard/drift ≤ {th['max_drift']:g}, diversity ≥ {th['min_diversity_ratio']:g}×, guard rewards ≥ start − "
         f"{th['max_reward_drop']:g}×|start| (0 = off)."), "",
+        *_tuning_lines(meta.get("tuning")),
         ("| variant | s / it | cost / it | iterations | reached | time to target (s) [95% CI] | cost to target | "
         "speed-up vs reference (time) [95% CI] | speed-up in cost [95% CI] | final reward | guards at end | out of guards at end | first out of "
         "guards | hacks |"),

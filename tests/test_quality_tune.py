@@ -1,0 +1,85 @@
+"""``diffgrpo bench quality --tune``: a grid per variant on tuning seeds, the choice (least cost to the target
+inside the guards; ties: the highest end reward inside them), then the measurement on other seeds."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import yaml
+
+from diffgrpo import RunConfig, guards
+from diffgrpo.cli.app import main
+from diffgrpo.errors import ConfigError
+from diffgrpo.studies import quality_tune as qt
+from tests.helpers.tiny import FAST_CLI
+
+
+def _first_at_target(curve, target, th):
+    """Independent of the study: the cost of the first evaluation after the start at the target with no guard out."""
+    start = curve[0]["metrics"]
+    for p in curve[1:]:
+        m = {k: math.nan if v is None else v for k, v in p["metrics"].items()}
+        if m["eval/reward"] >= target and not guards.tripped(start, m, th):
+            return p["cost"]
+    return math.inf
+
+
+def test_tuning_chooses_the_cell_first_at_the_target_and_measures_it_on_other_seeds(tmp_path):
+    out = tmp_path / "bq"
+    code = main(["bench", "quality", *FAST_CLI, "--variant", "a=engine.name=recompute", "--seeds", "0",
+                 "--iterations", "3", "--evals", "3", "--tune", "--tune-seeds", "7",
+                 "--tune-grid", "train.lr=x3,0", "--target", "0.35", "--out", str(out)])
+    assert code == 0
+    tune = json.loads((out / "tune" / "summary.json").read_text())
+    grid = json.loads((out / "tune" / "grid.json").read_text())
+    tuned = json.loads((out / "tuned.json").read_text())
+    main_s = json.loads((out / "summary.json").read_text())
+    assert [r["settings"] for r in grid] == [{"train.lr": "0.003"}, {"train.lr": "0"}]  # x3 of FAST_CLI's 1e-3
+    th = guards.Thresholds(**tune["thresholds"])
+    by_cell = {c["variant"]: c for c in tune["cells"]}
+    costs = {r["cell"]: _first_at_target(by_cell[r["cell"]]["evaluations"], tune["target"], th) for r in grid}
+    for r in grid:  # the grid table's cost to target is the first evaluation at the target inside the guards
+        assert (r["cost_to_target"] if r["cost_to_target"] is not None else math.inf) == costs[r["cell"]]
+    best = min(costs.values())
+    tied = [c for c, k in costs.items() if k == best]
+    want = max(tied, key=lambda c: next(r["end_inside"] for r in grid if r["cell"] == c))
+    assert tuned["chosen"]["a"]["cell"] == want
+    assert tuned["chosen"]["a"]["settings"] == next(r["settings"] for r in grid if r["cell"] == want)
+    # measured on the measuring seed only, never on the tuning seed, with the chosen settings
+    assert {c["seed"] for c in tune["cells"]} == {7} and {c["seed"] for c in main_s["cells"]} == {0}
+    cfg = yaml.safe_load((out / "configs" / "a_seed0.yaml").read_text())
+    assert cfg["train"]["lr"] == pytest.approx(float(tuned["chosen"]["a"]["settings"]["train.lr"]))
+    assert main_s["meta"]["tuning"]["chosen"] == {"a": tuned["chosen"]["a"]["settings"]}
+    assert tuned["cost"]["counted_cost"] == pytest.approx(sum(c["cost"] for c in tune["cells"]))
+    assert tuned["cost"]["seconds"] > 0
+    table, grid_md = (out / "table.md").read_text(), (out / "tune" / "grid.md").read_text()
+    assert "Settings tuned first" in table and "Cost of the tuning" in grid_md
+    assert grid_md.count("**yes**") == 1 and f"| {want} |" in grid_md.split("**yes**")[0].splitlines()[-1]
+
+
+def test_tuning_seeds_must_differ_from_measuring_seeds(tmp_path, capsys):
+    code = main(["bench", "quality", *FAST_CLI, "--variant", "a", "--seeds", "0", "1", "--iterations", "2",
+                 "--tune", "--tune-seeds", "1", "--tune-grid", "train.lr=x1", "--out", str(tmp_path / "o")])
+    assert code == 2 and "--tune-seeds" in capsys.readouterr().err
+
+
+def test_choice_breaks_ties_by_the_end_reward_inside_the_guards():
+    rows = [{"variant": "a", "cell": "a.t0", "cost_to_target": 50.0, "end_inside": 0.7},
+            {"variant": "a", "cell": "a.t1", "cost_to_target": 50.0, "end_inside": 0.8},
+            {"variant": "a", "cell": "a.t2", "cost_to_target": 80.0, "end_inside": 0.9},
+            {"variant": "b", "cell": "b.t0", "cost_to_target": math.inf, "end_inside": 0.6},
+            {"variant": "b", "cell": "b.t1", "cost_to_target": math.inf, "end_inside": 0.65}]
+    assert qt.choose(rows) == {"a": "a.t1", "b": "b.t1"}
+
+
+def test_the_grid_resolves_multiples_and_adds_the_diversity_strength():
+    cfg = RunConfig.from_overrides(["diversity.method=drift", "loss.beta=0.2", "train.lr=1e-4"])
+    g = qt.variant_grid(cfg, {})
+    assert g == {"train.lr": ["x0.5", "x1", "x2"], "loss.beta": ["x0.5", "x1", "x2"],
+                 "diversity.drift_shaping": ["x0.5", "x1", "x2"]}
+    cells = qt.grid_settings(cfg, {"train.lr": ["x2", "2e-4"], "loss.beta": ["x1"]})
+    assert cells == [{"train.lr": "0.0002", "loss.beta": "0.2"}]  # the two lr values coincide: one cell
+    assert qt.parse_grid(["train.lr=1e-4,x2", "loss.beta=0"]) == {"train.lr": ["1e-4", "x2"], "loss.beta": ["0"]}
+    with pytest.raises(ConfigError, match="not a config key"):
+        qt.grid_settings(cfg, {"train.lrr": ["x1"]})
