@@ -228,3 +228,48 @@ def test_m10_the_decoded_source_cache_is_bounded_by_bytes(tmp_path, monkeypatch)
     Image.fromarray(np.zeros((48, 80, 3), np.uint8)).save(tmp_path / "big.png")
     sources.as_tensor(str(tmp_path / "big.png"))  # larger than the whole cache: decoded, not held
     assert list(sources._DECODED) == refs[3:]
+
+
+# ------------------------------------------------------------------------------- a plug-in reward that wanders off
+WANDER = '''
+import os
+
+def reward(images, prompts, metadata):
+    os.makedirs({elsewhere!r}, exist_ok=True)
+    os.chdir({elsewhere!r})  # a plug-in that changes the working directory on its first call
+    return [float(im.mean()) for im in images]
+'''
+
+
+@pytest.fixture
+def wandered_run(tmp_path_factory):
+    """A two-iteration CLI run with ``log.output_dir=run`` (relative) whose plug-in reward ``chdir``s elsewhere."""
+    import os
+    import sys
+
+    from diffgrpo.cli.app import main
+    from tests.helpers.tiny import TINY_CLI
+
+    d = tmp_path_factory.mktemp("wander")
+    (d / "wander_cwd.py").write_text(WANDER.format(elsewhere=str(d / "elsewhere")))
+    cwd, path = os.getcwd(), list(sys.path)
+    os.chdir(d)
+    try:
+        rc = main(["train", *TINY_CLI, "train.ema_decay=0.0", "train.num_iterations=2", "eval.every=0",
+                   "train.save_every=1", "log.output_dir=run", 'reward.weights={"wander_cwd:reward": 1.0}'])
+    finally:
+        os.chdir(cwd)
+        sys.path[:] = path
+        sys.modules.pop("wander_cwd", None)
+    return rc, d
+
+
+def test_m5_a_plugin_that_changes_directory_leaves_the_outputs_in_the_run_directory(wandered_run):
+    rc, d = wandered_run
+    assert rc == 0 and (d / "elsewhere").is_dir()  # the plug-in did change the directory
+    run = d / "run"
+    for name in ("metrics.jsonl", "summary.json", "weights.safetensors", "config.yaml"):
+        assert (run / name).is_file(), name
+    assert [json.loads(x)["iteration"] for x in (run / "metrics.jsonl").read_text().splitlines()
+            if "loss" in json.loads(x)] == [1, 2]
+    assert list((d / "elsewhere").iterdir()) == []  # nothing of the run landed where the plug-in went

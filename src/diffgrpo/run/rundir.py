@@ -157,8 +157,9 @@ def sweep(out: str | Path, log=print) -> list[str]:
 
 
 def make(cfg: RunConfig, world: WorldInfo) -> Path:
-    """The run directory; by default a new ``runs/<timestamp>`` (made exclusively, so runs started in the same
-    second get distinct directories: ``-2``, ``-3``, …), rank 0's for every rank."""
+    """The run directory as an absolute path (also written back to ``log.output_dir``); by default a new
+    ``runs/<timestamp>`` (made exclusively, so runs started in the same second get distinct directories: ``-2``,
+    ``-3``, …), rank 0's for every rank."""
     if not cfg.log.output_dir:
         name = None
         if world.rank == 0:
@@ -168,12 +169,13 @@ def make(cfg: RunConfig, world: WorldInfo) -> Path:
                 cand = stamp if n == 1 else stamp.with_name(f"{stamp.name}-{n}")
                 try:
                     cand.mkdir()
-                    name = str(cand)
+                    name = os.path.abspath(cand)
                     break
                 except FileExistsError:
                     continue
         cfg.log.output_dir = distributed.all_gather_object(name)[0]
-    p = Path(cfg.log.output_dir)
+    p = Path(os.path.abspath(cfg.log.output_dir))  # resolved once: a later chdir (e.g. a plug-in's) moves nothing
+    cfg.log.output_dir = str(p)
     if world.rank == 0:
         try:
             p.mkdir(parents=True, exist_ok=True)
