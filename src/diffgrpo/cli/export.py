@@ -11,7 +11,8 @@
                     pipeline with its trained transformer), for ``<Pipeline>.from_pretrained``; masked LMs: the
                     same directory as without (there is no adapter); the built-in tiny image model has no pipeline
                     and is refused
-  README.md         a model card: base model, rewards, engine, iterations, the last held-out reward (metrics.jsonl)
+  README.md         a model card (``cli.model_card``): front matter (base model, library, tags, license), rewards,
+                    method, iterations, the last held-out reward (metrics.jsonl), how to load the folder
 
 Only the policy is built (from ``model.pretrained``, as the run did; the rewards and the optimizer never are), and
 only when the checkpoint's own files do not suffice (a LoRA adapter without --merge is copied as it is). Code
@@ -37,9 +38,9 @@ from ..run import saved_config
 from ..run.checkpoint import RunState, is_complete, latest_complete, list_checkpoints, load_checkpoint
 from ..run.runlog import read_metrics
 from ..validation import family_of
+from .model_card import LIBRARY, model_card
 
 BUILT_IN = (build_tiny_policy, build_tiny_mlm_policy)  # the built-in models (a checkpoint holds every weight)
-LIBRARY = {"flow": "diffusers", "dllm": "transformers"}  # what loads each family's export (a model card's library_name)
 
 
 def resolve_checkpoint(src: Path) -> tuple[Path, Path]:
@@ -69,33 +70,6 @@ def last_held_out(rows: list[dict], iteration: int) -> dict | None:
     evals = [r for r in rows if isinstance(r.get("eval/reward"), (int, float)) and not isinstance(r["eval/reward"], bool)
              and isinstance(r.get("iteration", 0), int) and r.get("iteration", 0) <= iteration]
     return evals[-1] if evals else None
-
-
-def model_card(config: dict, iteration: int, held_out: dict | None, kind: str) -> str:
-    """README.md of an export: what was trained from what, how, for how long, and how it scored held out."""
-    model, train = config.get("model", {}), config.get("train", {})
-    base = model.get("pretrained") or f"the built-in model (model.name={model.get('name')})"
-    weights = config.get("reward", {}).get("weights", {})
-    rewards = ", ".join(f"{k} (weight {v})" for k, v in weights.items()) if isinstance(weights, dict) else str(weights)
-    if held_out is None:
-        score = "n/a (no held-out evaluation logged)"
-    else:
-        parts = [f"{held_out['eval/reward']:.4f} at iteration {held_out.get('iteration')}"]
-        parts += [f"{k[len('eval/rewards/'):]} {v:.4f}" for k, v in held_out.items()
-                  if k.startswith("eval/rewards/") and isinstance(v, (int, float)) and not isinstance(v, bool)]
-        score = "; ".join(parts)
-    lora = int(model.get("lora_rank", 0) or 0)
-    meta = ["---", f"library_name: {LIBRARY[family_of(model.get('name', 'tiny'))]}",
-            *([f"base_model: {model['pretrained']}"] if model.get("pretrained") else []),
-            "tags:", "- diffgrpo", "- grpo", *(["- lora"] if lora and kind == "adapter" else []), "---", ""]
-    rows = [("base model", base), ("what this is", kind), ("rewards", rewards or "n/a"),
-            ("engine", config.get("engine", {}).get("name", "n/a")),
-            ("iterations", f"{iteration} (of train.num_iterations={train.get('num_iterations')})"),
-            ("trained weights", f"LoRA rank {lora}" if lora else "full fine-tune"),
-            ("held-out reward (eval/reward)", score)]
-    body = ["# GRPO post-trained with diffgrpo", "", "| | |", "|---|---|",
-            *[f"| {k} | {v} |" for k, v in rows], ""]
-    return "\n".join(meta + body)
 
 
 def _policy(cfg):
@@ -166,7 +140,7 @@ def export(src: str | Path, out: str | Path, *, merge: bool = False, overrides: 
         rows = []
         if (run / "metrics.jsonl").is_file():
             rows = read_metrics(run / "metrics.jsonl", log=lambda *a: None)
-        (tmp / "README.md").write_text(model_card(raw, ck.iteration, last_held_out(rows, ck.iteration), kind),
+        (tmp / "README.md").write_text(model_card(raw, ck.iteration, last_held_out(rows, ck.iteration), kind, tmp),
                                        encoding="utf-8")
 
     if out.is_dir():  # an empty folder the user made (or "."): kept, the export written into it
