@@ -10,14 +10,36 @@ Nothing is approximated: the step's logits equal those of a full forward of the 
 token for token on whole rollouts.
 
 The model's forward must take ``past_key_values`` (a transformers ``Cache``: each attention layer calls
-``cache.update(k, v, layer)`` and attends to what it returns), ``position_ids`` and a 2-D ``attention_mask`` over the
-cached and new keys (padding of the left-padded prompt excluded).
+``cache.update(k, v, layer)`` and attends to what it returns), ``position_ids`` and a 4-D boolean ``attention_mask``
+(:func:`block_keep`: block-causal over the cached and new keys, padding of the left-padded prompt excluded), as the
+released block-diffusion models (SDAR, TraDo) take it from their caller. A forward that also takes ``store_kv`` (the
+released models append to the cache only with ``store_kv=True``) gets ``store_kv=True`` (:func:`takes_store_kv`).
 """
 from __future__ import annotations
+
+import inspect
 
 import torch
 
 from .kv_cache import cache_layers, eval_mode, filled_cache, new_cache
+
+
+def block_keep(q_pos: torch.Tensor, k_pos: torch.Tensor, block_size: int,
+               key_keep: torch.Tensor | None = None) -> torch.Tensor:
+    """Block-causal attention: q_pos (B|1, n), k_pos (B|1, K) positions; key_keep (B, K) bool or None →
+    (B|1, 1, n, K) bool, True where query i may attend to key j (block(j) <= block(i), not padding, or j is i)."""
+    qb, kb = (q_pos // block_size).unsqueeze(-1), (k_pos // block_size).unsqueeze(-2)  # (B, n, 1), (B, 1, K)
+    allowed = kb <= qb  # (B, n, K)
+    if key_keep is not None:
+        allowed = allowed & key_keep.bool().unsqueeze(1)
+    return (allowed | (k_pos.unsqueeze(-2) == q_pos.unsqueeze(-1))).unsqueeze(1)
+
+
+def takes_store_kv(model) -> bool:
+    """Whether ``model``'s forward (below a peft wrapper) takes ``store_kv``: by name or through ``**kwargs``."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    params = inspect.signature(base.forward).parameters.values()
+    return any(p.name == "store_kv" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
 class BlockKVCache:
@@ -38,9 +60,11 @@ class BlockKVCache:
         pol.counters["forwards_grad" if torch.is_grad_enabled() else "forwards_nograd"] += ids.shape[0]
         cache = filled_cache(kv) if kv else new_cache()
         pos = torch.arange(start, start + ids.shape[1], device=ids.device).unsqueeze(0)  # (1, W)
+        mask = block_keep(pos, torch.arange(keep.shape[1], device=ids.device).unsqueeze(0), pol.block_size, keep)
+        kw = {"store_kv": True} if pol.store_kv else {}
         net = pol.model if pol.forward_module is None else pol.forward_module
         with eval_mode(pol.model):
-            out = net(input_ids=ids, attention_mask=keep.long(), position_ids=pos, past_key_values=cache)
+            out = net(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, **kw)
         return out.logits.float(), cache_layers(cache)
 
     def _select(self, rows: torch.Tensor):
@@ -77,4 +101,4 @@ class BlockKVCache:
         self.keep, self.rows = full, rows
 
 
-__all__ = ["BlockKVCache"]
+__all__ = ["BlockKVCache", "block_keep", "takes_store_kv"]

@@ -4,6 +4,11 @@
 per-position logits under bidirectional attention:
   * standard masked-LM classes (``BertForMaskedLM``, ``RobertaForMaskedLM``, ``ModernBertForMaskedLM``, …);
   * LLaDA / Dream checkpoints through ``trust_remote_code`` (off unless the user sets it).
+  * block-diffusion LMs (SDAR, TraDo; the built-in ``tiny_block``): a config with ``block_size`` marks the model
+    block-causal; it loads through ``AutoModelForCausalLM`` (as the released checkpoints do), the policy's
+    ``block_size`` is the config's, every forward gets the 4-D block-causal mask
+    (:func:`~.block_cache.block_keep`) and the family decodes block by block with the exact cache of
+    :mod:`.block_cache`.
 Logit conventions are explicit: ``logits_shift=False`` (BERT, LLaDA): position j scores token j;
 ``logits_shift=True`` (Dream, initialised from an autoregressive LM): position j scores token j+1, so the
 adapter returns ``cat([logits[:, :1], logits[:, :-1]])`` and every caller sees "position j scores token j".
@@ -39,6 +44,7 @@ from ..distributed import launched_local_rank, resolve_device
 from ..errors import ConfigError
 from ..tasks import VOCAB, get_task, pad_right
 from ..types import DTYPES
+from .block_cache import block_keep, takes_store_kv
 from .masked_lm_scale import (
     LORA_TARGETS,
     add_lora,
@@ -56,17 +62,21 @@ class MaskedLMPolicy:
     """Adapter: ``logits(input_ids) -> (B, N, V)`` float32, position j scoring token j.
 
     Attention: positions holding ``pad_id`` (prompt left-padding) are excluded through ``attention_mask``
-    when ``use_attention_mask``. Reference policy: a frozen copy made on construction when ``keep_reference``.
+    when ``use_attention_mask``. ``block_size`` > 0: a block-causal model, given the 4-D block-causal mask (B, 1, N,
+    N) bool instead of the 2-D padding mask. Reference policy: a frozen copy made on construction when
+    ``keep_reference``.
     """
 
     def __init__(self, model: nn.Module, *, vocab, logits_shift: bool = False, device="cpu",
-                 keep_reference: bool = False, use_attention_mask: bool = True):
+                 keep_reference: bool = False, use_attention_mask: bool = True, block_size: int = 0):
         self.device = torch.device(device)
         self.model = model.to(self.device).train(False)
         self.vocab = vocab  # encode/decode, mask_id, pad_id, eos_id
         self.mask_id, self.pad_id, self.eos_id = vocab.mask_id, vocab.pad_id, vocab.eos_id
         self.logits_shift = logits_shift
         self.use_attention_mask = use_attention_mask
+        self.block_size = block_size  # > 0: block-causal (exact block cache, block rollouts)
+        self.store_kv = bool(block_size) and takes_store_kv(self.model)  # the block cache asks it to store its keys
         self.lora = is_lora(self.model)  # a peft model: the reference is the adapter disabled, no copy
         if any(getattr(m, "gradient_checkpointing", False) is True for m in self.model.modules()):
             # transformers checkpoints only in train mode: train mode with every dropout off (the likelihood
@@ -88,8 +98,12 @@ class MaskedLMPolicy:
         net = self._ref if self._use_ref else (self.model if self.forward_module is None else self.forward_module)
         self.counters["forwards_grad" if torch.is_grad_enabled() else "forwards_nograd"] += input_ids.shape[0]
         kw = {}
-        if self.use_attention_mask:
-            kw["attention_mask"] = (input_ids != self.pad_id).long()
+        keep = input_ids != self.pad_id if self.use_attention_mask else None  # (B, N)
+        if self.block_size:
+            pos = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)  # (1, N)
+            kw["attention_mask"] = block_keep(pos, pos, self.block_size, keep)  # (B|1, 1, N, N)
+        elif keep is not None:
+            kw["attention_mask"] = keep.long()
         out = net(input_ids=input_ids, **kw).logits.float()
         return shift_logits(out) if self.logits_shift else out
 
@@ -369,7 +383,7 @@ def load_hf_masked_lm(path: str, *, trust_remote_code: bool = False, logits_shif
     LLaDA/Dream ship custom code: it only runs with ``trust_remote_code=True`` set by the user. Loaded at ``dtype``
     (``from_pretrained(dtype=...)``: no float32 copy of a bf16 checkpoint is made), then :func:`configure_model`.
     ``chat_template``: "auto" (when the tokenizer has one), "true", "false"."""
-    from transformers import AutoConfig, AutoModel, AutoModelForMaskedLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM, AutoTokenizer
 
     try:
         cfg = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
@@ -382,8 +396,9 @@ def load_hf_masked_lm(path: str, *, trust_remote_code: bool = False, logits_shif
     if logits_shift is None:
         logits_shift = "dream" in mtype
     kw = {"trust_remote_code": trust_remote_code, _dtype_kwarg(): DTYPES[dtype]}
+    block_size = int(getattr(cfg, "block_size", 0) or 0)  # block-diffusion LMs: their LM head is the causal-LM class
     try:
-        model = AutoModelForMaskedLM.from_pretrained(path, **kw)
+        model = (AutoModelForCausalLM if block_size else AutoModelForMaskedLM).from_pretrained(path, **kw)
     except ValueError:
         model = AutoModel.from_pretrained(path, **kw)
     model = configure_model(model, dtype=dtype, gradient_checkpointing=gradient_checkpointing, lora_rank=lora_rank,
@@ -405,7 +420,7 @@ def load_hf_masked_lm(path: str, *, trust_remote_code: bool = False, logits_shif
         raise ConfigError(f"dllm.mask_token_id: the mask id {vocab.mask_id} is outside the vocabulary of {path!r} "
                           f"({size} tokens); set the id of the model's mask token")
     return MaskedLMPolicy(model, vocab=vocab, logits_shift=logits_shift, device=device,
-                          keep_reference=keep_reference)
+                          keep_reference=keep_reference, block_size=block_size)
 
 
 def build_tiny_mlm_policy(cfg: RunConfig, *, progress=True, log=print, pretrained=True) -> MaskedLMPolicy:

@@ -31,6 +31,7 @@ from ..cache import cache_root
 from ..config import PretrainConfig, RunConfig
 from ..distributed import launched_local_rank, resolve_device
 from ..tasks import VOCAB, get_task
+from .block_cache import block_keep
 from .hf_masked_lm import MaskedLMPolicy, cached_pretrained, pretrain_on_task
 from .masked_lm_scale import configure_model
 
@@ -41,17 +42,6 @@ TINY_BLOCK_ARCH = dict(hidden_size=96, num_hidden_layers=3, num_attention_heads=
 def block_prompt_length(prompt_length: int, block_size: int) -> int:
     """The prompt length rounded up to a multiple of ``block_size`` (the completion starts at a block boundary)."""
     return -(-prompt_length // block_size) * block_size
-
-
-def block_keep(q_pos: torch.Tensor, k_pos: torch.Tensor, block_size: int,
-               key_keep: torch.Tensor | None = None) -> torch.Tensor:
-    """Block-causal attention: q_pos (B|1, n), k_pos (B|1, K) positions; key_keep (B, K) bool or None →
-    (B|1, 1, n, K) bool, True where query i may attend to key j (block(j) <= block(i), not padding, or j is i)."""
-    qb, kb = (q_pos // block_size).unsqueeze(-1), (k_pos // block_size).unsqueeze(-2)  # (B, n, 1), (B, 1, K)
-    allowed = kb <= qb  # (B, n, K)
-    if key_keep is not None:
-        allowed = allowed & key_keep.bool().unsqueeze(1)
-    return (allowed | (k_pos.unsqueeze(-2) == q_pos.unsqueeze(-1))).unsqueeze(1)
 
 
 def two_stream_keep(P: int, L: int, block_size: int, key_keep: torch.Tensor | None = None) -> torch.Tensor:
@@ -141,8 +131,9 @@ def block_lm_forward(m: BlockBase, lm_head: nn.Linear, block_size: int, input_id
 @functools.cache
 def block_lm_classes() -> tuple[type, type]:
     """(BlockLMConfig, TinyBlockLM): the transformers classes of the built-in block model (transformers is imported
-    on first use, as :mod:`.hf_masked_lm` does)."""
-    from transformers import PretrainedConfig, PreTrainedModel
+    on first use, as :mod:`.hf_masked_lm` does), registered with ``AutoConfig`` / ``AutoModelForCausalLM`` so that an
+    exported directory reloads with ``AutoModelForCausalLM.from_pretrained`` after this call."""
+    from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
     from transformers.modeling_outputs import CausalLMOutput
 
     class BlockLMConfig(PretrainedConfig):
@@ -183,6 +174,9 @@ def block_lm_classes() -> tuple[type, type]:
             return CausalLMOutput(logits=block_lm_forward(self.model, self.lm_head, self.config.block_size,
                                                           input_ids, attention_mask, position_ids, past_key_values))
 
+    # exported directories reload through the Auto classes once this module has built the classes
+    AutoConfig.register(BlockLMConfig.model_type, BlockLMConfig, exist_ok=True)
+    AutoModelForCausalLM.register(BlockLMConfig, TinyBlockLM, exist_ok=True)
     return BlockLMConfig, TinyBlockLM
 
 
@@ -257,9 +251,7 @@ def build_tiny_block_policy(cfg: RunConfig, *, progress=True, log=print, pretrai
     net = configure_model(net, dtype=d.dtype, gradient_checkpointing=d.gradient_checkpointing, lora_rank=d.lora_rank,
                           lora_alpha=d.lora_alpha, lora_targets=d.lora_target_modules)
     device = resolve_device(cfg.model.device, launched_local_rank())
-    policy = MaskedLMPolicy(net, vocab=VOCAB, device=device, keep_reference=cfg.loss.beta > 0)
-    policy.block_size = b
-    return policy
+    return MaskedLMPolicy(net, vocab=VOCAB, device=device, keep_reference=cfg.loss.beta > 0, block_size=b)
 
 
 __all__ = ["TINY_BLOCK_SIZE", "block_diffusion_loss", "block_keep", "block_lm_classes", "block_lm_forward",

@@ -1,0 +1,123 @@
+"""A remote-code block-diffusion LM in the layout of the released SDAR / TraDo checkpoints
+(``diffgrpo.models.remote_block``), saved by the test into a temporary directory with ``auto_map`` / ``model_type`` /
+``block_size`` in its config.json and loaded as the released checkpoints are (``AutoModelForCausalLM``,
+``trust_remote_code``): the masked-LM adapter reads its block from the config, gives it the 4-D block-causal mask it
+needs, decodes it block by block with the exact cache, and ``diffgrpo train`` trains it. Nothing is downloaded."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from diffgrpo.models.block_cache import BlockKVCache
+from diffgrpo.models.hf_masked_lm import load_hf_masked_lm
+from diffgrpo.models.remote_block import write_block_model
+from diffgrpo.samplers.block import sample_blocks
+from tests.helpers.remote_models import char_tokenizer
+
+B_SIZE, P, L = 4, 8, 8
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    tok = char_tokenizer(mask_token=True)
+    return write_block_model(tmp_path_factory.mktemp("blockdlm") / "model", tokenizer=tok, seed=0,
+                             vocab_size=len(tok), block_size=B_SIZE, initializer_range=0.3,
+                             mask_token_id=tok.mask_token_id, pad_token_id=tok.pad_token_id,
+                             eos_token_id=tok.eos_token_id)
+
+
+def _policy(model_dir):
+    return load_hf_masked_lm(str(model_dir), trust_remote_code=True)
+
+
+def _prompts(pol):
+    return pol.vocab.encode_prompts(["1+2=?", "33+4=?", "7-5=?", "9+9+9=?"], P)  # (4, P) left-padded
+
+
+def test_loads_as_the_released_checkpoints_and_reads_its_block_from_the_config(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    data = json.loads((model_dir / "config.json").read_text())
+    assert data["model_type"] == "blockdlm" and data["block_size"] == B_SIZE
+    assert data["auto_map"]["AutoModelForCausalLM"] == "modeling_blockdlm.BlockDLMForCausalLM"
+    raw = AutoModelForCausalLM.from_pretrained(str(model_dir), trust_remote_code=True).eval()
+    pol = _policy(model_dir)
+    assert pol.block_size == B_SIZE and pol.store_kv and type(pol.model).__name__ == "BlockDLMForCausalLM"
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(7, len(pol.vocab), (2, P + L), generator=g)
+    with torch.no_grad():
+        base = pol.logits(x)
+        torch.testing.assert_close(base, raw(input_ids=x).logits, rtol=0, atol=0)  # the model's own block mask
+        y = x.clone()
+        y[:, P + 5] = (y[:, P + 5] + 1) % len(pol.vocab)  # a token of completion block 1 (positions P+4 .. P+7)
+        moved = (pol.logits(y) - base).abs().amax(-1)  # (2, N)
+    assert float(moved[:, :P + 4].max()) == 0.0 and float(moved[:, P + 4:].min()) > 0
+    # left padding of one block is excluded: rotary scores depend on relative positions only, so a row padded by
+    # one block scores its tokens as the unpadded row does
+    padded = torch.cat([torch.full((2, B_SIZE), pol.pad_id), x[:, B_SIZE:]], 1)
+    with torch.no_grad():
+        alone = raw(input_ids=x[:, B_SIZE:]).logits
+        torch.testing.assert_close(pol.logits(padded)[:, B_SIZE:], alone, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("decode,temperature", [("schedule", 0.0), ("threshold", 1.0)])
+def test_cached_and_uncached_block_rollouts_are_equal(model_dir, decode, temperature):
+    """The exact cache (the model stores keys only when asked, ``store_kv``, as the released code) reproduces the
+    uncached block rollout token for token, with dynamic length on, and computes fewer positions."""
+    pol = _policy(model_dir)
+    out = []
+    for cache in (None, BlockKVCache(pol)):
+        g = torch.Generator().manual_seed(3)
+        out.append(sample_blocks(pol, _prompts(pol), mask_id=pol.mask_id, gen_length=L, block_length=B_SIZE,
+                                 steps=L if decode == "schedule" else 0, temperature=temperature, generator=g,
+                                 decode=decode, threshold=0.3, cache=cache, eos_id=pol.eos_id))
+    plain, cached = out
+    assert torch.equal(plain.sequences, cached.sequences) and torch.equal(plain.commit_step, cached.commit_step)
+    torch.testing.assert_close(plain.step_log_prob, cached.step_log_prob, atol=1e-5, rtol=0)
+    assert cached.query_tokens < plain.query_tokens
+
+
+def digit_share(completions, prompts, metadata):
+    """Share of digits in each completion: varies inside a group of a random model (its accuracy does not)."""
+    return [sum(c.isdigit() for c in t) / max(len(t), 1) for t in completions]
+
+
+def _env():
+    return dict(os.environ, PYTHONPATH=f"{ROOT / 'src'}{os.pathsep}{ROOT}", OMP_NUM_THREADS="1")
+
+
+def test_diffgrpo_train_trains_the_remote_block_model(model_dir, tmp_path):
+    """Two iterations through the command line; the run's model directory reloads with the model's own code."""
+    from transformers import AutoModelForCausalLM
+
+    data = tmp_path / "g.jsonl"
+    data.write_text("".join(json.dumps({"question": f"{a}+{a + 1}=?", "answer": f"#### {2 * a + 1}"}) + "\n"
+                            for a in range(1, 9)))
+    run = tmp_path / "run"
+    ov = ["model.name=hf_masked_lm", f"dllm.model_path={model_dir}", "dllm.trust_remote_code=true",
+          "dllm.task=gsm8k", f"dllm.data_file={data}", "dllm.prompt_field=question", "dllm.prompt_length=6",
+          "dllm.gen_length=8", "dllm.temperature=1.5", "dllm.eval_size=4", "train.num_iterations=2",
+          "train.prompts_per_batch=2", "train.group_size=3", "train.lr=0.05", "log.progress=false",
+          "log.save_images=false", "model.device=cpu", f"log.output_dir={run}", "seed=1",
+          "reward.weights={task: 1.0, tests.test_block_remote:digit_share: 1.0}"]
+    res = subprocess.run([sys.executable, "-m", "diffgrpo.cli", "train", *ov], capture_output=True, text=True,
+                         env=_env(), timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    trained = [r for r in rows if "reward" in r]
+    assert [r["iteration"] for r in trained] == [1, 2] and any(r["grad_norm"] > 0 for r in trained)
+    net = AutoModelForCausalLM.from_pretrained(str(run / "model"), trust_remote_code=True)
+    assert net.config.block_size == B_SIZE
+    weights = load_file(str(run / "weights.safetensors"))
+    for k, v in net.state_dict().items():
+        torch.testing.assert_close(v, weights[k], rtol=0, atol=0)
+    start = AutoModelForCausalLM.from_pretrained(str(model_dir), trust_remote_code=True).state_dict()
+    assert any(not torch.equal(start[k], v) for k, v in weights.items())  # trained: not the initial weights
