@@ -209,7 +209,7 @@ def test_the_import_graph_has_no_cycles_cli_included():
 FLOORS = [
     {"errors", "types", "fileio", "config", "cache", "data", "data_sources", "media", "losses", "advantages",
      "prompts", "tasks", "_version", "schema", "console", "yamlio", "configvalues", "threads", "sources", "sandbox",
-     "feature_stats", "plugins"},
+     "feature_stats", "guard_checks", "plugins"},
     {"distributed", "ema", "samplers", "loss_weights", "run.runlog", "run.trackers", "models", "rewards", "run.rundir",
      "guards", "metering", "diversity", "consistency"},
     {"engines", "family", "run.checkpoint", "run.saved_config"},

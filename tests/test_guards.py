@@ -53,11 +53,11 @@ def test_tripped_judges_each_guard_against_the_start():
                                  "eval/guard/rewards/aesthetic/mean": 4.49, "eval/guard/drift": 0.51}, th)
     assert [o.split()[0] for o in out] == ["eval/fid", "eval/guard/drift", "eval/guard/diversity",
                                            "eval/guard/rewards/aesthetic/mean"]
-    # a negative start: the drop is relative to |start|; NaN and missing metrics are not judged; 0 turns a limit off
+    # a negative start: the drop is relative to |start|; a NaN start is not judged; 0 turns a limit off
     assert guards.tripped({"eval/guard/rewards/r/mean": -2.0}, {"eval/guard/rewards/r/mean": -2.19}, th) == []
     assert guards.tripped({"eval/guard/rewards/r/mean": -2.0}, {"eval/guard/rewards/r/mean": -2.21}, th)
     assert guards.tripped({"eval/fid": float("nan")}, {"eval/fid": 100.0}, th) == []
-    assert guards.tripped(start, {"eval/fid": 100.0}, guards.Thresholds(max_fid_ratio=0)) == []
+    assert guards.tripped(start, {**inside, "eval/fid": 100.0}, guards.Thresholds(max_fid_ratio=0)) == []
     assert guards.improves(1.0, None) and guards.improves(2.0, 1.0) and not guards.improves(1.0, 1.0)
     assert not guards.improves(float("nan"), None)
 

@@ -4,6 +4,7 @@ Everything here is a no-op at world size 1 (no process group). Under ``torchrun`
 RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT) :func:`init_from_env` creates the default process group.
 
   info()                  → WorldInfo(rank, world_size, local_rank)
+  shutdown()              destroy the default process group (registered at exit when init_from_env creates it)
   launched_world_size()   WORLD_SIZE set by the launcher (1 without one), before any process group exists
   resolve_mode(mode, W)   dist.mode "auto" → "ddp" under a launcher with W > 1 processes, "none" in one process
   resolve_device(v, lr)   model.device "auto" → cuda:<local rank> / cuda / mps / cpu (explicit values unchanged)
@@ -35,6 +36,7 @@ loss on the union of the ranks' samples is built with world-size-scaled weights 
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import os
@@ -77,9 +79,18 @@ def init_from_env(backend: str | None = None, timeout: float | None = None) -> W
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         kw = {} if timeout is None else {"timeout": datetime.timedelta(seconds=float(timeout))}
         dist.init_process_group(backend=backend, **kw)
+        atexit.register(shutdown)  # every rank, the non-writers too, tears its group down before the interpreter ends
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     return info()
+
+
+def shutdown() -> None:
+    """Destroy the default process group, if any (registered at exit by :func:`init_from_env`): a group left to the
+    interpreter's teardown can abort the process after a complete run (gloo's and NCCL's threads outlive Python)."""
+    if is_initialized():
+        with contextlib.suppress(Exception):  # a peer already gone: nothing left to tear down cleanly
+            dist.destroy_process_group()
 
 
 def launched_world_size() -> int:
@@ -480,7 +491,7 @@ def rank_rows(group_ids: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     return torch.cat(rows)
 
 
-__all__ = ["COUNTERS", "WorldInfo", "info", "init_from_env", "launched_world_size", "launched_local_rank",
+__all__ = ["COUNTERS", "WorldInfo", "info", "init_from_env", "shutdown", "launched_world_size", "launched_local_rank",
            "resolve_mode", "resolve_device", "all_gather", "gather_groups", "rank_rows",
            "all_gather_object", "all_reduce_mean_",
            "add_mean_grad_", "all_reduce_sum", "no_sync", "reshard", "sharded", "wrap", "wrap_ddp", "wrap_fsdp2", "fully_shard_each",

@@ -52,9 +52,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save, save_file
+from safetensors.torch import save, save_file
 
-from . import consistency, distributed, plugins
+from . import consistency, distributed, guard_checks, plugins
 from .data import digits_split
 from .errors import ConfigError, TrainingError
 from .feature_stats import Moments, frechet_distance, gaussian_from_sums, gaussian_stats, kid
@@ -95,40 +95,16 @@ class Thresholds:
     max_kid: float = 0.05
 
 
-def _finite(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def uncomputed(start: dict, row: dict, th: Thresholds) -> list[str]:
-    """The guards (with their limit on) that ``row`` reports as NaN/inf, or lacks while ``start`` had them finite:
-    a guard that cannot be computed is out of limits. (``fd_base``/``drift`` absent: no base statistics, warned.)"""
-    distance = getattr(th, "distance", "fid")
-    keys = [k for k, on in (("eval/fid", th.max_fid_ratio * (distance == "fid")),
-                            (PREFIX + "kid", getattr(th, "max_kid", 0) * (distance == "kid")),
-                            (PREFIX + "fd_base", th.max_drift), (PREFIX + "drift", th.max_drift),
-                            ("eval/diversity", th.min_diversity_ratio), (PREFIX + "diversity", th.min_diversity_ratio),
-                            (PREFIX + "detection_diversity", th.min_diversity_ratio)) if on > 0]
-    if th.max_reward_drop > 0:
-        keys += sorted(k for k in {*start, *row} if k.startswith(PREFIX + "rewards/"))
-    out = []
-    for k in keys:
-        if k in row and not _finite(row[k]):
-            out.append(f"{k} is {row[k]!r}, not a finite number (the guard cannot be computed)")
-        elif k not in row and _finite(start.get(k)) and k not in (PREFIX + "fd_base", PREFIX + "drift"):
-            out.append(f"{k} is missing (the guard cannot be computed; it was {start[k]:.4g} at the start)")
-    return out
-
-
 def tripped(start: dict, row: dict, th: Thresholds) -> list[str]:
     """The guards of evaluation ``row`` outside their limits relative to the ``start`` evaluation, each as a short
-    phrase (empty: inside every guard). A guard that is NaN or cannot be computed is out (:func:`uncomputed`); a
+    phrase (empty: inside every guard). A guard that is NaN or cannot be computed is out (:func:`guard_checks.uncomputed`); a
     limit relative to a start value that is not finite is not judged."""
     def pair(k):
         a, b = start.get(k), row.get(k)
         ok = isinstance(a, (int, float)) and isinstance(b, (int, float)) and math.isfinite(a) and math.isfinite(b)
         return (float(a), float(b)) if ok else None
 
-    out = uncomputed(start, row, th)
+    out = guard_checks.uncomputed(start, row, th)  # NaN or missing: out
     p = pair("eval/fid") if th.distance == "fid" else None
     if th.max_fid_ratio > 0 and p and p[0] > 0 and p[1] > th.max_fid_ratio * p[0]:
         out.append(f"eval/fid {p[1]:.4g} > {th.max_fid_ratio:g} × start {p[0]:.4g}")
@@ -244,24 +220,9 @@ class Base:
 
     @classmethod
     def load(cls, path: Path) -> Base:
-        """The statistics written by :meth:`save`; a damaged file (unreadable, missing tensors, shapes that do not
-        fit, non-finite values) is a one-line TrainingError."""
-        try:
-            t = load_file(str(path))
-            mean, cov, n = t["mean"].double(), t["cov"].double(), t["n"].reshape(-1)
-        except Exception as e:  # noqa: BLE001 - a safetensors error of a damaged file, on one line
-            raise _damaged(path, f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}") from None
-        d = mean.shape[0] if mean.dim() == 1 else -1
-        if d < 1 or tuple(cov.shape) != (d, d) or n.numel() != 1 or int(n[0]) < 2:
-            raise _damaged(path, f"mean {tuple(mean.shape)}, cov {tuple(cov.shape)}, n {n.tolist()[:4]}; expected "
-                                 "(D,), (D, D) and one count >= 2")
-        if not (torch.isfinite(mean).all() and torch.isfinite(cov).all()):
-            raise _damaged(path, "its mean or covariance is not finite")
-        return cls(mean, cov, int(n[0]))
+        """The statistics written by :meth:`save`; a damaged file is a one-line TrainingError."""
+        return cls(*guard_checks.base_tensors(path))
 
-
-def _damaged(path: Path, why: str) -> TrainingError:
-    return TrainingError(f"{path} is damaged ({why}); delete it to resume without {PREFIX}fd_base / drift")
 
 
 # ---------------------------------------------------------------------- what an evaluation computes
@@ -445,21 +406,6 @@ def plugin(spec: str, key: str) -> Callable:
 
 
 # ---------------------------------------------------------------------- the policy
-def read_best(path: Path, metric: str, log=print) -> dict | None:
-    """``best/best.json`` of a resumed run: {"iteration", "metric", "value"}, or None (with a warning) when it is
-    damaged or names another metric; the next evaluation inside the guards then becomes the best."""
-    try:
-        best = json.loads(path.read_text())
-        ok = isinstance(best, dict) and best.get("metric") == metric and _finite(best.get("value"))
-    except (OSError, ValueError, RecursionError):
-        ok = False
-    if not ok:
-        log(f"warning: {path} is damaged or not of train.keep_best={metric}; it is ignored (the next evaluation "
-            "inside the guards replaces best/)")
-        return None
-    return best
-
-
 class Watch:
     """``train.on_hacking`` and ``train.keep_best`` over a run's evaluations (called on every rank, the same rows)."""
 
@@ -480,7 +426,7 @@ class Watch:
         self.start = start
         path = Path(run_dir) / BEST_DIR / "best.json"
         if self.metric and path.is_file() and not path.is_symlink():
-            self.best = read_best(path, self.metric, self.log)
+            self.best = guard_checks.read_best(path, self.metric, self.log)
 
     def judge(self, row: dict, *, run_dir: Path, lead: bool, weights: Callable[[], dict],
               base: EvalGuards | None = None) -> list[str]:

@@ -13,6 +13,9 @@ duplicate keys, bounded aliases.
                        - a document whose aliases expand to more than ``MAX_NODES`` nodes is refused before it is
                          built (a few hundred bytes of nested aliases can otherwise expand to gigabytes);
                        - tags other than the core ones (``!!python/...``) are refused, as ``yaml.safe_load`` does.
+  safe_load(text)      ``yaml.safe_load`` (YAML 1.1 scalars) with the same bound on aliases, for files the library
+                       only shows (a run's ``config.yaml`` in ``report``): a document past the bound, or nested too
+                       deep to parse, raises :class:`TooLarge` (a ``yaml.YAMLError``)
   text_of(v)           the text a number was written as (``v`` itself for anything else)
   plain(v)             ``v`` with the remembered numbers turned into plain ``int``/``float``, recursively
   echo(v)              ``v`` as error messages show it (plain; an overflowed number as typed)
@@ -126,21 +129,46 @@ def _expanded_size(node, memo: dict) -> int:
     return n
 
 
-def load(text: str, source: str = "value"):
-    """``text`` as data under the rules of the module docstring; ``source`` names it in errors."""
-    loader = _Loader(text)
+class TooLarge(yaml.YAMLError):
+    """A document whose aliases expand past ``MAX_NODES`` nodes, or nested too deep to parse."""
+
+
+def _bounded(loader):
+    """The document of ``loader`` (None when empty), refused with :class:`TooLarge` before it is built when its
+    aliases expand past ``MAX_NODES`` nodes or it is nested too deep."""
     try:
         node = loader.get_single_node()
         if node is None:
             return None
         size = _expanded_size(node, {})
-        if size > MAX_NODES:
-            raise ConfigError(f"{source}: its aliases expand to {size} nodes (more than {MAX_NODES}); write the "
-                              "values out instead")
-        try:
-            return loader.construct_document(node)
-        except ConfigError as e:  # a duplicate key
-            raise ConfigError(f"{source}: {e}") from None
+    except RecursionError:
+        raise TooLarge("it is nested too deep to read") from None
+    if size > MAX_NODES:
+        raise TooLarge(f"its aliases expand to {size} nodes (more than {MAX_NODES}); write the values out instead")
+    try:
+        return loader.construct_document(node)
+    except RecursionError:
+        raise TooLarge("it is nested too deep to read") from None
+
+
+def load(text: str, source: str = "value"):
+    """``text`` as data under the rules of the module docstring; ``source`` names it in errors."""
+    loader = _Loader(text)
+    try:
+        return _bounded(loader)
+    except TooLarge as e:
+        raise ConfigError(f"{source}: {e}") from None
+    except ConfigError as e:  # a duplicate key
+        raise ConfigError(f"{source}: {e}") from None
+    finally:
+        loader.dispose()
+
+
+def safe_load(text: str):
+    """``yaml.safe_load(text)`` with the alias and depth bounds of :func:`load` (:class:`TooLarge` past them)."""
+    loader = yaml.SafeLoader(text)
+    try:
+        return _bounded(loader)
     finally:
         loader.dispose()
 
@@ -177,4 +205,5 @@ def short(value) -> str:
     return text if len(text) <= MAX_ECHO else f"{text[:MAX_ECHO]}… ({len(text)} characters)"
 
 
-__all__ = ["MAX_ECHO", "MAX_NODES", "YFloat", "YInt", "echo", "load", "plain", "short", "text_of"]
+__all__ = ["MAX_ECHO", "MAX_NODES", "TooLarge", "YFloat", "YInt", "echo", "load", "plain", "safe_load", "short",
+           "text_of"]

@@ -64,6 +64,8 @@ AMBIGUOUS: dict[str, str] = {
                       "length is train.num_iterations",
     "per_device_train_batch_size": "a batch is train.prompts_per_batch x train.group_size samples; the size of one "
                                    "backward is engine.micro_batch_size",
+    "train_batch_size": "a batch is train.prompts_per_batch x train.group_size samples; the size of one backward is "
+                        "engine.micro_batch_size",
     "gradient_accumulation_steps": "gradients accumulate over engine.micro_batch_size chunks of the batch by "
                                    "themselves; set train.prompts_per_batch and engine.micro_batch_size",
     "warmup_steps": "warmup counts iterations here: train.warmup_iterations",
@@ -122,6 +124,9 @@ def hint(key: str) -> str:
     """A ``did you mean`` for an unknown key, looked for in every section: the same leaf name elsewhere, an alias,
     or the closest dotted key."""
     leaf = key.rsplit(".", 1)[-1].replace("-", "_")
+    flat = key.replace(".", "_").replace("-", "_")  # flow_grpo's train.batch_size is TRL's train_batch_size
+    if flat in AMBIGUOUS and flat != leaf:
+        return f" ({AMBIGUOUS[flat]})"
     if leaf in ALIASES:
         return f" (did you mean {ALIASES[leaf]!r}?)"
     if leaf in AMBIGUOUS:
@@ -159,18 +164,31 @@ def mapped(key: str, value, log: Callable[[str], None] = print) -> list[tuple[st
 
 
 def translate(overrides: list[str], log: Callable[[str], None] = print) -> list[str]:
-    """Overrides with aliases replaced by their dotted keys (a note each); unknown keys refused with a hint."""
-    out = []
+    """Overrides with aliases replaced by their dotted keys (a note each); unknown keys refused with a hint. A key
+    set both through an alias and otherwise (``learning_rate=1e-5 train.lr=2e-5``) is refused: the note would name
+    one value while the other is used."""
+    out, given = [], []  # given: (dotted key, the item that set it, whether through an alias)
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} is not key=value (e.g. train.lr=1e-5); see diffgrpo print-config")
         key, value = item.split("=", 1)
         key = key.strip()
+        pairs = [(key, value)] if known(key) else mapped(key, value, lambda _: None)
+        given += [(k, item, not known(key)) for k, _ in pairs]
+        _refuse_twice(given)
         if known(key):
             out.append(item)
             continue
         out.extend(f"{k}={_text(v)}" for k, v in mapped(key, value, log))
     return out
+
+
+def _refuse_twice(given: list[tuple[str, str, bool]]) -> None:
+    """A one-line ConfigError when the last key of ``given`` was set before and one of the two settings is an alias."""
+    key, item, alias = given[-1]
+    first = next(((i, a) for k, i, a in given[:-1] if k == key), None)
+    if first is not None and (alias or first[1]):
+        raise ConfigError(f"{key} is given twice, as {first[0]} and as {item}; keep one")
 
 
 def translate_mapping(data: Mapping, log: Callable[[str], None] = print, *, source: str = "--config") -> dict:
@@ -179,7 +197,10 @@ def translate_mapping(data: Mapping, log: Callable[[str], None] = print, *, sour
     both flat and in its section is refused (which one wins would be a guess)."""
     out: dict = {}
     for k, v in data.items():
-        out.update(mapped(str(k).strip(), v, log))
+        for key, value in mapped(str(k).strip(), v, log):
+            if key in out:  # two names of one key (lr and learning_rate, or train.lr and learning_rate)
+                raise ConfigError(f"{source}: {key} is set twice, by {k} and by another name of it; keep one")
+            out[key] = value
     for key in out:
         section, _, leaf = key.partition(".")
         if leaf and isinstance(out.get(section), Mapping) and leaf in out[section]:

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import yaml
 
+from .. import yamlio
 from .._version import __version__
 from ..config import RunConfig
 from ..fileio import atomic_write
@@ -154,7 +155,7 @@ def changed_keys(config_text: str) -> list[tuple[str, object, object]] | None:
     """(key, default, value) for every key of a saved ``config.yaml`` whose value differs from the default; None
     when the text is not a YAML mapping."""
     try:
-        data = yaml.safe_load(config_text)
+        data = yamlio.safe_load(config_text)  # aliases bounded
     except yaml.YAMLError:
         return None
     if not isinstance(data, dict):
@@ -232,7 +233,7 @@ def _saved_config(run: Path) -> tuple[bytes | None, str, dict]:
     raw = _read_own(run / "config.yaml")
     config = raw.decode("utf-8", errors="replace") if raw is not None else "(no config.yaml)"
     try:
-        saved = yaml.safe_load(config) if raw is not None else None
+        saved = yamlio.safe_load(config) if raw is not None else None  # aliases bounded
     except yaml.YAMLError:
         saved = None
     return raw, config, saved if isinstance(saved, dict) else {}

@@ -169,14 +169,14 @@ class Job:
             self.watch.resume(evals[0] if evals else None, out, tr.family.guards)
         first = evals[0] if evals else self._evaluate(out, writer, "start")
         last_eval, start_iteration = (evals[-1] if evals else first), tr.iteration
-        self.log(f"eval at start: {_fmt(first)}")
+        self.log(f"eval at start: {_fmt(first)}")  # (on_hacking=stop and a guard out at the start: no iteration)
         handlers = ({sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
                     if threading.current_thread() is threading.main_thread() else {})
         bar = Progress(cfg.train.num_iterations, tr.iteration, enabled=self.lead, bar=cfg.log.progress,
                        every=cfg.log.every, log=self.log)
         trained = 0  # iterations of this call whose update was applied
         try:
-            while tr.iteration < cfg.train.num_iterations and not self.watch.inconsistent:  # on_inconsistency=stop
+            while tr.iteration < cfg.train.num_iterations and not (self.watch.inconsistent or self.watch.stop):
                 row = self.watch.consistency(tr.step())  # train.on_inconsistency: warn, or stop after this iteration
                 trained += row.get("skipped_updates", 0) < cfg.train.num_inner_epochs
                 writer.write(row)
@@ -185,13 +185,13 @@ class Job:
                     last_eval = self._evaluate(out, writer, str(tr.iteration))
                     if self.watch.stop:  # train.on_hacking=stop and a guard fell
                         break
-                self._share_stop()
-                if (cfg.train.save_every and tr.iteration % cfg.train.save_every == 0) or self.stop_signal:
+                stop = self._share_stop()  # every rank acts on this agreed value only (a later signal: next time)
+                if (cfg.train.save_every and tr.iteration % cfg.train.save_every == 0) or stop is not None:
                     self._save()
-                if self.stop_signal is not None:
-                    self.log(f"stopped by signal {self.stop_signal} after iteration {tr.iteration}; "
+                if stop is not None:
+                    self.log(f"stopped by signal {stop} after iteration {tr.iteration}; "
                              f"continue with: diffgrpo train --resume {out}")
-                    return {"start": first, "end": last_eval, "interrupted": int(self.stop_signal)}
+                    return {"start": first, "end": last_eval, "interrupted": int(stop)}
             bar.close()
             if tr.iteration > start_iteration and not trained and tr.bad_updates:  # (fp16 loss-scale skips are not bad)
                 raise TrainingError(f"no update was applied in iterations {start_iteration + 1}..{tr.iteration} (each "
@@ -206,11 +206,14 @@ class Job:
             threads.restore_handlers(handlers)
         return {"start": first, "end": last_eval, **self.watch.summary()}  # "stopped", "best" (guards)
 
-    def _share_stop(self) -> None:
-        """A signal on any rank stops every rank after the same iteration (one small collective per iteration)."""
+    def _share_stop(self):
+        """A signal on any rank stops every rank after the same iteration (one small collective per iteration): →
+        the agreed signal (None: go on), the same on every rank. A signal arriving after the agreement is only
+        recorded, and agreed on after the next iteration."""
         shared = distributed.first_set(self.stop_signal)
         if shared is not None and self.stop_signal is None:
             self.stop_signal, self._stop_time = shared, time.monotonic()
+        return shared
 
     def _on_signal(self, signum, frame):
         if self.stop_signal is not None:  # second signal: stop now, unless it is the first one delivered twice

@@ -40,6 +40,7 @@ import functools
 import json
 import math
 import os
+import re
 import shlex
 import signal
 import statistics
@@ -75,7 +76,16 @@ def parse_variant(spec: str) -> tuple[str, list[str]]:
     name, _, ov = spec.partition("=")
     if not name.strip():
         raise ConfigError(f"--variant: {spec!r} must be NAME or NAME=key=value[,key=value...]")
-    return name.strip(), [o.strip() for o in ov.split(",") if o.strip()]
+    return variant_name(name.strip()), [o.strip() for o in ov.split(",") if o.strip()]
+
+
+def variant_name(name: str) -> str:
+    """``name`` when it can name files under ``--out`` (letters, digits, ``_ - . +``, not starting with a dot);
+    a one-line ConfigError otherwise (``..`` or ``/`` would leave ``--out``)."""
+    if not re.fullmatch(r"[A-Za-z0-9_+\-][A-Za-z0-9_.+\-]{0,63}", name):
+        raise ConfigError(f"--variant: name {name!r} is not allowed; use up to 64 letters, digits, _ - . + (not "
+                          "starting with a dot): it names the variant's files under --out")
+    return name
 
 
 def eval_marks(budget: float, evals: int, spacing: str = "linear") -> list[float]:
@@ -227,6 +237,8 @@ def run(base: RunConfig, variants: dict[str, list[str]], seeds: list[int], *, ou
     reference = reference or next(iter(variants))
     if reference not in variants:
         raise ConfigError(f"--reference: {reference!r} is not one of the variants {list(variants)}")
+    for name in variants:
+        variant_name(name)
     if (iterations > 0) == (budget_cost > 0):
         raise ConfigError("bench quality: give exactly one budget, --iterations (of the reference) or --budget-cost")
     if evals < 2 or not seeds or not 0 < target_fraction <= 1:
@@ -347,11 +359,15 @@ def resummarize(out: str | Path, *, target_fraction: float | None = None, target
     frac = old["target_fraction"] if target_fraction is None else target_fraction
     if not 0 < frac <= 1:
         raise ConfigError("bench quality: --target-fraction must be in (0, 1]")
-    s = summarize(cells, old["reference"], metric=metric, target_fraction=frac, check=guard_check(th),
-                  target=target, budget=float(old["meta"]["budget_cost"]))
     cells_json = [{k: v for k, v in c.items()} for c in old["cells"]]
     first = (out / "command.txt").read_text(encoding="utf-8").splitlines()[:1] if (out / "command.txt").is_file() else []
-    md = _write(out, old["meta"], s, cells_json, "\n".join([*first, *([command] if command else [])]))
+    try:  # (the table is made before any file is written)
+        s = summarize(cells, old["reference"], metric=metric, target_fraction=frac, check=guard_check(th),
+                      target=target, budget=float(old["meta"]["budget_cost"]))
+        md = _write(out, old["meta"], s, cells_json, "\n".join([*first, *([command] if command else [])]))
+    except (KeyError, TypeError, ValueError) as e:  # e.g. a summary whose meta lacks "seeds"
+        raise ConfigError(f"--from: {str(path)!r} cannot be read as a bench quality summary ({type(e).__name__}: "
+                          f"{e})") from None
     log(md)
     return {"meta": old["meta"], **s, "cells": cells_json}
 
@@ -403,6 +419,9 @@ def again_from_args(args) -> dict:
     if given:
         raise ConfigError(f"--from: {', '.join(given)} cannot change a finished benchmark's cells; only "
                           "--target-fraction, --target and --metric apply")
+    if args.out != str(Path("runs") / "bench_quality") and Path(args.out).absolute() != Path(args.from_dir).absolute():
+        raise ConfigError(f"--from: the summary of {args.from_dir!r} is rewritten in place; --out {args.out!r} does not "
+                          "apply (copy the folder first to keep both)")
     words = ["--from", args.from_dir] + (["--target-fraction", str(args.target_fraction)]
                                          if args.target_fraction is not None else []) + (
         ["--target", str(args.target)] if args.target is not None else []) + (
