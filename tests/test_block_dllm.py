@@ -206,3 +206,46 @@ def test_pretrain_builds_the_named_built_in_model_and_refuses_a_hub_model(tmp_pa
     assert main(["pretrain", "model.name=hf_masked_lm", "dllm.model_path=org/some-llada"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: model.name: value 'hf_masked_lm' is not a built-in model")
+
+
+def test_train_export_reload_and_sample_from_the_command_line(tmp_path, capsys):
+    """tiny_block through the command line: train → export (the checkpoint holds every weight, so nothing is
+    pretrained again: the base's cache is gone by then) → reload with ``AutoModelForCausalLM`` (the exported weights
+    are the run's) → ``diffgrpo sample``, whose greedy completions an uncached block rollout of the reloaded model
+    reproduces."""
+    import shutil
+
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from diffgrpo.cli.app import main
+    from diffgrpo.models.tiny_block import block_lm_classes, block_prompt_length
+    from diffgrpo.tasks import get_task
+
+    run, exp, cache = tmp_path / "run", tmp_path / "exp", tmp_path / "c"
+    assert main(["train", "model.name=tiny_block", "pretrain.steps=40", "pretrain.batch_size=16",
+                 "train.num_iterations=2", "train.prompts_per_batch=2", "train.group_size=3", "train.save_every=1",
+                 "dllm.eval_size=4", "dllm.temperature=1.0", "train.lr=3e-3", "log.progress=false",
+                 f"model.cache_dir={cache}", f"log.output_dir={run}"]) == 0
+    shutil.rmtree(cache)
+    assert main(["export", str(run), "--out", str(exp)]) == 0
+    assert not cache.exists()  # built at random init and overwritten by the checkpoint, not pretrained
+    block_lm_classes()  # registers the built-in classes with the Auto classes
+    net = AutoModelForCausalLM.from_pretrained(str(exp)).eval()
+    assert net.config.block_size == 4
+    weights = load_file(str(run / "weights.safetensors"))
+    assert set(weights) == set(net.state_dict())
+    for k, v in net.state_dict().items():
+        torch.testing.assert_close(v, weights[k], rtol=0, atol=0)
+    prompts = ["1+2=", "13+4=", "7-5="]
+    out = tmp_path / "s.txt"
+    capsys.readouterr()
+    assert main(["sample", "--weights", str(run), "--sde-type", "ode", "--out", str(out),
+                 *sum((["--prompt", p] for p in prompts), [])]) == 0
+    sampled = [line.split("\t", 1)[1] for line in out.read_text().splitlines()]
+    task = get_task("arithmetic")
+    pol = MaskedLMPolicy(net, vocab=VOCAB, block_size=4)
+    ids = VOCAB.encode_prompts(prompts, block_prompt_length(task.prompt_length, 4))
+    s = sample_blocks(pol, ids, mask_id=VOCAB.mask_id, gen_length=task.gen_length, block_length=4,
+                      steps=task.gen_length, temperature=0.0, eos_id=VOCAB.eos_id)
+    assert [VOCAB.decode(c) for c in s.completions] == sampled

@@ -34,13 +34,14 @@ from ..errors import ConfigError
 from ..models import POLICIES
 from ..models.hf_masked_lm import build_tiny_mlm_policy
 from ..models.tiny import build_tiny_policy
+from ..models.tiny_block import build_tiny_block_policy
 from ..run import saved_config
 from ..run.checkpoint import RunState, is_complete, latest_complete, list_checkpoints, load_checkpoint
 from ..run.runlog import read_metrics
 from ..validation import family_of
 from .model_card import LIBRARY, model_card
 
-BUILT_IN = (build_tiny_policy, build_tiny_mlm_policy)  # the built-in models (a checkpoint holds every weight)
+BUILT_IN = (build_tiny_policy, build_tiny_mlm_policy, build_tiny_block_policy)  # a checkpoint holds every weight
 
 
 def resolve_checkpoint(src: Path) -> tuple[Path, Path]:
