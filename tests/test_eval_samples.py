@@ -245,7 +245,7 @@ def test_captioned_grid_holds_each_sample_above_its_caption():
 
     images = torch.rand(5, 3, 8, 16)  # 5 samples, 3 per row, 128 × 64 tiles
     grid = captioned_grid(images, [f"{i}.000 | prompt {i}" for i in range(5)], nrow=3)
-    tile_w, tile_h, cap, pad = 128, 64, 28, 4
+    tile_w, tile_h, cap, pad = 128, 64, 55, 4  # three 17-px caption lines
     assert grid.shape == (2 * (tile_h + cap + pad) + pad, 3 * (tile_w + pad) + pad, 3)
     for i in range(5):
         r, q = divmod(i, 3)

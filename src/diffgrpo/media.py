@@ -135,9 +135,19 @@ def _finite(v):
 
 
 def caption_of(row: dict) -> str:
-    """A grid caption for a table row: the prompt and the sample's total reward."""
-    reward = "n/a" if row["reward"] is None else f"{row['reward']:.3f}"
-    return f"{reward} | {row['prompt']}"
+    """A grid caption for a table row: the verdict of the shapes checker (``shapes_correct``: ✓ correct / ✗ wrong)
+    when the row carries it, else the sample's total reward; then, on the next line, the prompt."""
+    verdict = row.get("rewards", {}).get("shapes_correct")
+    if isinstance(verdict, (int, float)):
+        head = "✓ correct" if verdict >= 0.5 else "✗ wrong"
+    else:
+        head = "n/a" if row["reward"] is None else f"{row['reward']:.3f}"
+    return f"{head}\n{row['prompt']}"
+
+
+def grid_title(tag: str, iteration: int) -> str:
+    """The label above an evaluation's grid: ``start (base model)``, ``end (iteration N)`` or ``iteration N``."""
+    return {"start": "start (base model)", "end": f"end (iteration {iteration})"}.get(tag, f"iteration {iteration}")
 
 
 def table_columns(rows: list[dict]) -> tuple[list[str], list[list]]:
@@ -161,50 +171,88 @@ def with_source(frame: torch.Tensor, source: torch.Tensor | None, gap: int = 2) 
     return torch.cat([src, torch.ones_like(frame[:, :, :gap]), frame], dim=-1)
 
 
-def captioned_grid(images: torch.Tensor, captions: list[str], nrow: int, tile: int = 128) -> np.ndarray:
+CAPTION_PX, CAPTION_LINES, TITLE_PX = 14, 3, 20  # caption font size and lines per tile, title font size
+
+
+def grid_font(size: int, bold: bool = False):
+    """DejaVu Sans (the TrueType font matplotlib ships, which has ✓ and ✗) at ``size`` pixels; Pillow's own
+    scalable default font when it is missing."""
+    import matplotlib
+    from PIL import ImageFont
+
+    path = Path(matplotlib.get_data_path(), "fonts", "ttf", f"DejaVuSans{'-Bold' if bold else ''}.ttf")
+    return ImageFont.truetype(str(path), size) if path.is_file() else ImageFont.load_default(size)
+
+
+def caption_lines(text: str, font, width: int, max_lines: int = CAPTION_LINES) -> list[str]:
+    """``text`` wrapped at spaces (and broken at newlines) into at most ``max_lines`` lines no wider than ``width``
+    pixels in ``font``; a line cut short (a word too wide, or text left over after the last line) ends in "…"."""
+    def fit(line: str, cut: bool) -> str:
+        if not cut and font.getlength(line) <= width:
+            return line
+        while line and font.getlength(line + "…") > width:
+            line = line[:-1]
+        return line + "…"
+
+    lines: list[str] = []
+    for paragraph in text.split("\n"):
+        start = len(lines)
+        for word in paragraph.split():
+            if len(lines) > start and font.getlength(f"{lines[-1]} {word}") <= width:
+                lines[-1] = f"{lines[-1]} {word}"
+            else:
+                lines.append(word)
+    kept = lines[:max_lines]
+    return [fit(line, cut=len(lines) > max_lines and i == len(kept) - 1) for i, line in enumerate(kept)]
+
+
+def captioned_grid(images: torch.Tensor, captions: list[str], nrow: int, tile: int = 128,
+                   title: str | None = None) -> np.ndarray:
     """Samples (N, C, H, W) or videos (N, C, F, H, W, first frames shown) in [0, 1] → one (H', W', 3) uint8 grid,
     ``nrow`` tiles per row, each ``tile`` pixels wide (nearest-neighbour upscaling of small images) with its caption
-    (e.g. prompt and reward) in up to two lines below it."""
-    import textwrap
-
-    from PIL import Image, ImageDraw, ImageFont
+    (e.g. verdict or reward, and prompt) in up to ``CAPTION_LINES`` lines of DejaVu Sans below it; ``title`` (e.g.
+    ``start (base model)``) in a band above the tiles."""
+    from PIL import Image, ImageDraw
 
     frames = grid_frames(images)
     n, _, h, w = frames.shape
     th = max(1, round(tile * h / w))
-    font = ImageFont.load_default()
-    line = 12
-    cap = 2 * line + 4
+    font, line = grid_font(CAPTION_PX), CAPTION_PX + 3
+    cap = CAPTION_LINES * line + 4
+    band = TITLE_PX + 12 if title else 0
     cols, rows, pad = nrow, math.ceil(n / nrow), 4
-    canvas = Image.new("RGB", (cols * (tile + pad) + pad, rows * (th + cap + pad) + pad), (255, 255, 255))
+    canvas = Image.new("RGB", (cols * (tile + pad) + pad, band + rows * (th + cap + pad) + pad), (255, 255, 255))
     draw = ImageDraw.Draw(canvas)
-    width = max(4, tile // 6)  # characters per caption line of the default bitmap font
+    if title:
+        draw.text((pad + 2, 6), title, fill=(0, 0, 0), font=grid_font(TITLE_PX, bold=True))
     for i in range(n):
         r, q = divmod(i, cols)
-        x, y = pad + q * (tile + pad), pad + r * (th + cap + pad)
+        x, y = pad + q * (tile + pad), band + pad + r * (th + cap + pad)
         im = Image.fromarray(np.ascontiguousarray(to_uint8(frames[i])))
         resample = Image.NEAREST if w < tile else Image.BILINEAR
         canvas.paste(im.resize((tile, th), resample), (x, y))
-        text = textwrap.wrap(captions[i] if i < len(captions) else "", width)[:2]
-        for j, part in enumerate(text):
+        for j, part in enumerate(caption_lines(captions[i] if i < len(captions) else "", font, tile)):
             draw.text((x, y + th + 2 + j * line), part, fill=(0, 0, 0), font=font)
     return np.asarray(canvas)
 
 
-def side_by_side(left: Path, right: Path, out: Path, gap: int = 8) -> bool:
-    """Two PNG grids (e.g. the start and the end evaluation) next to each other in one PNG; False when one is
-    missing."""
+def side_by_side(left: Path, right: Path, out: Path, gap: int = 8, vertical: bool = False) -> bool:
+    """Two PNG grids (e.g. the start and the end evaluation) next to each other in one PNG, or ``left`` above
+    ``right`` when ``vertical`` (each keeps its width, so its captions stay legible); False when one is missing."""
     from PIL import Image
 
     if not (Path(left).is_file() and Path(right).is_file()):
         return False
     a, b = Image.open(left).convert("RGB"), Image.open(right).convert("RGB")
-    canvas = Image.new("RGB", (a.width + gap + b.width, max(a.height, b.height)), (255, 255, 255))
+    size = ((max(a.width, b.width), a.height + gap + b.height) if vertical
+            else (a.width + gap + b.width, max(a.height, b.height)))
+    canvas = Image.new("RGB", size, (255, 255, 255))
     canvas.paste(a, (0, 0))
-    canvas.paste(b, (a.width + gap, 0))
+    canvas.paste(b, (0, a.height + gap) if vertical else (a.width + gap, 0))
     atomic_write(out, lambda tmp: canvas.save(tmp, format="PNG"))
     return True
 
 
-__all__ = ["SampleTable", "can_write_mp4", "with_source", "caption_of", "captioned_grid", "grid_frames", "save_image", "save_video", "side_by_side",
+__all__ = ["SampleTable", "can_write_mp4", "with_source", "caption_lines", "caption_of", "captioned_grid", "grid_font",
+           "grid_title", "grid_frames", "save_image", "save_video", "side_by_side",
            "table_columns", "to_uint8"]

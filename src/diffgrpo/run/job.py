@@ -21,7 +21,7 @@ from .. import distributed, guards, threads
 from ..console import Progress, signal_note
 from ..errors import TrainingError
 from ..fileio import atomic_write, run_root
-from ..media import SampleTable, caption_of, side_by_side
+from ..media import SampleTable, caption_of, grid_title, side_by_side
 from . import checkpoint, rundir
 from .runlog import MetricsWriter, plot_curves, read_metrics, save_grid
 from .saved_config import check_checkpoint
@@ -150,9 +150,10 @@ class Job:
             writer.log_images(images, it, nrow=nrow, caption=caption)
             if self.lead and cfg.log.save_images:
                 save_grid(images, out / f"samples_{tag}.png", nrow=nrow,
-                          captions=[caption_of(r) for r in samples[:len(images)]])
+                          captions=[caption_of(r) for r in samples[:len(images)]], title=grid_title(tag, it))
                 if tag == "end":
-                    side_by_side(out / "samples_start.png", out / "samples_end.png", out / "samples_start_end.png")
+                    side_by_side(out / "samples_start.png", out / "samples_end.png", out / "samples_start_end.png",
+                                 vertical=True)
         return row
 
     def _save(self) -> None:
