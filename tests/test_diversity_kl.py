@@ -2,6 +2,7 @@
 early-step weights (a per-step KL weight), their path into every flow engine, and one process = two ranks."""
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 
 import pytest
@@ -172,3 +173,46 @@ def test_the_gate_quantile_is_over_the_global_batch():
         parts = [torch.load(f"{d}/{r}.pt") for r in range(2)]
     assert torch.equal(torch.cat([p["kl"] for p in parts]), one.kl_weights)
     assert parts[0]["share"] == parts[1]["share"] == one.stats["diversity/kl_gated_share"] == 0.5
+
+
+# ---------------------------------------------------------------------- the adaptive reference
+def test_the_adaptive_reference_refreshes_on_its_clock_and_resumes_bitwise(make_trainer, tmp_path):
+    """Every 2 iterations the reference becomes the policy (bitwise); a checkpoint after a refresh restores that
+    reference and its clock, and the resumed run's next update equals the uninterrupted one's bit for bit (without
+    the restored reference it does not)."""
+    from diffgrpo.diversity.reference import reference_weights
+    from diffgrpo.run.checkpoint import load_checkpoint
+
+    args = ("loss.beta=0.5", "diversity.gardo_ref_every=2", f"log.output_dir={tmp_path / 'run'}")
+    t = make_trainer(*args)
+    ref0 = {n: p.clone() for n, p in reference_weights(t.policy).items()}
+    row = t.step()
+    assert row["diversity/ref_refreshes"] == 0 and row["diversity/ref_age"] == 1
+    assert all(torch.equal(p, ref0[n]) for n, p in reference_weights(t.policy).items())
+    row = t.step()
+    assert row["diversity/ref_refreshes"] == 1 and row["diversity/ref_age"] == 0
+    online = t.policy.named_trainable_parameters()
+    assert all(torch.equal(p, online[n]) for n, p in reference_weights(t.policy).items())
+    assert not all(torch.equal(p, ref0[n]) for n, p in reference_weights(t.policy).items())
+    t.step()  # iteration 3: the policy moves on, the reference stays
+    ref2 = {n: p.clone() for n, p in reference_weights(t.policy).items()}
+    st = load_checkpoint(t.save_checkpoint())
+    assert st.reference is not None and st.extra["reference"] == {"last": 2, "refreshes": 1}
+
+    resumed = make_trainer(*args)
+    resumed.load_state(st)
+    assert all(torch.equal(p, ref2[n]) for n, p in reference_weights(resumed.policy).items())
+    assert (resumed.adaptive_ref.last, resumed.adaptive_ref.refreshes) == (2, 1)
+    bare = make_trainer(*args)
+    bare.load_state(dataclasses.replace(st, reference=None))
+    t.step()
+    resumed.step()
+    bare.step()
+    assert all(torch.equal(a, b) for a, b in zip(t.params, resumed.params))
+    assert not all(torch.equal(a, b) for a, b in zip(t.params, bare.params))
+
+
+def test_the_adaptive_reference_is_refused_where_it_has_no_weights_to_reset():
+    for extra in (["model.lora_rank=2"], ["dist.mode=fsdp2"]):
+        with pytest.raises(ConfigError, match="gardo_ref_every"):
+            RunConfig.from_overrides(["loss.beta=0.1", "diversity.gardo_ref_every=2", *extra])

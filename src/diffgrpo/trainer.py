@@ -24,6 +24,7 @@ import torch
 from . import consistency, distributed
 from .config import MODEL_FAMILIES, RunConfig
 from .console import emit
+from .diversity.reference import AdaptiveReference
 from .ema import EMA
 from .errors import ConfigError, TrainingError
 from .families import FAMILIES
@@ -62,6 +63,8 @@ class Trainer:
         self._build_optimizer()
         self.iteration = 0
         self.bad_updates = 0  # consecutive skipped updates (non-finite gradient, or nothing to train)
+        every = getattr(getattr(cfg, "diversity", None), "gardo_ref_every", 0)  # GARDO's adaptive KL reference
+        self.adaptive_ref = AdaptiveReference(every) if every > 0 else None
 
     def _join_world(self) -> None:
         """Process group before the model (sets the CUDA device; rank > 0 is silent) and the run's device.
@@ -216,6 +219,7 @@ class Trainer:
         ro, first = self.family.collect()
         stats, info = self.update(ro, first_stats=first)
         self.iteration += 1
+        ref = self.adaptive_ref.after_iteration(self.policy, self.iteration) if self.adaptive_ref else {}
         r = ro.batch_rewards[torch.isfinite(ro.batch_rewards)]  # every rank's rewards when data parallel
         return {"iteration": self.iteration, "reward": float(r.mean()) if len(r) else float("nan"),
                 "reward_std": float(r.std()) if len(r) > 1 else 0.0,
@@ -223,7 +227,7 @@ class Trainer:
                 **({"loss": info["first_epoch/loss"]} if "first_epoch/loss" in info else {}),
                 "frac_reward_zero_std": ro.advantage_stats["frac_reward_zero_std"],
                 "adv_clip_frac": ro.advantage_stats["adv_clip_frac"],
-                **{k: v for k, v in ro.advantage_stats.items() if k.startswith("diversity/")},
+                **{k: v for k, v in ro.advantage_stats.items() if k.startswith("diversity/")}, **ref,
                 "kl": stats.metrics.get("kl", 0.0), "clip_ratio": stats.metrics.get("clip_ratio", 0.0),
                 "ratio_mean": stats.metrics.get("ratio_mean", 1.0), **info,
                 "forwards_grad": stats.forwards_grad, "forwards_nograd": stats.forwards_nograd,

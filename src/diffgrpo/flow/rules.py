@@ -35,6 +35,9 @@ def check_diversity(cfg: RunConfig) -> None:
     for key in ("gardo_gate", "gardo_ref_every", "step_weight_power"):  # the KL-side parts, any method
         if getattr(cfg.diversity, key) and cfg.loss.beta <= 0:
             raise ConfigError(f"diversity.{key}: acts on the KL term; needs loss.beta > 0 (it is {cfg.loss.beta})")
+    if cfg.diversity.gardo_ref_every and (cfg.model.lora_rank > 0 or cfg.dist.mode == "fsdp2"):
+        raise ConfigError("diversity.gardo_ref_every: resets the full fine-tune's reference copy; not with "
+                          "model.lora_rank > 0 (the reference is the adapter disabled) or dist.mode=fsdp2")
     if not methods:
         return
     if guards.feature_kind(cfg) == "none":

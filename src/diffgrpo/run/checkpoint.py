@@ -66,6 +66,7 @@ class RunState:
     config: dict = field(default_factory=dict)
     sharded: Path | None = None
     trainer_state: dict | None = None
+    reference: dict[str, torch.Tensor] | None = None  # GARDO's adaptive KL reference (diversity.gardo_ref_every)
 
 
 def sha256(path: Path) -> str:
@@ -80,7 +81,8 @@ def sha256(path: Path) -> str:
 def save_checkpoint(run_dir: Path, iteration: int, *, trainable: dict[str, torch.Tensor], optimizer: dict,
                     rng: dict[str, torch.Tensor], config: dict, ema: dict[str, torch.Tensor] | None = None,
                     extra: dict | None = None, keep_last: int = 2,
-                    write_files: Callable[[Path], None] | None = None) -> Path:
+                    write_files: Callable[[Path], None] | None = None,
+                    reference: dict[str, torch.Tensor] | None = None) -> Path:
     """Write checkpoint ``iteration`` atomically, update the manifest, prune to the newest ``keep_last``.
     ``write_files(directory)`` adds files of its own (e.g. the policy's ``lora/``) to the checkpoint before it is
     checksummed and renamed into place."""
@@ -93,6 +95,8 @@ def save_checkpoint(run_dir: Path, iteration: int, *, trainable: dict[str, torch
         save_file({k: v.detach().contiguous().cpu() for k, v in trainable.items()}, str(tmp / "trainable.safetensors"))
         if ema is not None:
             save_file({k: v.detach().contiguous().cpu() for k, v in ema.items()}, str(tmp / "ema.safetensors"))
+        if reference is not None:
+            save_file({k: v.detach().contiguous().cpu() for k, v in reference.items()}, str(tmp / "reference.safetensors"))
         torch.save(optimizer, tmp / "optimizer.pt")
         torch.save(rng, tmp / "rng.pt")
         if write_files is not None:
@@ -241,7 +245,9 @@ def load_checkpoint(ckpt: Path) -> RunState:
                         trainer_state=json.loads((ckpt / "trainer.json").read_text()))
     return RunState(**common, trainable=load_file(str(ckpt / "trainable.safetensors")),
                     ema=load_file(str(ckpt / "ema.safetensors")) if (ckpt / "ema.safetensors").is_file() else None,
-                    optimizer=torch.load(ckpt / "optimizer.pt", weights_only=True))
+                    optimizer=torch.load(ckpt / "optimizer.pt", weights_only=True),
+                    reference=load_file(str(ckpt / "reference.safetensors"))
+                    if (ckpt / "reference.safetensors").is_file() else None)
 
 
 # ---------------------------------------------------------------------- a trainer's run state
@@ -263,12 +269,15 @@ def capture(trainer) -> RunState:
     """The trainer's full state as full tensors (FSDP2 shards are gathered: a collective)."""
     extra = {"bad_updates": trainer.bad_updates,  # fp16: the loss scale and its growth tracker (json)
              **({"grad_scaler": trainer.grad_scaler.state_dict()} if trainer.grad_scaler is not None else {})}
+    ref = None
+    if getattr(trainer, "adaptive_ref", None) is not None:
+        ref, extra["reference"] = trainer.adaptive_ref.state(trainer.policy)
     rng = rng_state(trainer)
     full = distributed.to_full({
         "trainable": dict(trainer.policy.state_dict()),
         "optimizer": {**trainer.optimizer.state_dict(), "lr_scheduler": trainer.scheduler.state_dict()},
         "ema": trainer.ema.state_dict() if trainer.ema is not None else None, "rng": rng})
-    return RunState(iteration=trainer.iteration, extra=extra, config=trainer.cfg.to_dict(), **full)
+    return RunState(iteration=trainer.iteration, extra=extra, config=trainer.cfg.to_dict(), reference=ref, **full)
 
 
 def save(trainer, run_dir: Path) -> Path:
@@ -280,7 +289,8 @@ def save(trainer, run_dir: Path) -> Path:
         return run_dir
     return save_checkpoint(run_dir, st.iteration, trainable=st.trainable, optimizer=st.optimizer, rng=st.rng,
                            config=st.config, ema=st.ema, extra=st.extra, keep_last=trainer.cfg.train.keep_checkpoints,
-                           write_files=lambda d: trainer.policy.save_checkpoint_files(d, st.trainable))
+                           write_files=lambda d: trainer.policy.save_checkpoint_files(d, st.trainable),
+                           reference=st.reference)
 
 
 def _save_sharded(trainer, run_dir: Path) -> Path:
@@ -338,6 +348,8 @@ def restore(trainer, st: RunState) -> None:
     trainer.bad_updates = int(st.extra.get("bad_updates", 0))
     if trainer.grad_scaler is not None and "grad_scaler" in st.extra:
         trainer.grad_scaler.load_state_dict(st.extra["grad_scaler"])
+    if getattr(trainer, "adaptive_ref", None) is not None and st.reference is not None:
+        trainer.adaptive_ref.load(trainer.policy, st.reference, st.extra.get("reference", {}))
 
 
 def _load_sharded(trainer, st: RunState) -> dict | None:
