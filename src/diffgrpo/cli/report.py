@@ -32,6 +32,7 @@ import yaml
 from .. import yamlio
 from .._version import __version__
 from ..config import RunConfig
+from ..errors import ConfigError, TrainingError
 from ..fileio import atomic_write
 from ..guards import PREFIX as GUARD_PREFIX
 from ..run.runlog import read_metrics
@@ -105,6 +106,40 @@ def family_keys(rows: list[dict]) -> list[tuple[str, str, list[str]]]:
     return out
 
 
+def _series(rows: list[dict], key: str) -> list[tuple[float, float]]:
+    """(iteration, value) of ``key`` in the rows where both are finite numbers."""
+    return [(r["iteration"], r[key]) for r in rows if _num(r.get(key)) and _num(r.get("iteration"))]
+
+
+def _same(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> bool:
+    """Two series with the same iterations and values equal to rounding (e.g. a sole reward and its component)."""
+    return len(a) == len(b) and all(i == j and math.isclose(u, v, rel_tol=1e-9, abs_tol=1e-12)
+                                    for (i, u), (j, v) in zip(a, b))
+
+
+def plan_panels(rows: list[dict]) -> list[tuple[str, str, list[str], list[str]]]:
+    """(title, caption, keys to plot, notes) per metric family (:func:`family_keys`): a series with one value
+    throughout is noted as constant at that value instead of drawn as a flat line, and a series identical to one
+    before it (in any family) is not plotted again but noted as the same as it."""
+    shown: list[tuple[str, list]] = []
+    out = []
+    for title, caption, keys in family_keys(rows):
+        plot, notes = [], []
+        for k in keys:
+            pts = _series(rows, k)
+            twin = next((name for name, other in shown if _same(pts, other)), None)
+            values = {v for _, v in pts}
+            if len(values) == 1:
+                notes.append(f"{k}: constant at {values.pop():.6g}")
+            elif twin is not None:
+                notes.append(f"{k}: the same series as {twin}")
+            else:
+                plot.append(k)
+            shown.append((k, pts))
+        out.append((title, caption, plot, notes))
+    return out
+
+
 def _figure_b64(rows: list[dict], keys: list[str], title: str) -> str | None:
     """Small multiples: one axis per key against iteration, integer ticks."""
     import matplotlib
@@ -113,11 +148,7 @@ def _figure_b64(rows: list[dict], keys: list[str], title: str) -> str | None:
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    series = []
-    for k in keys:
-        pts = [(r["iteration"], r[k]) for r in rows if _num(r.get(k)) and _num(r.get("iteration"))]
-        if pts:
-            series.append((k, pts))
+    series = [(k, pts) for k in keys if (pts := _series(rows, k))]
     if not series:
         return None
     cols = min(3, len(series))
@@ -156,7 +187,7 @@ def changed_keys(config_text: str) -> list[tuple[str, object, object]] | None:
     when the text is not a YAML mapping."""
     try:
         data = yamlio.safe_load(config_text)  # aliases bounded
-    except yaml.YAMLError:
+    except (yaml.YAMLError, RecursionError):
         return None
     if not isinstance(data, dict):
         return None
@@ -194,7 +225,7 @@ def _completions(run: Path, rows: list[dict], limit: int = 8) -> list[tuple[str,
         for line in data.decode("utf-8", errors="replace").splitlines():
             try:
                 rec = json.loads(line)
-            except ValueError:
+            except (ValueError, RecursionError):
                 continue
             if isinstance(rec, dict) and isinstance(rec.get("completion"), str):
                 got.append(rec)
@@ -215,7 +246,7 @@ def _summary(run: Path) -> dict:
         return {}
     try:
         data = json.loads(path.read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return {}
     return data if isinstance(data, dict) else {}
 
@@ -225,7 +256,9 @@ _STYLE = ("<style>body{font-family:sans-serif;max-width:1000px;margin:2em auto;c
           "table{border-collapse:collapse;margin:.5em 0}td,th{border:1px solid #ccc;padding:3px 8px;"
           "text-align:left;font-size:13px;vertical-align:top}td.n{text-align:right}"
           "figure{margin:1em 0}figcaption{font-size:13px;color:#555;margin-top:.3em}"
-          "img{max-width:100%;image-rendering:pixelated}</style></head><body>")
+          "img{max-width:100%;image-rendering:pixelated}img.samples{image-rendering:auto}"
+          "ul.notes{font-size:13px;color:#555}table.headline td,table.headline th{font-size:15px}"
+          "</style></head><body>")
 
 
 def _saved_config(run: Path) -> tuple[bytes | None, str, dict]:
@@ -234,13 +267,13 @@ def _saved_config(run: Path) -> tuple[bytes | None, str, dict]:
     config = raw.decode("utf-8", errors="replace") if raw is not None else "(no config.yaml)"
     try:
         saved = yamlio.safe_load(config) if raw is not None else None  # aliases bounded
-    except yaml.YAMLError:
+    except (yaml.YAMLError, RecursionError):
         saved = None
     return raw, config, saved if isinstance(saved, dict) else {}
 
 
 def _header_section(run: Path, train: list[dict], saved: dict) -> list[str]:
-    """The page's head and the header table: run, date, version, commit, wall time, model, device."""
+    """The header table: run, date, version, commit, wall time, model, device."""
     model = saved.get("model") if isinstance(saved.get("model"), dict) else {}
     wall = sum(r["time/iteration"] for r in train if _num(r.get("time/iteration")))
     stamp = datetime.datetime.fromtimestamp((run / "metrics.jsonl").stat().st_mtime).astimezone()
@@ -251,8 +284,7 @@ def _header_section(run: Path, train: list[dict], saved: dict) -> list[str]:
               ("model", f"{model.get('name', '?')} {model.get('pretrained') or ''}".strip()),
               ("device", f"{model.get('device', '?')} (from the run's config; report written on "
                          f"{platform.machine()} {platform.system()}, {os.cpu_count()} CPU cores)")]
-    parts = ["<!doctype html><html><head><meta charset='utf-8'><title>diffgrpo run report</title>", _STYLE,
-             f"<h1>Run report: {html.escape(run.name)}</h1><table>"]
+    parts = ["<table>"]
     parts += [f"<tr><th>{html.escape(k)}</th><td>{html.escape(str(v))}</td></tr>" for k, v in header]
     parts.append("</table>")
     return parts
@@ -273,13 +305,60 @@ def _summary_section(run: Path) -> list[str]:
     return parts
 
 
+HEADLINE = ("eval/rewards/shapes_correct/mean", "eval/reward")  # a shapes_correct run's accuracy leads
+
+
+def _ratio(first: dict, last: dict, key: str) -> float | None:
+    a, b = first.get(key), last.get(key)
+    return b / a if _num(a) and _num(b) and a > 0 else None
+
+
+def headline(evals: list[dict], saved: dict) -> list[tuple[str, str, str, str]]:
+    """The report's first table, (metric, start, end, change or limit): the held-out reward (a ``shapes_correct``
+    run's accuracy first), whether the end evaluation is inside every guard, and the end / start ratios of the FID
+    and the diversity that the guards judge, beside their limits from the run's config."""
+    if not evals:
+        return []
+    first, last = evals[0], evals[-1]
+    train = saved.get("train") if isinstance(saved.get("train"), dict) else {}
+    out = [(k, f"{first[k]:.4f}", f"{last[k]:.4f}", f"{last[k] - first[k]:+.4f}") for k in HEADLINE
+           if _num(first.get(k)) and _num(last.get(k))]
+    ok = last.get(GUARD_PREFIX + "ok")
+    if _num(ok):
+        start = first.get(GUARD_PREFIX + "ok")
+        out.append((GUARD_PREFIX + "ok", f"{start:g}" if _num(start) else "n/a", f"{ok:g}",
+                    "inside every guard" if ok == 1 else "outside a guard"))
+    ratios = [("FID ratio", "eval/fid", "guard_max_fid_ratio", "≤")]
+    ratios += [("diversity ratio", k, "guard_min_diversity_ratio", "≥")
+               for k in (GUARD_PREFIX + "diversity", "eval/diversity", GUARD_PREFIX + "detection_diversity")]
+    for name, key, limit, sign in ratios:
+        r = _ratio(first, last, key)
+        if r is not None and not (name == "diversity ratio" and any(n.startswith(name) for n, *_ in out)):
+            bound = f"limit {sign} {train[limit]:g}" if _num(train.get(limit)) and train[limit] > 0 else ""
+            out.append((f"{name} ({key})", f"{first[key]:.4g}", f"{last[key]:.4g} (× {r:.3f})", bound))
+    return out
+
+
+def _headline_section(evals: list[dict], saved: dict) -> list[str]:
+    """The held-out reward and the guards, start → end: the first table of the page."""
+    rows = headline(evals, saved)
+    if not rows:
+        return ["<p><b>No held-out evaluation in this run.</b></p>"]
+    parts = ["<h2>Held-out reward and guards, start → end</h2><table class=headline><tr><th>metric</th>"
+             "<th>start</th><th>end</th><th>change / limit</th></tr>"]
+    parts += [f"<tr><td>{html.escape(m)}</td><td class=n>{html.escape(a)}</td><td class=n>{html.escape(b)}</td>"
+              f"<td>{html.escape(c)}</td></tr>" for m, a, b, c in rows]
+    parts.append("</table>")
+    return parts
+
+
 def _eval_section(evals: list[dict]) -> list[str]:
     """The held-out metrics at the first and the last evaluation, with their change."""
     if not evals:
         return []
     eval_keys = sorted({k for r in evals for k in r if isinstance(k, str) and k.startswith("eval/")})
     first, last = evals[0], evals[-1]
-    parts = ["<h2>Held-out evaluation, start → end</h2><table><tr><th>metric</th><th>start</th>"
+    parts = ["<h2>Every held-out metric, start → end</h2><table><tr><th>metric</th><th>start</th>"
              "<th>end</th><th>change</th></tr>"]
     for k in eval_keys:
         if _num(first.get(k)) and _num(last.get(k)):
@@ -290,14 +369,17 @@ def _eval_section(evals: list[dict]) -> list[str]:
 
 
 def _figures_section(rows: list[dict]) -> list[str]:
-    """One captioned figure per metric family present in the run."""
+    """One captioned figure per metric family present in the run (:func:`plan_panels`), its duplicate and
+    constant series listed below it, one line each."""
     parts = []
-    for title, caption, keys in family_keys(rows):
-        b64 = _figure_b64(rows, keys, title)
+    for title, caption, keys, notes in plan_panels(rows):
+        b64 = _figure_b64(rows, keys, title) if keys else None
+        parts.append(f"<h2>{html.escape(title)}</h2>")
         if b64:
-            parts.append(f"<h2>{html.escape(title)}</h2><figure><img alt='{html.escape(title)}' "
-                         f"src='data:image/png;base64,{b64}'><figcaption>{html.escape(caption)}</figcaption>"
-                         "</figure>")
+            parts.append(f"<figure><img alt='{html.escape(title)}' src='data:image/png;base64,{b64}'><figcaption>"
+                         f"{html.escape(caption)}</figcaption></figure>")
+        if notes:
+            parts.append("<ul class=notes>" + "".join(f"<li>{html.escape(n)}</li>" for n in notes) + "</ul>")
     return parts
 
 
@@ -305,15 +387,16 @@ def _samples_section(run: Path) -> list[str]:
     """The start and end samples: side by side when the run wrote the pair, else each on its own."""
     pair = _png_b64(run / "samples_start_end.png")
     if pair:
-        return ["<h2>Samples, start and end</h2><figure><img alt='samples start and end' "
-                f"src='data:image/png;base64,{pair}'><figcaption>Held-out samples at the start (left) and the "
-                "end (right): the same prompts and seeds, so each tile pairs with the one beside it."
-                "</figcaption></figure>"]
+        return ["<h2>Samples, start and end</h2><figure><img class=samples alt='samples start and end' "
+                f"src='data:image/png;base64,{pair}'><figcaption>Held-out samples at the start (the base model, "
+                "top half) and at the end (bottom half), each half labelled: the same prompts and seeds, so each "
+                "tile pairs with the one at its place in the other half. Under each tile: the checker's verdict "
+                "(✓ correct / ✗ wrong) or the sample's reward, then its prompt.</figcaption></figure>"]
     parts = []
     for tag in ("start", "end"):
         b64 = _png_b64(run / f"samples_{tag}.png")
         if b64:
-            parts.append(f"<h2>Samples at the {tag}</h2><figure><img alt='samples {tag}' "
+            parts.append(f"<h2>Samples at the {tag}</h2><figure><img class=samples alt='samples {tag}' "
                          f"src='data:image/png;base64,{b64}'><figcaption>Held-out samples at the {tag} (fixed "
                          "prompts and seeds).</figcaption></figure>")
     return parts
@@ -369,15 +452,29 @@ def _config_section(raw: bytes | None, config: str) -> list[str]:
 
 
 def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
-    """Write ``report.html`` (or ``out``) for a run directory; returns its path."""
+    """Write ``report.html`` (or ``out``) for a run directory; returns its path. A ``metrics.jsonl`` that is a
+    symbolic link is refused (ConfigError), and JSON or YAML nested too deep to read is a one-line TrainingError."""
     run = Path(run_dir)
+    if (run / "metrics.jsonl").is_symlink():
+        raise ConfigError(f"report: {str(run / 'metrics.jsonl')!r} is a symbolic link; nothing is read through a "
+                          "link (copy the file into the run directory)")
     if not (run / "metrics.jsonl").is_file():
         raise FileNotFoundError(f"{run} has no metrics.jsonl: not a diffgrpo run directory")
+    try:
+        return _write(run, out)
+    except RecursionError:  # a value nested too deep for the parsers or the encoder, wherever it is
+        raise TrainingError(f"report: {str(run)!r} holds JSON or YAML nested too deep to read") from None
+
+
+def _write(run: Path, out: str | Path | None) -> Path:
     rows = [r for r in read_metrics(run / "metrics.jsonl") if isinstance(r, dict)]
     train = [r for r in rows if "reward" in r]
     evals = [r for r in rows if any(isinstance(k, str) and k.startswith("eval/") for k in r)]
     raw, config, saved = _saved_config(run)
-    parts = (_header_section(run, train, saved) + _summary_section(run) + _eval_section(evals)
+    head = ["<!doctype html><html><head><meta charset='utf-8'><title>diffgrpo run report</title>", _STYLE,
+            f"<h1>Run report: {html.escape(run.name)}</h1>"]
+    parts = (head + _headline_section(evals, saved) + _summary_section(run) + _header_section(run, train, saved)
+             + _eval_section(evals)
              + _figures_section(rows) + _samples_section(run) + _completions_section(run, rows)
              + _timing_section(train) + _config_section(raw, config))
     dest = Path(out) if out else run / "report.html"
