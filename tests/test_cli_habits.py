@@ -66,14 +66,16 @@ def test_aliases_map_with_a_note_or_are_refused_with_the_key(capsys):
 
 def test_trl_names_for_logging_checkpoints_precision_trackers_and_resume(capsys):
     args = parse_args(["train", "logging_steps=5", "--save_total_limit", "3", "report_to=[wandb, tensorboard]"])
-    assert args.overrides == ["log.every=5", "train.keep_checkpoints=3", "log.wandb=true", "log.tensorboard=true"]
+    assert args.overrides == ["log.every=5", "train.keep_checkpoints=3", "log.trackers=[wandb, tensorboard]"]
     err = capsys.readouterr().err
     assert "note: logging_steps is log.every here" in err and "save_total_limit is train.keep_checkpoints" in err
-    assert "note: report_to=[wandb, tensorboard] is log.wandb=true log.tensorboard=true here" in err
-    assert parse_args(["train", "report_to=none"]).overrides == ["log.wandb=false", "log.tensorboard=false"]
-    assert "note: report_to=none is log.wandb=false log.tensorboard=false here" in capsys.readouterr().err
-    refusals = {("report_to=mlflow",): "report_to: mlflow is not a tracker here; name them among ['wandb', "
-                                       "'tensorboard']",
+    assert "note: report_to=[wandb, tensorboard] is log.trackers=[wandb, tensorboard] here" in err
+    assert parse_args(["train", "report_to=mlflow"]).overrides == ["log.trackers=[mlflow]"]
+    assert parse_args(["train", "report_to=none"]).overrides == ["log.trackers=[]", "log.wandb=false",
+                                                                 "log.tensorboard=false"]
+    assert "note: report_to=none is log.trackers=[] log.wandb=false log.tensorboard=false here" in capsys.readouterr().err
+    refusals = {("report_to=neptune",): "report_to: neptune is not a tracker here; name them among ['tensorboard', "
+                                        "'wandb', 'mlflow', 'trackio', 'comet_ml', 'aim', 'clearml', 'dvclive']",
                 ("bf16=true",): "'bf16': model.mixed_precision=bf16 (flow models: autocast) or dllm.dtype=bfloat16",
                 ("--bf16",): "'bf16': model.mixed_precision=bf16",
                 ("--fp16", "--resume", "auto"): "'fp16': model.mixed_precision=fp16",
@@ -92,7 +94,7 @@ def test_a_flat_trl_yaml_maps_like_the_command_line(tmp_path, capsys):
                     "report_to: [tensorboard]\ntrain:\n  num_iterations: 3\nseed: 2\n")
     assert main(["print-config", "--config", str(flat), "--changed", "beta=0.04"]) == 0
     out, err = capsys.readouterr()
-    want = ["train.lr=1e-5", "train.group_size=4", "log.every=5", "train.keep_checkpoints=3", "log.tensorboard=true",
+    want = ["train.lr=1e-5", "train.group_size=4", "log.every=5", "train.keep_checkpoints=3", "log.trackers=[tensorboard]",
             "train.num_iterations=3", "seed=2", "loss.beta=0.04"]
     assert main(["print-config", "--changed", *want]) == 0
     assert yaml.safe_load(out) == yaml.safe_load(capsys.readouterr().out)  # the same config as the dotted keys give

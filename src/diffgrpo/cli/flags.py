@@ -23,6 +23,8 @@ from collections.abc import Callable, Mapping
 
 from ..config import RENAMED, RunConfig
 from ..errors import ConfigError
+from ..run.trackers import ALIASES as TRACKER_SWITCHES
+from ..run.trackers import TRACKERS as TRACKER_NAMES
 
 # alias → dotted key: names from TRL's GRPOConfig / transformers' TrainingArguments, flow_grpo's and DanceGRPO's
 # configs that mean the same thing here
@@ -82,22 +84,22 @@ AMBIGUOUS: dict[str, str] = {
 AMBIGUOUS.update({old: f"{old} was renamed {new}" for old, new in RENAMED.items()})  # config.RENAMED
 
 
-# TRL's report_to names → the switch of each tracker this tool writes
-TRACKERS: dict[str, str] = {"wandb": "log.wandb", "tensorboard": "log.tensorboard"}
+# the trackers' switches (aliases in log.trackers), turned off by report_to=none
+TRACKERS: dict[str, str] = TRACKER_SWITCHES
 
 
-def report_to(value) -> list[tuple[str, bool]]:
-    """TRL's ``report_to`` (a name, a list of names, or ``none``) → (tracker switch, on) pairs; a one-line
-    ConfigError for a tracker this tool does not write."""
+def report_to(value) -> list[tuple[str, object]]:
+    """TRL's ``report_to`` (a name, a list of names, or ``none``) → ``log.trackers`` (and, for ``none``, the
+    switches off); a one-line ConfigError for a tracker this tool does not write."""
     items = value if isinstance(value, (list, tuple)) else str(value).strip().strip("[]").split(",")
     names = [str(n).strip().strip("'\"").lower() for n in items if str(n).strip()]
     if not names or names == ["none"]:
-        return [(key, False) for key in TRACKERS.values()]
-    unknown = [n for n in names if n not in TRACKERS]
+        return [("log.trackers", []), *((key, False) for key in TRACKERS.values())]
+    unknown = [n for n in names if n not in TRACKER_NAMES]
     if unknown:
         raise ConfigError(f"report_to: {', '.join(unknown)} is not a tracker here; name them among "
-                          f"{list(TRACKERS)} (log.wandb=true, log.tensorboard=true) or none")
-    return [(TRACKERS[n], True) for n in names]
+                          f"{list(TRACKER_NAMES)} (log.trackers) or none")
+    return [("log.trackers", names)]
 
 
 VALUED: dict[str, Callable[[object], list[tuple[str, object]]]] = {"report_to": report_to}
@@ -141,6 +143,8 @@ def hint(key: str) -> str:
 
 
 def _text(value) -> str:
+    if isinstance(value, list):
+        return "[" + ", ".join(map(_text, value)) + "]"
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
