@@ -121,3 +121,23 @@ def test_diffgrpo_train_trains_the_remote_block_model(model_dir, tmp_path):
         torch.testing.assert_close(v, weights[k], rtol=0, atol=0)
     start = AutoModelForCausalLM.from_pretrained(str(model_dir), trust_remote_code=True).state_dict()
     assert any(not torch.equal(start[k], v) for k, v in weights.items())  # trained: not the initial weights
+
+
+@pytest.mark.parametrize("extra,error", [
+    ("dllm.block_length=2", "error: dllm.block_length: value 2 differs from the block-causal model's block size 4"),
+    ("dllm.gen_length=6", "error: dllm.gen_length: value 6 is not a multiple of the model's block size 4"),
+    ("dllm.kv_cache=prefix", "error: dllm.kv_cache: value 'prefix' does not apply to a block-causal model")])
+def test_the_models_block_is_checked_from_its_config_before_it_loads(model_dir, tmp_path, capsys, extra, error):
+    """A local model directory's ``block_size`` (config.json) governs the decoding sizes: a conflicting key is one
+    line at validation, before the model loads (the run directory is never made)."""
+    from diffgrpo.cli.app import main
+
+    data = tmp_path / "g.jsonl"
+    data.write_text(json.dumps({"question": "1+2=?", "answer": "#### 3"}) + "\n")
+    run = tmp_path / "run"
+    assert main(["train", "model.name=hf_masked_lm", f"dllm.model_path={model_dir}", "dllm.trust_remote_code=true",
+                 "dllm.task=gsm8k", f"dllm.data_file={data}", "dllm.prompt_field=question", "dllm.gen_length=8",
+                 extra, f"log.output_dir={run}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(error), err
+    assert not run.exists()

@@ -72,7 +72,7 @@ class DLLMFamily:
         self.block_size = getattr(policy, "block_size", 0)  # > 0: block-causal (exact block cache, block rollouts)
         self.block_length = self.block_size or self.d.block_length or self.gen_length
         if self.block_size:
-            check_block_model(self.d, self.block_size, self.gen_length)
+            rules.check_block_model(self.d, self.block_size, self.gen_length)
             self.prompt_length = -(-self.prompt_length // self.block_size) * self.block_size  # blocks start at P
         self.steps = self.d.diffusion_steps or self.gen_length
         masked.schedule(self.gen_length, self.block_length, self.steps)  # validates the sizes
@@ -304,20 +304,6 @@ class DLLMFamily:
 
 
 D1_FORMAT_KEYS = ("format_strict", "format_soft", "format_xmlcount")
-
-
-def check_block_model(d, block_size: int, gen_length: int) -> None:
-    """A block-causal model decodes in its own attention blocks with its exact cache: ``dllm.block_length`` is 0 or
-    the model's block, which divides the completion; ``dllm.kv_cache`` (the masked LM's approximate caches) is none."""
-    if d.block_length and d.block_length != block_size:
-        raise ConfigError(f"dllm.block_length: value {d.block_length} differs from the block-causal model's block "
-                          f"size {block_size}; use 0 or {block_size}")
-    if gen_length % block_size:
-        raise ConfigError(f"dllm.gen_length: value {gen_length} is not a multiple of the model's block size "
-                          f"{block_size}")
-    if d.kv_cache != "none":
-        raise ConfigError(f"dllm.kv_cache: value {d.kv_cache!r} does not apply to a block-causal model (its cache of "
-                          f"finished blocks is exact and always on); must be 'none'")
 
 
 def warn_long_prompts(vocab, examples: list[Example], length: int, log, limit: int = 10000) -> int:

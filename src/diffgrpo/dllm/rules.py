@@ -82,13 +82,15 @@ def _validate_dllm(cfg: RunConfig, purpose: str) -> None:
                               f"default {task.gen_length})")
     gen = d.gen_length or task.gen_length
     src = f"dllm.gen_length={gen}" if d.gen_length else f"dllm.task={d.task}'s default gen_length {gen}"
-    block = d.block_length or (TINY_BLOCK_SIZE if cfg.model.name == "tiny_block" else gen)
-    if cfg.model.name == "tiny_block" and d.kv_cache != "none":
-        raise ConfigError(f"dllm.kv_cache: value {d.kv_cache!r} does not apply to model.name=tiny_block (its cache of "
-                          f"finished blocks is exact and always on); must be 'none'")
+    model_block = model_block_size(cfg)  # a block-causal model decodes in its own blocks
+    if model_block and not d.block_length:
+        check_block_model(d, model_block, gen)
+    block = d.block_length or model_block or gen
     if gen % block:
         raise ConfigError(f"dllm.block_length: value {d.block_length} does not divide the generation length {gen} "
                           f"({src}); choose one of {_divisors(gen)} or 0 (one block)")
+    if model_block and d.block_length:
+        check_block_model(d, model_block, gen)
     n_blocks = gen // block
     steps = d.diffusion_steps or gen
     if steps > gen:
@@ -102,6 +104,34 @@ def _validate_dllm(cfg: RunConfig, purpose: str) -> None:
         schedule(gen, block, steps)  # the sampler's own rules, in case they grow
     except ValueError as e:
         raise ConfigError(f"dllm.diffusion_steps: value {steps} is not usable ({e})") from None
+
+
+def model_block_size(cfg: RunConfig) -> int:
+    """The attention block of a block-causal model, known before it loads: ``tiny_block``'s (``dllm.block_length``
+    or :data:`TINY_BLOCK_SIZE`), the ``block_size`` in a local ``dllm.model_path``'s config.json; else 0 (a hub
+    model's is checked when it loads)."""
+    d = cfg.dllm
+    if cfg.model.name == "tiny_block":
+        return d.block_length or TINY_BLOCK_SIZE
+    if cfg.model.name != "hf_masked_lm" or not d.model_path or not Path(d.model_path).expanduser().is_dir():
+        return 0
+    b = _json_file(Path(d.model_path).expanduser() / "config.json").get("block_size")
+    return b if isinstance(b, int) and not isinstance(b, bool) and b > 0 else 0
+
+
+def check_block_model(d, block_size: int, gen_length: int) -> None:
+    """A block-causal model decodes in its own attention blocks with its exact cache: ``dllm.block_length`` is 0 or
+    the model's block, which divides the completion; ``dllm.kv_cache`` (the masked LM's approximate caches) is none."""
+    if d.block_length and d.block_length != block_size:
+        raise ConfigError(f"dllm.block_length: value {d.block_length} differs from the block-causal model's block "
+                          f"size {block_size}; use 0 or {block_size}")
+    if gen_length % block_size:
+        raise ConfigError(f"dllm.gen_length: value {gen_length} is not a multiple of the model's block size "
+                          f"{block_size}")
+    if d.kv_cache != "none":
+        raise ConfigError(f"dllm.kv_cache: value {d.kv_cache!r} does not apply to a block-causal model (its cache of "
+                          f"finished blocks is exact and always on); must be 'none'")
+
 
 
 def _validate_dllm_scale(cfg: RunConfig, task, purpose: str) -> None:
