@@ -1,5 +1,5 @@
 """The HTML report a person reads: a header, one axis per metric in each family (reward, fidelity, diversity,
-optimisation), start/end samples side by side, masked-LM completions, the changed config keys; rendered in
+optimisation), the labelled start/end samples, masked-LM completions, the changed config keys; rendered in
 headless Chromium (the test fails, not skips, under CI=true without a browser)."""
 from __future__ import annotations
 

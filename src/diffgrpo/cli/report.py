@@ -1,16 +1,18 @@
 """``diffgrpo report <run_dir>``: one self-contained HTML page (images inlined as base64) that a person reads.
 
-Top to bottom: a header (run date, diffgrpo version, the code's git commit, training wall time, device and
-threads), the held-out metrics start → end, one figure per metric family — reward, fidelity (FID), diversity,
-optimisation — with one axis per metric (so a reward's rise is not flattened beside an FID of ~90, nor ``kl``
-beside ``grad_norm``) and integer iteration ticks, the start and end samples side by side, the masked-LM
-completions at the start and the end, the time per phase, and the config keys that differ from the defaults
-(the full resolved config folded below). Every figure has a caption.
+Top to bottom: the headline — the held-out reward start → end (a ``shapes_correct`` run's accuracy first) and the
+guards (inside every guard, the FID and diversity ratios beside their limits) — a header (run date, diffgrpo
+version, the code's git commit, training wall time, device and threads), every held-out metric start → end, one
+figure per metric family — reward, fidelity (FID), diversity, guards, optimisation — with one axis per metric (so a
+reward's rise is not flattened beside an FID of ~90, nor ``kl`` beside ``grad_norm``) and integer iteration ticks, a
+series equal to one already plotted or constant throughout given as a one-line note instead of a panel, the
+labelled start and end samples, the masked-LM completions at the start and the end, the time per phase, and the
+config keys that differ from the defaults (the full resolved config folded below). Every figure has a caption.
 
 Whatever the run directory holds, the page is written or a one-line error given: rows that are not objects, a
 non-numeric iteration and non-finite values are left out of the plots and tables, a config that is not UTF-8 is
 shown with replacement characters, and a ``config.yaml``, ``samples_*.png`` or sample table that is a symbolic
-link is not followed (its content could be any file of the user's).
+link is not followed (its content could be any file of the user's); a ``metrics.jsonl`` that is a link is refused.
 """
 from __future__ import annotations
 
@@ -358,7 +360,7 @@ def _eval_section(evals: list[dict]) -> list[str]:
         return []
     eval_keys = sorted({k for r in evals for k in r if isinstance(k, str) and k.startswith("eval/")})
     first, last = evals[0], evals[-1]
-    parts = ["<h2>Every held-out metric, start → end</h2><table><tr><th>metric</th><th>start</th>"
+    parts = ["<h2>Held-out evaluation, start → end: every metric</h2><table><tr><th>metric</th><th>start</th>"
              "<th>end</th><th>change</th></tr>"]
     for k in eval_keys:
         if _num(first.get(k)) and _num(last.get(k)):
@@ -384,7 +386,7 @@ def _figures_section(rows: list[dict]) -> list[str]:
 
 
 def _samples_section(run: Path) -> list[str]:
-    """The start and end samples: side by side when the run wrote the pair, else each on its own."""
+    """The start and end samples: the pair when the run wrote it, else each grid on its own."""
     pair = _png_b64(run / "samples_start_end.png")
     if pair:
         return ["<h2>Samples, start and end</h2><figure><img class=samples alt='samples start and end' "
