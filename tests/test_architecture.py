@@ -211,7 +211,7 @@ FLOORS = [
      "prompts", "tasks", "_version", "schema", "console", "yamlio", "configvalues", "threads", "sources", "sandbox",
      "feature_stats", "guard_checks", "plugins"},
     {"distributed", "ema", "samplers", "loss_weights", "run.runlog", "run.trackers", "models", "rewards", "run.rundir",
-     "guards", "metering", "diversity", "consistency"},
+     "guards", "guard_features", "metering", "diversity", "consistency"},
     {"engines", "family", "run.checkpoint", "run.saved_config"},
     {"flow", "dllm"},
     {"families", "validation", "run.job", "trainer", "run"},

@@ -13,7 +13,6 @@ import threading
 import time
 from pathlib import Path
 
-import torch
 from filelock import FileLock, Timeout
 from safetensors.torch import save_file
 
@@ -208,9 +207,8 @@ class Job:
         return {"start": first, "end": last_eval, **self.watch.summary()}  # "stopped", "best" (guards)
 
     def _share_stop(self):
-        """A signal on any rank stops every rank after the same iteration (one small collective per iteration): →
-        the agreed signal (None: go on), the same on every rank. A signal arriving after the agreement is only
-        recorded, and agreed on after the next iteration."""
+        """→ the signal any rank received, agreed by every rank after the same iteration (one small collective; a
+        signal after the agreement waits for the next one), or None: go on."""
         shared = distributed.first_set(self.stop_signal)
         if shared is not None and self.stop_signal is None:
             self.stop_signal, self._stop_time = shared, time.monotonic()
@@ -231,19 +229,10 @@ def _fmt(row: dict) -> str:
 
 
 class _NullWriter:
-    """The metrics writer of ranks > 0."""
+    """The metrics writer of ranks > 0: write, log_images, log_table and close do nothing."""
 
-    def write(self, row: dict) -> None:
-        pass
-
-    def log_images(self, images: torch.Tensor, step: int, nrow: int, caption: str) -> None:
-        pass
-
-    def log_table(self, rows: list, step: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: None
 
     def __enter__(self):
         return self

@@ -1,0 +1,66 @@
+"""The feature spaces and plug-ins of the guards (:mod:`diffgrpo.guards` computes and judges the values):
+
+  CLIP_REWARDS              the CLIP-class rewards whose CLIP model ``eval.guard_features=clip`` shares
+  clip_features(images, …)  unit-norm CLIP image embeddings (B, D) (video: the mean over its frames), in chunks;
+                            cost: one CLIP image forward a sample (a frame of a video)
+  clip_reward(cfg)          the run's first CLIP-class reward, or None
+  feature_kind(cfg)         ``eval.guard_features`` resolved (``auto``: digits for the built-in model, else clip when
+                            a CLIP-class reward is configured, else none)
+  plugin(spec, key)         a registry reward or an importable ``module:function`` named by a config key
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from . import plugins
+from .errors import ConfigError
+from .rewards import REWARDS, clip_models
+
+CLIP_REWARDS = {"pickscore": (clip_models.PICKSCORE_MODEL, clip_models.PICKSCORE_PROCESSOR),
+                "clip_score": (clip_models.CLIP_L14, ""), "aesthetic": (clip_models.CLIP_L14, "")}
+FEATURES = ("auto", "digits", "clip", "none")
+
+
+@torch.no_grad()
+def clip_features(images: torch.Tensor, model: str, processor: str, device, dtype: str,
+                  batch_size: int) -> torch.Tensor:
+    """Unit-norm CLIP image embeddings (B, D) float32 (video: the mean over its F frames), in chunks."""
+    proc, net = clip_models.load_clip(model, processor, device, dtype)
+    B, F = images.shape[0], images.shape[2] if images.dim() == 5 else 1
+    frames = images if images.dim() == 4 else images.permute(0, 2, 1, 3, 4).reshape(B * F, *images.shape[1:2],
+                                                                                      *images.shape[-2:])
+    e = torch.cat([clip_models.image_embeds(proc, net, frames[i:i + batch_size])
+                   for i in range(0, frames.shape[0], batch_size)])  # (B·F, D)
+    return e.view(B, F, -1).mean(1).cpu()
+
+
+def clip_reward(cfg) -> str | None:
+    """The run's first CLIP-class reward (training rewards first, then guard rewards), or None."""
+    return next((n for n in [*cfg.reward.weights, *cfg.eval.guard_rewards] if n in CLIP_REWARDS), None)
+
+
+def feature_kind(cfg) -> str:
+    """``eval.guard_features`` resolved: digits, clip, none or a module:function."""
+    kind = cfg.eval.guard_features
+    if kind != "auto":
+        return kind
+    if cfg.model.name == "tiny":
+        return "digits" if cfg.train.task == "digits" else "none"
+    return "clip" if clip_reward(cfg) is not None else "none"
+
+
+def plugin(spec: str, key: str) -> Callable:
+    """A registry reward or an importable ``module:function`` named by config key ``key`` (ConfigError otherwise)."""
+    if spec in REWARDS:
+        return REWARDS[spec]
+    if ":" not in spec:
+        raise ConfigError(f"{key}: unknown reward {spec!r}; choose one of {sorted(REWARDS)} or package.module:function")
+    fn = plugins.resolve(spec, key=key, hint="; give a registry reward or package.module:function")
+    if not callable(fn):
+        raise ConfigError(f"{key}: {spec!r} is not callable")
+    return fn
+
+
+__all__ = ["CLIP_REWARDS", "FEATURES", "clip_features", "clip_reward", "feature_kind", "plugin"]
