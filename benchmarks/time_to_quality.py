@@ -18,11 +18,13 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
+from pathlib import Path
 
 import torch
 
 from diffgrpo import RunConfig
 from diffgrpo.studies import quality as bench_quality
+from diffgrpo.studies import quality_tune
 
 KL = "loss.beta=0.3"
 _WINDOW = ["engine.name=recompute", "steps.mode=window", "steps.window_start=0", "steps.window_size=3",
@@ -58,6 +60,10 @@ def main(argv=None):
     p.add_argument("--variant", action="append", default=[], help="extra variant NAME=key=value,key=value")
     p.add_argument("--reference", default=REFERENCE)
     p.add_argument("--target-fraction", type=float, default=0.95)
+    p.add_argument("--tune", action="store_true", help="choose each variant's settings on a grid first (--tune-seeds)")
+    p.add_argument("--tune-seeds", type=int, nargs="+", default=[100, 101])
+    p.add_argument("--tune-grid", nargs="+", default=[], help="key=v1,v2 ... or one YAML file (default: lr, beta, "
+                                                              "a diversity objective's strength at x0.5, x1, x2)")
     p.add_argument("--out", default="benchmarks/results/bench_quality/study")
     p.add_argument("overrides", nargs="*", help="extra key=value config overrides for every variant")
     a = p.parse_args(argv)
@@ -70,9 +76,16 @@ def main(argv=None):
     base = RunConfig.from_overrides([*BASE, *a.overrides])
     command = "OMP_NUM_THREADS=1 python benchmarks/time_to_quality.py " + " ".join(
         shlex.quote(w) for w in (argv if argv is not None else sys.argv[1:]))
-    bench_quality.run(base, variants, a.seeds, out=a.out, reference=a.reference, iterations=a.iterations,
-                      evals=a.evals, eval_spacing=a.eval_spacing, target_fraction=a.target_fraction,
-                      command=command, title="built-in task (tiny pretrained flow model, digit_alignment)")
+    bench = dict(iterations=a.iterations, evals=a.evals, eval_spacing=a.eval_spacing,
+                 target_fraction=a.target_fraction, title="built-in task (tiny pretrained flow model, digit_alignment)")
+    tuning = None
+    if a.tune:
+        bench_quality.claim_out(Path(a.out))
+        variants, tuning = quality_tune.tuned(base, variants, a.tune_seeds, a.seeds, out=Path(a.out),
+                                              reference=a.reference, grid=quality_tune.parse_grid(a.tune_grid),
+                                              run=bench_quality.run, command=command + "  (tuning stage)", **bench)
+    bench_quality.run(base, variants, a.seeds, out=a.out, reference=a.reference, command=command, tuning=tuning,
+                      **bench)
 
 
 if __name__ == "__main__":

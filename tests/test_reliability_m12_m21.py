@@ -278,3 +278,14 @@ def test_every_rank_destroys_its_process_group_at_exit(tmp_path):
     assert p.returncode == 0, p.stdout + p.stderr
     for r in (0, 1):
         assert f"rank {r} group alive at exit: False" in p.stdout, p.stdout
+
+
+# ------------------------------------------------------------------------------------------ arguments a command ignored
+@pytest.mark.parametrize("argv", [["configs", "list", "extra"], ["print-config", "--docs", "--changed"],
+                                  ["print-config", "--docs", "train.lr=1e-4"]])
+def test_an_argument_a_command_does_not_use_is_refused(argv, capsys):
+    from diffgrpo.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and ("extra" in err[0] or "--docs" in err[0])

@@ -18,6 +18,13 @@ def cmd_print_config(args) -> int:
     from .configdoc import changed, reference_markdown
 
     if args.docs:
+        given = [f for f, v in (("--changed", args.changed), ("--check-data", getattr(args, "check_data", False)),
+                                ("--config", getattr(args, "config", None)),
+                                ("key=value overrides", getattr(args, "overrides", None))) if v]
+        if given:
+            raise ConfigError(f"print-config --docs: prints the reference of every key; {', '.join(given)} "
+                              f"{'does' if len(given) == 1 else 'do'} not apply (drop {'it' if len(given) == 1 else 'them'}, "
+                              "or drop --docs)")
         print(reference_markdown(), end="")
         return 0
     cfg = load_cfg(args, purpose="train" if args.check_data else "print")
@@ -47,6 +54,10 @@ def data_checked(cfg) -> str:
 def cmd_configs(args) -> int:
     """``configs list``: the shipped configs; ``configs cp NAME [DEST]``: copy one out to edit."""
     if args.action == "list":
+        extra = [a for a in (args.name, args.dest) if a]
+        if extra:
+            raise ConfigError(f"configs list: takes no argument (got {' '.join(map(repr, extra))}); copy a config "
+                              "with: diffgrpo configs cp NAME [DEST]")
         configs = recipes.shipped()
         width = max(map(len, configs), default=0)
         for name, text in configs.items():

@@ -401,12 +401,10 @@ def from_args(base: RunConfig, args) -> dict:
     tuning = None
     if args.tune:
         claim_out(Path(args.out))  # a foreign folder is refused before the grid trains
-        tuned = quality_tune.tune(base, variants, args.tune_seeds, args.seeds, out=Path(args.out),
-                                  reference=args.reference or next(iter(variants)),
-                                  grid=quality_tune.parse_grid(args.tune_grid), run=run,
-                                  command=command + "  (tuning stage)", **bench)
-        variants = {v: tuned["chosen"][v]["overrides"] for v in variants}
-        tuning = {"chosen": {v: c["settings"] for v, c in tuned["chosen"].items()}, **tuned["cost"]}
+        variants, tuning = quality_tune.tuned(base, variants, args.tune_seeds, args.seeds, out=Path(args.out),
+                                              reference=args.reference or next(iter(variants)),
+                                              grid=quality_tune.parse_grid(args.tune_grid), run=run,
+                                              command=command + "  (tuning stage)", **bench)
     return run(base, variants, args.seeds, out=args.out, reference=args.reference, command=command, tuning=tuning,
                **bench)
 

@@ -209,6 +209,15 @@ def tune(base: RunConfig, variants: dict[str, list[str]], tune_seeds: list[int],
     return result
 
 
+def tuned(base: RunConfig, variants: dict[str, list[str]], tune_seeds: list[int], seeds: list[int], *, out: Path,
+          reference: str, grid: dict[str, list[str]], run, **bench) -> tuple[dict[str, list[str]], dict]:
+    """:func:`tune`, then → (each variant's overrides with its chosen settings, the record of the tuning for the
+    measurement's outputs)."""
+    t = tune(base, variants, tune_seeds, seeds, out=out, reference=reference, grid=grid, run=run, **bench)
+    return ({v: t["chosen"][v]["overrides"] for v in variants},
+            {"chosen": {v: c["settings"] for v, c in t["chosen"].items()}, **t["cost"]})
+
+
 def _reached(x: float, f: str) -> str:
     return f.format(x) if math.isfinite(x) else "not reached"
 
@@ -230,4 +239,4 @@ def _finite(x):
 
 
 __all__ = ["DEFAULT_GRID", "STRENGTH", "choose", "end_inside", "get_path", "grid_markdown", "grid_settings",
-           "own_settings", "parse_grid", "plan", "resolve", "tune", "variant_grid"]
+           "own_settings", "parse_grid", "plan", "resolve", "tune", "tuned", "variant_grid"]
