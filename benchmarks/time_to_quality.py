@@ -85,7 +85,7 @@ def main(argv=None):
                                               reference=a.reference, grid=quality_tune.parse_grid(a.tune_grid),
                                               run=bench_quality.run, command=command + "  (tuning stage)", **bench)
     bench_quality.run(base, variants, a.seeds, out=a.out, reference=a.reference, command=command, tuning=tuning,
-                      **bench)
+                      focus=(tuning or {}).get("focus"), **bench)
 
 
 if __name__ == "__main__":

@@ -53,6 +53,11 @@ def test_tuning_chooses_the_cell_first_at_the_target_and_measures_it_on_other_se
     assert main_s["meta"]["tuning"]["chosen"] == {"a": tuned["chosen"]["a"]["settings"]}
     assert tuned["cost"]["counted_cost"] == pytest.approx(sum(c["cost"] for c in tune["cells"]))
     assert tuned["cost"]["seconds"] > 0
+    from diffgrpo.studies.quality import eval_marks
+
+    focus = main_s["meta"]["focus"]  # dense marks where the tuned reference crossed the target (when it did)
+    marks = eval_marks(main_s["meta"]["budget_cost"], 3, "linear", focus)
+    assert all(len(c["evaluations"]) == 1 + len(marks) for c in main_s["cells"])
     table, grid_md = (out / "table.md").read_text(), (out / "tune" / "grid.md").read_text()
     assert "Settings tuned first" in table and "Cost of the tuning" in grid_md
     assert grid_md.count("**yes**") == 1 and f"| {want} |" in grid_md.split("**yes**")[0].splitlines()[-1]
@@ -83,3 +88,17 @@ def test_the_grid_resolves_multiples_and_adds_the_diversity_strength():
     assert qt.parse_grid(["train.lr=1e-4,x2", "loss.beta=0"]) == {"train.lr": ["1e-4", "x2"], "loss.beta": ["0"]}
     with pytest.raises(ConfigError, match="not a config key"):
         qt.grid_settings(cfg, {"train.lrr": ["x1"]})
+
+
+def test_dense_marks_around_the_crossing_are_at_most_20_iterations_of_the_cheapest_variant_apart():
+    from diffgrpo.studies.quality import eval_marks
+
+    budget, cost_per_it = 10_000.0, 7.0  # the cheapest variant: 1428 iterations in the budget
+    lo, hi, n = qt.focus_window(0.3, cost_per_it / budget)
+    assert (lo, hi) == pytest.approx((0.15, 0.45))
+    marks = eval_marks(budget, 4, "linear", (lo, hi, n))
+    inside = [m for m in marks if lo * budget - 1e-9 <= m <= hi * budget + 1e-9]
+    gaps = [b - a for a, b in zip(inside, inside[1:])]
+    assert max(gaps) <= 20 * cost_per_it + 1e-9 and marks[-1] == budget and marks == sorted(set(marks))
+    assert set(eval_marks(budget, 4, "linear")) <= set(marks)  # the regular marks stay
+    assert qt.focus_window(math.inf, 0.01) is None  # the reference never crossed: no dense marks

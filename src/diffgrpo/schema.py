@@ -280,7 +280,8 @@ class TrainConfig:
                                                         "× |start|")
     guard_distance: str = _f("fid", choices=("fid", "kid"), doc="the guard on the distance to the task's reference "
                                                               "features: eval/fid (ratio) or eval/guard/kid (absolute)")
-    guard_max_kid: float = _f(0.05, lo=0.0, doc="guard_distance=kid: eval/guard/kid at most its start value + this")
+    guard_max_kid: float = _f(150.0, lo=0.0, doc="guard_distance=kid: eval/guard/kid at most its start value + this "
+                                                  "(absolute; the default suits the built-in task's features)")
     keep_best: str = _f("", doc="keep the weights of the evaluation with the highest value of this metric (e.g. "
                                 "eval/reward) among those inside the guards in <run>/best/; empty = off")
 

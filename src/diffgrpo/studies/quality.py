@@ -88,13 +88,19 @@ def variant_name(name: str) -> str:
     return name
 
 
-def eval_marks(budget: float, evals: int, spacing: str = "linear") -> list[float]:
+def eval_marks(budget: float, evals: int, spacing: str = "linear", focus=None) -> list[float]:
     """The costs at which a cell is evaluated after its start: budget·j/evals (``linear``) or budget·(j/evals)²
-    (``quadratic``), j = 1 … evals; ascending, the last one the budget."""
+    (``quadratic``), j = 1 … evals; ``focus`` (lo, hi, n): also n marks evenly from budget·lo to budget·hi (dense
+    where the target is crossed; the same costs for every cell, so the curves stay aligned). Ascending, the last
+    one the budget."""
     if spacing not in SPACINGS:
         raise ConfigError(f"--eval-spacing: {spacing!r} is not one of {list(SPACINGS)}")
     power = 2 if spacing == "quadratic" else 1
-    return [budget * (j / evals) ** power for j in range(1, evals + 1)]
+    marks = [budget * (j / evals) ** power for j in range(1, evals + 1)]
+    if focus:
+        lo, hi, n = focus
+        marks += [budget * (lo + (hi - lo) * i / max(n - 1, 1)) for i in range(int(n))]
+    return sorted({m for m in marks if 0 < m <= budget})
 
 
 # ---------------------------------------------------------------------- one cell, stepped from outside
@@ -145,7 +151,7 @@ def build_cells(base: RunConfig, variants: dict[str, list[str]], seeds: list[int
 
 
 def interleave(cells: list[Cell], reference: str, *, iterations: int = 0, budget_cost: float = 0.0, evals: int = 4,
-               spacing: str = "linear", max_iterations: int = 0, stop=lambda: False, log=emit) -> float:
+               spacing: str = "linear", max_iterations: int = 0, stop=lambda: False, log=emit, focus=None) -> float:
     """Step the unfinished cell with the least cost until every cell has spent the budget (→ the budget in cost):
     ``budget_cost``, or ``iterations`` of the reference (its seeds' mean cost of one iteration × iterations).
     Each cell is evaluated at the start and when its cost passes each of :func:`eval_marks`. ``stop()`` true
@@ -161,7 +167,7 @@ def interleave(cells: list[Cell], reference: str, *, iterations: int = 0, budget
             raise TrainingError(f"bench quality: the reference's first iteration failed: "
                                 f"{next(c.failed for c in refs if c.failed)}")
         budget_cost = statistics.mean(c.cost for c in refs) * iterations
-    marks = eval_marks(budget_cost, evals, spacing)
+    marks = eval_marks(budget_cost, evals, spacing, focus)
     for c in cells:
         if c.iterations:
             _at_marks(c, marks, cap, log)
@@ -182,10 +188,10 @@ def interleave(cells: list[Cell], reference: str, *, iterations: int = 0, budget
         _at_marks(c, marks, cap, log)
 
 
-def truncate(cells: list[Cell], budget: float, evals: int, spacing: str) -> tuple[int, float]:
+def truncate(cells: list[Cell], budget: float, evals: int, spacing: str, focus=None) -> tuple[int, float]:
     """After an interrupted :func:`interleave`: cut every cell's curve at the last mark all cells (but the failed
     ones) have passed, so the benchmark reads as one with that smaller budget. → (marks kept, their budget)."""
-    marks = eval_marks(budget, evals, spacing)
+    marks = eval_marks(budget, evals, spacing, focus)
     kept = min(len(c.curve) - 1 for c in (cells if all(c.failed for c in cells) else [c for c in cells if not c.failed]))
     for c in cells:
         del c.curve[kept + 1:]
@@ -231,9 +237,10 @@ def run(base: RunConfig, variants: dict[str, list[str]], seeds: list[int], *, ou
         iterations: int = 0, budget_cost: float = 0.0, evals: int = 4, eval_spacing: str = "linear",
         target_fraction: float = 0.95,
         target: float | None = None, metric: str = METRIC, title: str = "", command: str = "",
-        max_iterations: int = 0, tuning: dict | None = None, log=emit) -> dict:
+        max_iterations: int = 0, tuning: dict | None = None, focus=None, log=emit) -> dict:
     """The whole benchmark; writes the outputs under ``out`` and returns the summary (see the module docstring);
-    ``tuning``: what :func:`.quality_tune.tune` chose, recorded in the outputs."""
+    ``tuning``: what :func:`.quality_tune.tune` chose, recorded in the outputs; ``focus``: dense marks
+    (:func:`eval_marks`)."""
     reference = reference or next(iter(variants))
     if reference not in variants:
         raise ConfigError(f"--reference: {reference!r} is not one of the variants {list(variants)}")
@@ -254,10 +261,11 @@ def run(base: RunConfig, variants: dict[str, list[str]], seeds: list[int], *, ou
             atomic_write(out / "configs" / f"{c.variant}_seed{c.seed}.yaml", c.cfg.to_yaml())
     with _signals_stop() as stopped:
         cost = interleave(cells, reference, iterations=iterations, budget_cost=budget_cost, evals=evals,
-                          spacing=eval_spacing, max_iterations=max_iterations, stop=lambda: bool(stopped), log=log)
+                          spacing=eval_spacing, max_iterations=max_iterations, stop=lambda: bool(stopped), log=log,
+                          focus=focus)
     interrupted = None
     if stopped:
-        kept, cost = truncate(cells, cost, evals, eval_spacing)
+        kept, cost = truncate(cells, cost, evals, eval_spacing, focus)
         if kept < 1:
             raise TrainingError(f"bench quality: stopped by signal {stopped[0]} before every cell reached its first "
                                 "evaluation mark; nothing to summarise")
@@ -268,7 +276,7 @@ def run(base: RunConfig, variants: dict[str, list[str]], seeds: list[int], *, ou
                   target=target, budget=cost)
     meta = {"title": title or f"{base.model.name} model, rewards {sorted(base.reward.weights)}", "command": command,
             "variants": variants, "seeds": seeds, "iterations": iterations, "budget_cost": cost, "evals": evals,
-            "eval_spacing": eval_spacing, "interrupted": interrupted, "tuning": tuning,
+            "eval_spacing": eval_spacing, "interrupted": interrupted, "tuning": tuning, "focus": focus,
             "eval_samples": _eval_samples(cells[0]),
             "total_seconds": time.perf_counter() - t0, "load": f"{load:.2f}", "torch_threads": torch.get_num_threads()}
     cells_json = [{"variant": c.variant, "seed": c.seed, "iterations": c.iterations, "seconds": c.seconds,
@@ -406,7 +414,7 @@ def from_args(base: RunConfig, args) -> dict:
                                               grid=quality_tune.parse_grid(args.tune_grid), run=run,
                                               command=command + "  (tuning stage)", **bench)
     return run(base, variants, args.seeds, out=args.out, reference=args.reference, command=command, tuning=tuning,
-               **bench)
+               focus=(tuning or {}).get("focus"), **bench)
 
 
 def again_from_args(args) -> dict:

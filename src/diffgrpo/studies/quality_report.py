@@ -70,6 +70,8 @@ def to_markdown(meta: dict, s: dict) -> str:
         f"counted cost first). Budget: {meta['budget_cost']:.0f} counted cost units per cell"
         f"{budget_words}"
         f"; {meta['evals']} evaluations per cell after the start one, {meta.get('eval_spacing', 'linear')} in cost "
+        + (f"plus {meta['focus'][2]} from {meta['focus'][0]:.0%} to {meta['focus'][1]:.0%} of the budget (dense "
+           "around the tuned reference's crossing) " if meta.get("focus") else "") +
         f"({meta['eval_samples']} held-out samples each). "
         f"Total benchmark time {meta['total_seconds']:.0f} s; machine load at start {meta['load']}."
         + (f" **Stopped by signal {meta['interrupted']['signal']}: summarised at evaluation mark "

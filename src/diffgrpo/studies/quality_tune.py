@@ -14,6 +14,9 @@ measurement on fresh seeds.
             seeds; a seed that misses counts as ∞); ties, and variants with no cell at the target: the highest *end
             reward inside the guards* (per seed, the reward at its last evaluation inside every guard; mean over
             seeds). Counted cost, not seconds: the choice does not depend on the machine's load.
+  marks     the measurement adds evaluation marks around the tuned reference's crossing of the target (½ to 1½ of
+            its cost to target on the tuning seeds), at most 20 iterations of the cheapest chosen variant apart
+            (:func:`focus_window`), so that a crossing 20 iterations sooner is seen.
   outputs   ``tune/grid.md`` and ``tune/grid.json`` (every cell: settings, seeds, cost and time to target or not
             reached, end reward inside the guards, first guard out, the chosen ones), ``tuned.json`` (the chosen
             settings per variant and the tuning's cost); the measurement's ``table.md`` names the chosen settings.
@@ -40,6 +43,7 @@ STRENGTH = {"gardo": "diversity.gardo_amplify", "diversegrpo": "diversity.cluste
             "drift": "diversity.drift_shaping"}
 DEFAULT = ("x0.5", "x1", "x2")
 DEFAULT_GRID = {"train.lr": list(DEFAULT), "loss.beta": list(DEFAULT)}
+EVERY = 20  # iterations between dense evaluation marks around the target crossing, for the cheapest variant
 
 
 # ---------------------------------------------------------------------- pure functions
@@ -198,8 +202,11 @@ def tune(base: RunConfig, variants: dict[str, list[str]], tune_seeds: list[int],
     chosen = choose(rows)
     cost = {"cells": len(cells), "seeds": list(tune_seeds), "seconds": s["meta"]["total_seconds"],
             "counted_cost": sum(x["cost"] for x in s["cells"]), "reference_cell": ref, "target": s["target"]}
+    budget = float(s["meta"]["budget_cost"])
+    focus = focus_window(by_row[chosen[reference]]["cost_to_target"] / budget,
+                         min(by_row[c]["cost_per_iteration"] for c in chosen.values()) / budget)
     result = {"chosen": {v: {"cell": c, **{k: cells[c][k] for k in ("settings", "overrides")}}
-                         for v, c in chosen.items()}, "cost": cost, "rows": rows}
+                         for v, c in chosen.items()}, "cost": cost, "rows": rows, "focus": focus}
     with run_root(out):
         atomic_write(Path(out) / "tune" / "grid.md", grid_markdown(rows, chosen, cost))
         atomic_write(Path(out) / "tune" / "grid.json", json.dumps(_finite(rows), indent=1))
@@ -215,7 +222,18 @@ def tuned(base: RunConfig, variants: dict[str, list[str]], tune_seeds: list[int]
     measurement's outputs)."""
     t = tune(base, variants, tune_seeds, seeds, out=out, reference=reference, grid=grid, run=run, **bench)
     return ({v: t["chosen"][v]["overrides"] for v in variants},
-            {"chosen": {v: c["settings"] for v, c in t["chosen"].items()}, **t["cost"]})
+            {"chosen": {v: c["settings"] for v, c in t["chosen"].items()}, **t["cost"], "focus": t["focus"]})
+
+
+def focus_window(crossing: float, min_cost_per_iteration: float, every: int = EVERY, cap: int = 40):
+    """Dense evaluation marks around the reference's crossing of the target (a fraction of the budget, from the
+    tuning): (lo, hi, n) over [½, 1½] × crossing with marks at most ``every`` iterations of the cheapest variant
+    apart (at most ``cap`` marks); None when the reference never crossed."""
+    if not 0 < crossing < math.inf or min_cost_per_iteration <= 0:
+        return None
+    lo, hi = 0.5 * crossing, min(1.0, 1.5 * crossing)
+    step = every * min_cost_per_iteration  # as a fraction of the budget
+    return lo, hi, int(min(cap, max(2, math.ceil((hi - lo) / step) + 1)))
 
 
 def _reached(x: float, f: str) -> str:
@@ -239,4 +257,4 @@ def _finite(x):
 
 
 __all__ = ["DEFAULT_GRID", "STRENGTH", "choose", "end_inside", "get_path", "grid_markdown", "grid_settings",
-           "own_settings", "parse_grid", "plan", "resolve", "tune", "tuned", "variant_grid"]
+           "focus_window", "own_settings", "parse_grid", "plan", "resolve", "tune", "tuned", "variant_grid"]
