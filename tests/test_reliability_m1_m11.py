@@ -241,22 +241,27 @@ def reward(images, prompts, metadata):
 '''
 
 
-@pytest.fixture
-def wandered_run(tmp_path_factory):
-    """A two-iteration CLI run with ``log.output_dir=run`` (relative) whose plug-in reward ``chdir``s elsewhere."""
+@pytest.fixture(scope="module")
+def wandered_run(tmp_path_factory, sd3_dir):
+    """A two-iteration CLI run of a tiny SD3 pipeline with ``log.output_dir=run`` (relative) whose only reward, a
+    plug-in, ``chdir``s elsewhere (the default reward, digit_alignment, does not fit the model)."""
     import os
     import sys
 
     from diffgrpo.cli.app import main
-    from tests.helpers.tiny import TINY_CLI
 
     d = tmp_path_factory.mktemp("wander")
     (d / "wander_cwd.py").write_text(WANDER.format(elsewhere=str(d / "elsewhere")))
     cwd, path = os.getcwd(), list(sys.path)
     os.chdir(d)
     try:
-        rc = main(["train", *TINY_CLI, "train.ema_decay=0.0", "train.num_iterations=2", "eval.every=0",
-                   "train.save_every=1", "log.output_dir=run", 'reward.weights={"wander_cwd:reward": 1.0}'])
+        rc = main(["train", "log.progress=false", "log.save_images=false", "sampler.num_steps=3",
+                   "train.prompts_per_batch=2", "train.group_size=2", "model.name=diffusers",
+                   f"model.pretrained={sd3_dir}", "model.resolution=16", "model.max_sequence_length=8",
+                   "model.lora_rank=4", "train.num_iterations=2", "train.save_every=1", "eval.every=0",
+                   "eval.seeds_per_prompt=1", f"train.prompts_file={sd3_dir / 'prompts.txt'}",
+                   f"eval.prompts_file={sd3_dir / 'prompts.txt'}", "log.output_dir=run",
+                   'reward.weights={"wander_cwd:reward": 1.0}'])
     finally:
         os.chdir(cwd)
         sys.path[:] = path
@@ -268,8 +273,26 @@ def test_m5_a_plugin_that_changes_directory_leaves_the_outputs_in_the_run_direct
     rc, d = wandered_run
     assert rc == 0 and (d / "elsewhere").is_dir()  # the plug-in did change the directory
     run = d / "run"
-    for name in ("metrics.jsonl", "summary.json", "weights.safetensors", "config.yaml"):
-        assert (run / name).is_file(), name
+    for name in ("metrics.jsonl", "summary.json", "weights.safetensors", "config.yaml", "checkpoints"):
+        assert (run / name).exists(), name
     assert [json.loads(x)["iteration"] for x in (run / "metrics.jsonl").read_text().splitlines()
             if "loss" in json.loads(x)] == [1, 2]
     assert list((d / "elsewhere").iterdir()) == []  # nothing of the run landed where the plug-in went
+
+
+# ------------------------------------------------------------------------- sample and export of a plug-in's run
+def test_m11_sample_and_export_of_a_plugin_run_need_no_reward(wandered_run, tmp_path, capsys):
+    """The plug-in (not importable from here) is the run's only reward; neither command scores, so neither needs it
+    nor falls back to a reward the run never had."""
+    from diffgrpo.cli.app import main
+
+    _, d = wandered_run
+    out = tmp_path / "s.png"
+    rc = main(["sample", "--weights", str(d / "run"), "--prompt", "a cat", "--num", "2", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 0 and Image.open(out).size[0] > 0, err
+    assert "digit_alignment" not in err, err
+    rc = main(["export", str(d / "run"), "--out", str(tmp_path / "exported")])
+    err = capsys.readouterr().err
+    assert rc == 0 and "digit_alignment" not in err, err
+    assert "| rewards | wander_cwd:reward (weight 1.0) |" in (tmp_path / "exported" / "README.md").read_text()

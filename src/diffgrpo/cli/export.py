@@ -35,6 +35,7 @@ from ..models import POLICIES
 from ..models.hf_masked_lm import build_tiny_mlm_policy
 from ..models.tiny import build_tiny_policy
 from ..models.tiny_block import build_tiny_block_policy
+from ..rewards.registry import unscored_overrides
 from ..run import saved_config
 from ..run.checkpoint import RunState, is_complete, latest_complete, list_checkpoints, load_checkpoint
 from ..run.runlog import read_metrics
@@ -99,6 +100,7 @@ def _load_weights(policy, ck: RunState) -> None:
 def _config(ckpt: Path, overrides: list[str]):
     """(the saved config as written, for the model card; the config to build the policy with)."""
     raw = json.loads((ckpt / "state.json").read_text())["config"]
+    overrides = [*overrides, *unscored_overrides(overrides)]  # an export scores nothing: no reward is checked
     return raw, saved_config.load(ckpt, overrides, command="export")  # reads no prompts: they need not be at hand
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from ..config import RunConfig
 from ..errors import ConfigError
 from ..fileio import atomic_write
+from ..rewards.registry import unscored_overrides
 from ..run import saved_config
 from .hub import check_hub
 from .resolve import threads
@@ -22,6 +23,7 @@ def _config(args) -> tuple[RunConfig, Path | None]:
     """The config to sample with (a run directory's own, or the command line's) and the weights file, or None."""
     src = Path(args.weights) if args.weights else None
     overrides = list(args.overrides)
+    overrides += unscored_overrides(overrides)  # sampling scores nothing: no reward of the run is built or checked
     if src is not None and src.is_dir():
         return saved_config.load(src, overrides, command="--weights"), src / "weights.safetensors"
     cfg = RunConfig.from_overrides(overrides + ["log.progress=false"], purpose="sample")

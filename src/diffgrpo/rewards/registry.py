@@ -125,6 +125,26 @@ def with_supplied(cfg, rewards: Mapping[str, RewardFn]):
     return cfg
 
 
+# what a command that scores nothing (diffgrpo sample, export) trains "on": a supplied name that every family
+# accepts (no model, no plug-in, no other family's reward) and that refuses to score
+UNSCORED = "unscored"
+
+
+def unscored(images, prompts, metadata=None):
+    raise ConfigError(f"reward.weights: {UNSCORED!r} stands in for a run's rewards where the command scores nothing "
+                      "(diffgrpo sample, export); set reward.weights to score")
+
+
+def unscored_overrides(overrides: list[str]) -> list[str]:
+    """The overrides that give a command which scores nothing the stand-in reward :data:`UNSCORED` (supplied here)
+    in place of the config's own (a run's plug-in, not run; a default that does not fit its model): none when the
+    command line sets a ``reward.`` key itself."""
+    if any(o.split("=", 1)[0].strip().startswith("reward.") for o in overrides):
+        return []
+    supply({UNSCORED: unscored})
+    return [f"reward.weights={{{UNSCORED}: 1.0}}", "reward.options={}"]
+
+
 def resolve_reward(name: str) -> RewardFn:
     """Registry key, supplied name or ``package.module:function`` → callable. Raises ConfigError for unknown
     names, malformed or failing plug-ins."""
@@ -157,6 +177,6 @@ def build(name: str, options: Mapping | None = None, device=None) -> RewardFn:
     return calling.bind(resolve_reward(name), options)
 
 
-__all__ = ["MODEL_REWARDS", "OPTION_REWARDS", "PATH_OPTIONS", "REQUIRED_OPTIONS", "REWARDS", "SUPPLIED",
-           "TASK_REWARD", "TEXT_REWARDS", "ModelReward", "RewardFn", "build", "resolve_reward", "supply",
-           "with_supplied"]
+__all__ = ["MODEL_REWARDS", "OPTION_REWARDS", "PATH_OPTIONS", "REQUIRED_OPTIONS", "REWARDS", "SUPPLIED", "TASK_REWARD",
+           "TEXT_REWARDS", "UNSCORED", "ModelReward", "RewardFn", "build", "resolve_reward", "supply", "unscored",
+           "unscored_overrides", "with_supplied"]
