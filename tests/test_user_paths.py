@@ -1,6 +1,6 @@
 """The user-path matrix: launch {one process, torchrun 2 ranks DDP, torchrun 2 ranks FSDP2} × model {built-in, a tiny
 StableDiffusion3Pipeline directory, a tiny Wan pipeline directory, the built-in masked LM, a tiny remote-code
-LLaDA-style model} × {full fine-tune, LoRA}, each cell through the command line to the very end:
+LLaDA-style model, the built-in block-diffusion LM} × {full fine-tune, LoRA}, each cell through the command line to the very end:
 
     train with a checkpoint every iteration → SIGTERM once the first checkpoint exists (the run finishes its
     iteration, checkpoints, exits 143) → ``train --resume`` → finish (exit 0, every promised file) → ``export``
@@ -33,7 +33,7 @@ from tests.helpers.pipelines import PROMPTS, t5_tokenizer, tiny_transformer
 from tests.helpers.remote_models import build_remote_model
 
 LAUNCHES = ("one", "ddp", "fsdp2")
-MODELS = ("builtin", "sd3", "wan", "mlm", "llada")
+MODELS = ("builtin", "sd3", "wan", "mlm", "llada", "block")
 LLADA_MASK = 2
 COMMON = ["log.progress=false", "log.save_images=false", "train.prompts_per_batch=2", "train.group_size=4",
           "seed=0", "train.save_every=1", "train.ema_decay=0.0"]
@@ -41,6 +41,9 @@ COMMON = ["log.progress=false", "log.save_images=false", "train.prompts_per_batc
 REFUSED: dict[tuple[str, str, str], str] = {
     ("fsdp2", "mlm", kind): "error: dist.mode=fsdp2 for masked diffusion LMs shards the blocks of "
                             "model.name=hf_masked_lm; the built-in tiny_mlm trains data parallel with dist.mode=ddp"
+    for kind in ("full", "lora")} | {
+    ("fsdp2", "block", kind): "error: dist.mode=fsdp2 for masked diffusion LMs shards the blocks of "
+                              "model.name=hf_masked_lm; the built-in tiny_block trains data parallel with dist.mode=ddp"
     for kind in ("full", "lora")}
 FAST = {("one", "builtin", "full")}
 
@@ -87,13 +90,15 @@ def _model_args(model: str, lora: bool, request) -> list[str]:
                 "eval.seeds_per_prompt=1", "train.lr=0.05", *(["model.num_frames=5"] if model == "wan" else [])]
     elif model == "mlm":
         args = ["model.name=tiny_mlm", "dllm.eval_size=4", "pretrain.steps=20"]
+    elif model == "block":
+        args = ["model.name=tiny_block", "dllm.eval_size=4", "pretrain.steps=20"]
     else:
         d, data = request.getfixturevalue("llada_dir")
         args = ["model.name=hf_masked_lm", f"dllm.model_path={d}", "dllm.trust_remote_code=true",
                 f"dllm.mask_token_id={LLADA_MASK}", "dllm.task=gsm8k", f"dllm.data_file={data}",
                 "dllm.prompt_field=question", "dllm.prompt_length=16", "dllm.gen_length=8", "dllm.diffusion_steps=8",
                 "dllm.eval_size=4"]
-    lora_key = "dllm.lora_rank" if model in ("mlm", "llada") else "model.lora_rank"
+    lora_key = "dllm.lora_rank" if model in ("mlm", "llada", "block") else "model.lora_rank"
     return [*args, *COMMON, *([f"{lora_key}=4"] if lora else [])]
 
 
@@ -145,7 +150,7 @@ def _assert_same(a: dict, b: dict) -> None:
 
 def _reload_and_sample(model: str, lora: bool, run: Path, exp: Path, merged: Path | None, request, tmp: Path):
     weights = load_file(str(run / "weights.safetensors"))
-    if model in ("builtin", "mlm"):  # the library's own sampling from the run directory
+    if model in ("builtin", "mlm", "block"):  # the library's own sampling from the run directory
         out = tmp / ("s.png" if model == "builtin" else "s.jsonl")
         prompt = ["--prompt", "a handwritten digit 3"] if model == "builtin" else []
         assert main(["sample", "--weights", str(run), "--num", "1", "--out", str(out), *prompt]) == 0
@@ -163,6 +168,27 @@ def _reload_and_sample(model: str, lora: bool, run: Path, exp: Path, merged: Pat
             _assert_same(load_file(str(exp / "adapter_model.safetensors")), weights)
             logits = net(input_ids=torch.tensor([[1, 2, 3, 4]])).logits
             assert torch.isfinite(logits).all()
+        elif model == "block" and lora:  # the adapter on the cached pretrained built-in block base
+            from peft import PeftModel
+
+            from diffgrpo import RunConfig
+            from diffgrpo.models.tiny_block import load_or_pretrain_block
+            from diffgrpo.tasks import get_task
+
+            cfg = RunConfig.from_overrides(_model_args("block", False, None))
+            base = load_or_pretrain_block(get_task(cfg.dllm.task), cfg.pretrain, progress=False, log=lambda *a: None)
+            net = PeftModel.from_pretrained(base, str(exp))
+            _assert_same(load_file(str(exp / "adapter_model.safetensors")), weights)
+            assert torch.isfinite(net(input_ids=torch.tensor([[1, 2, 3, 4]])).logits).all()
+        elif model == "block":
+            from transformers import AutoModelForCausalLM
+
+            from diffgrpo.models.tiny_block import block_lm_classes
+
+            block_lm_classes()  # registers the built-in block model with the Auto classes
+            net = AutoModelForCausalLM.from_pretrained(str(exp))
+            _assert_same(net.state_dict(), weights)
+            assert torch.isfinite(net(input_ids=torch.tensor([[1, 2, 3, 4]])).logits).all()
         elif model == "mlm":
             from transformers import AutoModelForMaskedLM
 
@@ -241,7 +267,8 @@ def _cell(launch: str, model: str, kind: str, request, tmp_path: Path) -> None:
     assert rc == 0, text[-4000:]
     assert "resumed from" in text
     exported_name = {"builtin": "lora" if lora else "transformer", "sd3": "lora" if lora else "transformer",
-                     "wan": "lora" if lora else "transformer", "mlm": "lora" if lora else "model", "llada": "lora" if lora else "model"}
+                     "wan": "lora" if lora else "transformer", "mlm": "lora" if lora else "model", "llada": "lora" if lora else "model",
+                     "block": "lora" if lora else "model"}
     for name in ("config.yaml", "metrics.jsonl", "summary.json", "weights.safetensors", ".diffgrpo-run",
                  exported_name[model]):
         assert (run / name).exists(), (name, sorted(p.name for p in run.iterdir()))
