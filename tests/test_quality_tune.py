@@ -79,7 +79,7 @@ def test_choice_breaks_ties_by_the_end_reward_inside_the_guards():
 
 
 def test_the_grid_resolves_multiples_and_adds_the_diversity_strength():
-    cfg = RunConfig.from_overrides(["diversity.method=drift", "loss.beta=0.2", "train.lr=1e-4"])
+    cfg = RunConfig.from_overrides(["train.task=digits", "diversity.method=drift", "loss.beta=0.2", "train.lr=1e-4"])
     g = qt.variant_grid(cfg, {})
     assert g == {"train.lr": ["x0.5", "x1", "x2"], "loss.beta": ["x0.5", "x1", "x2"],
                  "diversity.drift_shaping": ["x0.5", "x1", "x2"]}
@@ -102,3 +102,22 @@ def test_dense_marks_around_the_crossing_are_at_most_20_iterations_of_the_cheape
     assert max(gaps) <= 20 * cost_per_it + 1e-9 and marks[-1] == budget and marks == sorted(set(marks))
     assert set(eval_marks(budget, 4, "linear")) <= set(marks)  # the regular marks stay
     assert qt.focus_window(math.inf, 0.01) is None  # the reference never crossed: no dense marks
+
+
+def test_guards_on_the_mean_of_neighbouring_evaluations():
+    """--guard-mean 2: a single noisy FID spike no longer counts as out of the guards, a lasting rise still does; the
+    reward is not averaged."""
+    from diffgrpo.studies.quality import guard_check
+    from diffgrpo.studies.quality_stats import first_out, first_reach, guard_means
+
+    def curve(fids, rewards):
+        return [{"iteration": j, "seconds": float(j), "cost": 10.0 * j,
+                 "metrics": {"eval/fid": f, "eval/reward": r}} for j, (f, r) in enumerate(zip(fids, rewards))]
+
+    check = guard_check(guards.Thresholds())  # eval/fid ≤ 1.5 × start
+    spike = curve([10, 16, 10, 10], [0.5, 0.9, 0.9, 0.9])
+    assert first_reach(spike, 0.85, "eval/reward", check)["cost"] == 20.0  # the spike at cost 10 is out
+    assert first_reach(guard_means(spike, 2), 0.85, "eval/reward", check)["cost"] == 10.0  # (16 + 10) / 2 = 13 inside
+    assert guard_means(spike, 2)[1]["metrics"]["eval/reward"] == 0.9 and guard_means(spike, 1) is spike
+    lasting = curve([10, 16, 16, 16], [0.5, 0.6, 0.7, 0.8])
+    assert first_out(guard_means(lasting, 2), check, 30.0)["cost_fraction"] == pytest.approx(1 / 3)

@@ -134,6 +134,8 @@ def _add_bench_quality(bsub) -> None:
     bq.add_argument("--from", dest="from_dir", default="", metavar="DIR",
                     help="summarise a finished benchmark's cells again (another --target-fraction, --target or "
                          "--metric), training nothing")
+    bq.add_argument("--guard-mean", type=int, default=1, help="judge the guards on the mean of this many neighbouring "
+                                                             "evaluations (less noise; 1: each evaluation alone)")
     bq.add_argument("--tune", action="store_true", help="first choose each variant's settings on a small grid run on "
                                                         "--tune-seeds, then measure the chosen ones on --seeds")
     bq.add_argument("--tune-seeds", type=int, nargs="+", default=[100, 101], help="tuning seeds (not in --seeds)")

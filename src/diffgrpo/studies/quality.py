@@ -237,10 +237,10 @@ def run(base: RunConfig, variants: dict[str, list[str]], seeds: list[int], *, ou
         iterations: int = 0, budget_cost: float = 0.0, evals: int = 4, eval_spacing: str = "linear",
         target_fraction: float = 0.95,
         target: float | None = None, metric: str = METRIC, title: str = "", command: str = "",
-        max_iterations: int = 0, tuning: dict | None = None, focus=None, log=emit) -> dict:
+        max_iterations: int = 0, tuning: dict | None = None, focus=None, guard_mean: int = 1, log=emit) -> dict:
     """The whole benchmark; writes the outputs under ``out`` and returns the summary (see the module docstring);
     ``tuning``: what :func:`.quality_tune.tune` chose, recorded in the outputs; ``focus``: dense marks
-    (:func:`eval_marks`)."""
+    (:func:`eval_marks`); ``guard_mean``: guards judged on the mean of that many neighbouring evaluations."""
     reference = reference or next(iter(variants))
     if reference not in variants:
         raise ConfigError(f"--reference: {reference!r} is not one of the variants {list(variants)}")
@@ -248,6 +248,8 @@ def run(base: RunConfig, variants: dict[str, list[str]], seeds: list[int], *, ou
         variant_name(name)
     if (iterations > 0) == (budget_cost > 0):
         raise ConfigError("bench quality: give exactly one budget, --iterations (of the reference) or --budget-cost")
+    if guard_mean < 1:
+        raise ConfigError(f"--guard-mean: value {guard_mean} is out of range; must be >= 1 (evaluations averaged)")
     if evals < 2 or not seeds or not 0 < target_fraction <= 1:
         raise ConfigError("bench quality: --evals must be >= 2, --seeds non-empty, --target-fraction in (0, 1]")
     eval_marks(1.0, evals, eval_spacing)  # a bad spacing fails here, before any model loads
@@ -273,7 +275,7 @@ def run(base: RunConfig, variants: dict[str, list[str]], seeds: list[int], *, ou
         log(f"bench quality: stopped by signal {stopped[0]}; summarised at mark {kept}/{evals} (cost {cost:.0f})")
     th = guards.thresholds(base.train)
     s = summarize(cells, reference, metric=metric, target_fraction=target_fraction, check=guard_check(th),
-                  target=target, budget=cost)
+                  target=target, budget=cost, guard_mean=guard_mean)
     meta = {"title": title or f"{base.model.name} model, rewards {sorted(base.reward.weights)}", "command": command,
             "variants": variants, "seeds": seeds, "iterations": iterations, "budget_cost": cost, "evals": evals,
             "eval_spacing": eval_spacing, "interrupted": interrupted, "tuning": tuning, "focus": focus,
@@ -371,7 +373,7 @@ def resummarize(out: str | Path, *, target_fraction: float | None = None, target
     first = (out / "command.txt").read_text(encoding="utf-8").splitlines()[:1] if (out / "command.txt").is_file() else []
     try:  # (the table is made before any file is written)
         s = summarize(cells, old["reference"], metric=metric, target_fraction=frac, check=guard_check(th),
-                      target=target, budget=float(old["meta"]["budget_cost"]))
+                      target=target, budget=float(old["meta"]["budget_cost"]), guard_mean=int(old.get("guard_mean", 1)))
         md = _write(out, old["meta"], s, cells_json, "\n".join([*first, *([command] if command else [])]))
     except (KeyError, TypeError, ValueError) as e:  # e.g. a summary whose meta lacks "seeds"
         raise ConfigError(f"--from: {str(path)!r} cannot be read as a bench quality summary ({type(e).__name__}: "
@@ -404,8 +406,10 @@ def from_args(base: RunConfig, args) -> dict:
     words += ["--tune", "--tune-seeds", *map(str, args.tune_seeds)] + (
         ["--tune-grid", *args.tune_grid] if args.tune_grid else []) if args.tune else []
     command = "diffgrpo bench quality " + " ".join(shlex.quote(w) for w in words)
+    words += ["--guard-mean", str(args.guard_mean)] if args.guard_mean > 1 else []
     bench = dict(iterations=args.iterations, budget_cost=args.budget_cost, evals=args.evals,
-                 eval_spacing=args.eval_spacing, target_fraction=frac, target=args.target, metric=metric)
+                 eval_spacing=args.eval_spacing, target_fraction=frac, target=args.target, metric=metric,
+                 guard_mean=args.guard_mean)
     tuning = None
     if args.tune:
         claim_out(Path(args.out))  # a foreign folder is refused before the grid trains

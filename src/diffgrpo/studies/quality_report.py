@@ -89,7 +89,9 @@ def to_markdown(meta: dict, s: dict) -> str:
         + (f"eval/guard/kid ≤ start + {th.get('max_kid', 0):g} (built-in task), " if th.get("distance") == "kid"
            else f"eval/fid ≤ {th['max_fid_ratio']:g}× (built-in task), ") +
         f"eval/guard/drift ≤ {th['max_drift']:g}, diversity ≥ {th['min_diversity_ratio']:g}×, guard rewards ≥ start − "
-        f"{th['max_reward_drop']:g}×|start| (0 = off)."), "",
+        f"{th['max_reward_drop']:g}×|start| (0 = off)"
+        + (f"; each evaluation's guards judged on its mean with the next {s['guard_mean'] - 1}" if s.get("guard_mean", 1) > 1
+           else "") + "."), "",
         *_tuning_lines(meta.get("tuning")),
         ("| variant | s / it | cost / it | iterations | reached | time to target (s) [95% CI] | cost to target | "
         "speed-up vs reference (time) [95% CI] | speed-up in cost [95% CI] | final reward | guards at end | out of guards at end | first out of "

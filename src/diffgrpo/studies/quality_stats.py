@@ -87,6 +87,20 @@ def first_reach(curve: list[dict], target: float, metric: str, check: GuardCheck
             "hacks": hacked}
 
 
+def guard_means(curve: list[dict], width: int) -> list[dict]:
+    """One cell's curve with every guard metric (:data:`GUARD_KEYS`) at evaluation j ≥ 1 replaced by its mean over
+    evaluations j … j + width − 1 (fewer at the end; the start stays as it is), the rest unchanged: the guards judged
+    on neighbouring evaluations, whose noise is smaller (benchmarks/guard_noise.py). width 1: the curve itself."""
+    if width <= 1:
+        return curve
+    out = [curve[0]]
+    for j in range(1, len(curve)):
+        near = [p["metrics"] for p in curve[j:j + width]]
+        out.append({**curve[j], "metrics": {k: (mean([m.get(k) for m in near]) if k.startswith(GUARD_KEYS) else v)
+                                            for k, v in curve[j]["metrics"].items()}})
+    return out
+
+
 def speedup(m: np.ndarray) -> float:
     """m (S, 2): per seed (reference's, variant's) time to target → mean ÷ mean (0 where the variant misses the
     target in some seed and the reference reaches it in every one; ∞ the other way round; NaN where both miss)."""
@@ -141,7 +155,7 @@ def _paired(ref: np.ndarray, x: np.ndarray, key: str) -> dict:
 
 
 def variant_row(cells: list, reach: list[dict], ref_reach: list[dict], curve: list[dict], *, metric: str,
-                check: GuardCheck, budget: float) -> dict:
+                check: GuardCheck, budget: float, guard_mean: int = 1) -> dict:
     """One variant's row of the summary: its cells (seeds), each one's :func:`first_reach`, the reference's, and
     its seed-mean curve."""
     t = np.array([r["seconds"] for r in reach])  # (S,)
@@ -165,7 +179,7 @@ def variant_row(cells: list, reach: list[dict], ref_reach: list[dict], curve: li
         "time_to_target_ignoring_guards": float(np.mean([r["raw_seconds"] for r in reach])),
         **_paired(np.array([r["seconds"] for r in ref_reach]), t, "speedup"),
         **_paired(np.array([r["cost"] for r in ref_reach]), k, "cost_speedup"),
-        "first_out_of_guards": [first_out(c.curve, check, budget, metric) for c in cells],
+        "first_out_of_guards": [first_out(guard_means(c.curve, guard_mean), check, budget, metric) for c in cells],
         "time_shares": time_shares(ok),
         "iterations_to_target": float(np.mean([math.inf if r["iteration"] is None else r["iteration"]
                                                 for r in reach])),
@@ -173,10 +187,11 @@ def variant_row(cells: list, reach: list[dict], ref_reach: list[dict], curve: li
 
 
 def summarize(cells: list, reference: str, *, metric: str, target_fraction: float, check: GuardCheck,
-              target: float | None = None, budget: float = 0.0) -> dict:
+              target: float | None = None, budget: float = 0.0, guard_mean: int = 1) -> dict:
     """The aggregate of every variant against ``reference``: the target (given, or the start plus
     ``target_fraction`` × the reference's gain at its plateau), then one :func:`variant_row` per variant;
-    ``budget``: the counted cost per cell (default: the reference cells' mean final cost)."""
+    ``budget``: the counted cost per cell (default: the reference cells' mean final cost); ``guard_mean``: the guards
+    judged on the mean of that many neighbouring evaluations (:func:`guard_means`)."""
     variants = list(dict.fromkeys(c.variant for c in cells))
     by = {v: sorted((c for c in cells if c.variant == v), key=lambda c: c.seed) for v in variants}
     curves = {v: mean_curve(cs, metric) for v, cs in by.items()}
@@ -187,15 +202,18 @@ def summarize(cells: list, reference: str, *, metric: str, target_fraction: floa
     given = target is not None
     if target is None:
         target = start + target_fraction * (plat["level"] - start)
-    reach = {v: [first_reach(c.curve, target, metric, check) for c in cs] for v, cs in by.items()}
+    reach = {v: [first_reach(guard_means(c.curve, guard_mean), target, metric, check) for c in cs]
+             for v, cs in by.items()}
     budget = budget or mean([c.cost for c in by[reference]])
-    rows = [variant_row(cs, reach[v], reach[reference], curves[v], metric=metric, check=check, budget=budget)
+    rows = [variant_row(cs, reach[v], reach[reference], curves[v], metric=metric, check=check, budget=budget,
+                        guard_mean=guard_mean)
             for v, cs in by.items()]
     start_guards = {k: v for k, v in ref[0]["metrics"].items() if k.startswith(GUARD_KEYS)}
     return {"metric": metric, "reference": reference, "start": start, "start_guards": start_guards, "target": target,
             "target_given": given, "reference_gain": plat["level"] - start,
-            "target_fraction": target_fraction, "plateau": plat, "thresholds": dict(check.limits), "rows": rows}
+            "target_fraction": target_fraction, "plateau": plat, "thresholds": dict(check.limits), "rows": rows,
+            "guard_mean": guard_mean}
 
 
-__all__ = ["GUARD_KEYS", "GuardCheck", "METRIC", "PHASES", "bootstrap_ci", "first_out", "first_reach", "mean",
+__all__ = ["GUARD_KEYS", "GuardCheck", "METRIC", "PHASES", "bootstrap_ci", "first_out", "first_reach", "guard_means", "mean",
            "mean_curve", "plateau", "speedup", "std", "summarize", "time_shares", "variant_row"]
