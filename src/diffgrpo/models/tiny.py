@@ -29,6 +29,7 @@ from . import words
 from .diffusers_adapter import DiffusersFlowPolicy, PolicyOptions
 from .pretraining import pretrain_step
 from .reference import needs_reference
+from .tiny_shapes import ROW as SHAPES_ROW
 from .tiny_shapes import ShapesFlowNet, load_or_pretrain_shapes
 
 VOCAB = ["<pad>", "<bos>", "<unk>", "a", "an", "the", "handwritten", "digit", "number", "of", "image", "picture",
@@ -150,7 +151,7 @@ def build_tiny_policy(cfg: RunConfig, *, progress=True, log=print, pretrained=Tr
     LoRA adapter on it (default targets: SD3's joint-attention projections).
     """
     m = cfg.model
-    cls, load = BUILT_IN_NETS[cfg.train.task]
+    cls, load, row = BUILT_IN_NETS[cfg.train.task]
     net = load(m, cfg.pretrain, progress=progress, log=log) if pretrained else cls(**arch_kwargs(m))
     device = resolve_device(m.device, launched_local_rank())  # the Trainer passes it resolved already
     text = net.text.to(device).eval().requires_grad_(False)  # frozen, as text encoders are in SD3 post-training
@@ -159,12 +160,13 @@ def build_tiny_policy(cfg: RunConfig, *, progress=True, log=print, pretrained=Tr
                             keep_reference=needs_reference(cfg), mixed_precision=m.mixed_precision,
                             gradient_checkpointing=m.gradient_checkpointing)
     channels = net.transformer.config.in_channels  # 1 (digits) or 3 (shapes)
-    return DiffusersFlowPolicy(net.transformer, "sd3", options, latent_shape=(channels, net.image_size, net.image_size),
+    return DiffusersFlowPolicy(net.transformer, row, options, latent_shape=(channels, net.image_size, net.image_size),
                                encoder=text.encode, decoder=decode_pixels)
 
 
-# train.task → (network class, cached loader) of the built-in image model
-BUILT_IN_NETS = {"digits": (TinyFlowNet, load_or_pretrain), "shapes": (ShapesFlowNet, load_or_pretrain_shapes)}
+# train.task → (network class, cached loader, pipeline row) of the built-in image model
+BUILT_IN_NETS = {"digits": (TinyFlowNet, load_or_pretrain, "sd3"),
+                 "shapes": (ShapesFlowNet, load_or_pretrain_shapes, SHAPES_ROW)}
 
 __all__ = ["BUILT_IN_NETS", "TinyFlowNet", "PromptEncoder", "build_tiny_policy", "decode_pixels", "load_or_pretrain", "pretrain",
            "tokenize"]

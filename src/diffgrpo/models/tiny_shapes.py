@@ -2,20 +2,29 @@
 32 × 32 RGB scenes of coloured shapes (:mod:`diffgrpo.tasks.shapes`).
 
 The network is the digits model's class at three channels: a real ``diffusers.SD3Transformer2DModel`` (joint
-text/image attention, AdaLN timestep conditioning, patchified pixels in [−1, 1]; ``train.task=shapes`` sets 4-pixel
-patches, so 64 image tokens as the digits model has, and a width of 4 heads × 32) under a word-level prompt encoder
+text/image attention, AdaLN timestep conditioning, patchified pixels in [−1, 1]; ``train.task=shapes`` sets 8-pixel
+patches, so 16 image tokens, three blocks and a width of 4 heads × 32) under a word-level prompt encoder
 over the task's grammar ("a red circle left of a blue square"): each word a learned embedding plus its position,
-so the transformer's joint attention can bind colours to shapes and read counts and relations. It is pretrained
-with the rectified-flow objective
-    L = E ||v_θ((1−σ)x₀ + σε, σ, c) − (ε − x₀)||²,  σ ~ logit-normal(0, 1),
+so the transformer's joint attention can bind colours to shapes and read counts and relations.
+
+The transformer predicts the clean image x̂₀ and the velocity the samplers and engines use is derived from it,
+    v_θ(x, σ, c) = (x − x̂₀(x, σ, c)) / max(σ, SIGMA_FLOOR),
+exact for the rectified flow x = (1−σ)x₀ + σε (where ε − x₀ = (x − x₀)/σ). An 8-pixel patch holds 192 values, more
+than the width: a transformer predicting v directly must carry every pixel's noise through that bottleneck and
+leaves it in the samples, while x̂₀ is a smooth image. The policy calls the transformer through :data:`ROW` (SD3's
+row with this forward), so every engine sees velocities as from any SD3 model; an exported transformer predicts
+x̂₀ (its model card says so). Pretraining minimises the clean-image error, the rectified-flow loss weighted by σ²,
+    L = E ||x̂₀((1−σ)x₀ + σε, σ, c) − x₀||²,  σ ~ logit-normal(0, 1),
 on scenes rendered for the **train** prompts only (categories drawn uniformly, then a prompt of the category, then
-a random layout; a pool of ``POOL`` scenes, fewer for a short run, rendered once, each also mirrored left ↔ right
+a layout with one object per cell of a 2 × 2 grid, jittered — ``shapes.layout(grid=True)``; RL may move objects
+anywhere, the checker reads any layout; a pool of ``POOL`` scenes, fewer for a short run, rendered once, each also mirrored left ↔ right
 with its relation swapped), the prompt dropped to the null prompt with probability ``cond_dropout`` so
 classifier-free guidance works. The held-out prompts (unseen colour–shape bindings, counts and pairs) are never rendered for it. Weights are
 cached like the digits model's (``tiny-shapes-<recipe hash>`` under the cache root, written atomically).
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -31,6 +40,8 @@ from ..config import ModelConfig, PretrainConfig
 from ..console import Steps
 from ..tasks import shapes as task
 from . import words
+from .pipelines import sd3
+from .pipelines.spec import ForwardArgs
 from .pretraining import pretrain_step
 
 VOCAB = ["<pad>", "<bos>", "<unk>", "a", "an", "and", "of", "left", "right", "above", "below",
@@ -39,7 +50,18 @@ MAX_TOKENS = 10  # <bos> + the longest prompt ("a red circle left of a blue squa
 CHANNELS = 3
 POOL = 6144  # scenes rendered once for pretraining (doubled by the mirror)
 MIRROR = {"left of": "right of", "right of": "left of"}
-RECIPE_VERSION = 1
+RECIPE_VERSION = 2
+SIGMA_FLOOR = 0.02  # v = (x − x̂₀) / max(σ, SIGMA_FLOOR): samplers never call the model below their last σ > 0
+
+
+def velocity_from_clean(tr: nn.Module, h: torch.Tensor, sigma: torch.Tensor, cond: dict, args: ForwardArgs
+                        ) -> torch.Tensor:
+    """h (N, 3, S, S), sigma (N,) → velocity (N, 3, S, S) from the transformer's clean-image prediction."""
+    clean = sd3.forward(tr, h, sigma, cond, args)  # x̂₀ (N, 3, S, S)
+    return (h - clean) / sigma.clamp_min(SIGMA_FLOOR).view(-1, *([1] * (h.dim() - 1))).to(h.dtype)
+
+
+ROW = dataclasses.replace(sd3.ROWS[0], forward=velocity_from_clean)  # SD3's row, velocity from x̂₀
 
 
 def tokenize(prompts: list[str]) -> torch.Tensor:
@@ -67,10 +89,15 @@ class ShapesFlowNet(nn.Module):
             joint_attention_dim=text_dim, caption_projection_dim=num_heads * head_dim,
             pooled_projection_dim=text_dim, pos_embed_max_size=image_size // patch_size)
 
-    def forward(self, x, sigma, prompt_embeds, pooled):
-        # x (B,3,S,S); sigma (B,) in [0,1]; SD3 takes timesteps in [0, 1000]
+    def clean(self, x, sigma, prompt_embeds, pooled):
+        # x (B,3,S,S); sigma (B,) in [0,1] → x̂₀ (B,3,S,S); SD3 takes timesteps in [0, 1000]
         return self.transformer(hidden_states=x, encoder_hidden_states=prompt_embeds, pooled_projections=pooled,
                                 timestep=sigma * 1000.0, return_dict=False)[0]
+
+    def forward(self, x, sigma, prompt_embeds, pooled):
+        """The velocity (B, 3, S, S), as the policy computes it through :data:`ROW`."""
+        return velocity_from_clean(self.transformer, x, sigma, {"prompt_embeds": prompt_embeds, "pooled": pooled},
+                                   ForwardArgs((self.image_size,) * 2, (CHANNELS, self.image_size, self.image_size), 1.0))
 
 
 def arch_kwargs(mcfg: ModelConfig) -> dict:
@@ -93,14 +120,14 @@ def mirror(meta: dict) -> dict:
 
 def scene_pool(n: int, image_size: int, seed: int) -> tuple[torch.Tensor, list[str]]:
     """``n`` scenes of the train prompts and their mirrors → (images (2n, 3, S, S) in [−1, 1], prompts (2n,)):
-    a category uniformly, a prompt of it uniformly, a random layout."""
+    a category uniformly, a prompt of it uniformly, a random 2 × 2 grid layout."""
     rng = np.random.default_rng(seed)
     by_tag: dict[str, list[dict]] = {}
     for r in task.prompts("train"):
         by_tag.setdefault(r["tag"], []).append(r)
     tags = sorted(by_tag)
     metas = [by_tag[t][rng.integers(len(by_tag[t]))] for t in (tags[i] for i in rng.integers(len(tags), size=n))]
-    x = torch.stack([task.render(m, rng, image_size) for m in metas])  # (n, 3, S, S)
+    x = torch.stack([task.render(m, rng, image_size, grid=True) for m in metas])  # (n, 3, S, S)
     images = torch.cat([x, x.flip(-1)]) * 2 - 1  # (2n, 3, S, S)
     return images, [m["prompt"] for m in metas] + [mirror(m)["prompt"] for m in metas]
 
@@ -132,7 +159,7 @@ def pretrain(mcfg: ModelConfig, pcfg: PretrainConfig, *, progress: bool = True, 
         sigma = torch.sigmoid(torch.randn(pcfg.batch_size, generator=g))  # logit-normal (SD3)
         s = sigma.view(-1, 1, 1, 1)
         emb, pooled = net.text(tok)
-        loss = F.mse_loss(net((1 - s) * x0 + s * eps, sigma, emb, pooled), eps - x0)
+        loss = F.mse_loss(net.clean((1 - s) * x0 + s * eps, sigma, emb, pooled), x0)  # clean-image error
         ema = pretrain_step(loss, net, opt, sched, bar, ema)
     return net.eval()
 
@@ -160,5 +187,5 @@ def load_or_pretrain_shapes(mcfg: ModelConfig, pcfg: PretrainConfig, *, progress
     return net.eval()
 
 
-__all__ = ["ShapesFlowNet", "ShapesPromptEncoder", "load_or_pretrain_shapes", "mirror", "pretrain", "scene_pool",
-           "tokenize"]
+__all__ = ["ROW", "SIGMA_FLOOR", "ShapesFlowNet", "ShapesPromptEncoder", "load_or_pretrain_shapes", "mirror", "pretrain", "scene_pool",
+           "tokenize", "velocity_from_clean"]

@@ -48,6 +48,7 @@ HELD_OUT_SHAPE_SETS = frozenset({frozenset({"circle", "triangle"})})
 HELD_OUT_SINGLE = frozenset({"triangle"})
 IMAGE_SIZE = 32
 GAP = 2.0  # pixels between the bounding boxes of two objects
+GRID_SIZES = (0.28, 0.40)  # object sides in a 2 × 2 grid layout, as fractions of the image side
 SUPERSAMPLE = 4
 
 
@@ -221,11 +222,28 @@ def _try_layout(wanted: list[tuple[str, str]], meta: dict, rng: np.random.Genera
     return tuple(objs)
 
 
-def layout(meta: dict, rng: np.random.Generator, image_size: int = IMAGE_SIZE) -> Scene:
-    """A random scene that satisfies a record's constraints (objects, counts, colours, relations)."""
+def _try_grid(wanted: list[tuple[str, str]], meta: dict, rng: np.random.Generator, image_size: int
+              ) -> tuple[Shape, ...] | None:
+    cell = image_size / 2
+    objs = []
+    for (kind, color), c in zip(wanted, rng.permutation(4)):
+        size = float(rng.uniform(*GRID_SIZES)) * image_size
+        j = (cell - size) / 2 - 0.5  # jitter that keeps the object inside its cell
+        x, y = (c % 2 + 0.5) * cell + rng.uniform(-j, j), (c // 2 + 0.5) * cell + rng.uniform(-j, j)
+        objs.append(Shape(kind, color, float(x), float(y), size))
+    for i, r in enumerate(meta["include"]):
+        if "position" in r and not placed_as(objs[i], r["position"][0], objs[int(r["position"][1])]):
+            return None
+    return tuple(objs)
+
+
+def layout(meta: dict, rng: np.random.Generator, image_size: int = IMAGE_SIZE, grid: bool = False) -> Scene:
+    """A random scene that satisfies a record's constraints (objects, counts, colours, relations): anywhere in the
+    image, or with ``grid`` one object per cell of a 2 × 2 grid (sides ``GRID_SIZES`` of the image's, jittered
+    inside the cell; the built-in model's pretraining scenes)."""
     wanted = _wanted(meta, rng)
     for _ in range(2000):
-        objs = _try_layout(wanted, meta, rng, image_size)
+        objs = (_try_grid if grid else _try_layout)(wanted, meta, rng, image_size)
         if objs is not None:
             order = rng.permutation(len(objs))  # drawing order carries no meaning
             return Scene(tuple(objs[i] for i in order), image_size)
@@ -261,11 +279,11 @@ def draw(scene: Scene) -> torch.Tensor:
     return torch.from_numpy(img.astype(np.float32))
 
 
-def render(meta: dict, rng: np.random.Generator, image_size: int = IMAGE_SIZE) -> torch.Tensor:
-    """An image (3, H, W) in [0, 1] of a random scene satisfying a prompt record."""
-    return draw(layout(meta, rng, image_size))
+def render(meta: dict, rng: np.random.Generator, image_size: int = IMAGE_SIZE, grid: bool = False) -> torch.Tensor:
+    """An image (3, H, W) in [0, 1] of a random scene satisfying a prompt record (see :func:`layout`)."""
+    return draw(layout(meta, rng, image_size, grid))
 
 
-__all__ = ["BACKGROUND", "CATEGORIES", "COLORS", "GAP", "HELD_OUT_PAIRS", "IMAGE_SIZE", "NUMBERS", "RELATIONS",
+__all__ = ["BACKGROUND", "CATEGORIES", "COLORS", "GAP", "GRID_SIZES", "HELD_OUT_PAIRS", "IMAGE_SIZE", "NUMBERS", "RELATIONS",
            "SHAPES", "Scene", "Shape", "all_prompts", "apart", "coverage", "describe", "draw", "is_held_out", "layout",
            "parse", "placed_as", "prompts", "render"]
