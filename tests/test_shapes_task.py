@@ -23,15 +23,18 @@ SHAPES_CLI = ["train.task=shapes", "model.num_layers=1", "model.num_heads=2", "m
 
 
 # ---------------------------------------------------------------------- config
-def test_the_digits_task_is_the_default_and_changes_nothing():
-    assert RunConfig().train.task == "digits"
-    assert RunConfig.from_overrides([]).to_dict() == RunConfig.from_overrides(["train.task=digits"]).to_dict()
-    assert RunConfig.from_overrides([]).reward.weights == {"digit_alignment": 1.0}
+def test_the_shapes_task_is_the_default_and_digits_keeps_its_settings():
+    assert RunConfig().train.task == "shapes"
+    assert RunConfig.from_overrides([]).to_dict() == RunConfig.from_overrides(["train.task=shapes"]).to_dict()
+    digits = RunConfig.from_overrides(["train.task=digits"])
+    assert digits.reward.weights == {"digit_alignment": 1.0}
+    assert (digits.model.image_size, digits.model.patch_size, digits.model.num_layers) == (16, 2, 2)
+    assert digits.train.prompts_file == digits.eval.prompts_file == ""
 
 
 def test_the_shapes_task_sets_its_defaults_and_keeps_what_a_config_sets():
     cfg = RunConfig.from_overrides(["train.task=shapes"])
-    assert (cfg.model.image_size, cfg.model.patch_size) == (32, 4)
+    assert (cfg.model.image_size, cfg.model.patch_size, cfg.model.num_layers) == (32, 8, 3)
     assert (cfg.train.prompts_file, cfg.eval.prompts_file) == ("builtin:shapes/train", "builtin:shapes/test")
     assert cfg.reward.weights == {"shapes_score": 1.0, "shapes_correct": 0.0}
     assert cfg.eval.guard_rewards == ["shapes_correct"]

@@ -30,7 +30,8 @@ FAMILY_TITLES = {"flow": "flow-matching models", "dllm": "masked diffusion LMs"}
 # train.task → the keys it sets where a config leaves them at their defaults (the digits task's values)
 TASK_DEFAULTS: dict[str, dict[str, Any]] = {
     "digits": {},
-    "shapes": {"model.image_size": 32, "model.patch_size": 4, "model.head_dim": 32, "pretrain.batch_size": 64,
+    "shapes": {"model.image_size": 32, "model.patch_size": 8, "model.num_layers": 3, "model.head_dim": 32,
+               "pretrain.batch_size": 64,
                "train.prompts_file": "builtin:shapes/train", "eval.prompts_file": "builtin:shapes/test",
                "reward.weights": {"shapes_score": 1.0, "shapes_correct": 0.0}, "eval.guard_rewards": ["shapes_correct"]},
 }
@@ -52,7 +53,7 @@ class ModelConfig:
     cache_dir: str = _f("", path=True, doc="where pretrained built-in models live (default $DIFFGRPO_CACHE or ~/.cache/diffgrpo)", family="any")
     # built-in tiny model architecture (a real diffusers SD3Transformer2DModel at tiny size)
     image_size: int = _f(16, choices=(8, 16, 32), doc="tiny model: image side in pixels")
-    patch_size: int = _f(2, choices=(1, 2, 4), doc="tiny model: transformer patch size")
+    patch_size: int = _f(2, choices=(1, 2, 4, 8), doc="tiny model: transformer patch size")
     num_layers: int = _f(2, lo=1, hi=24, doc="tiny model: transformer blocks")
     num_heads: int = _f(4, lo=1, hi=32, doc="tiny model: attention heads")
     head_dim: int = _f(16, lo=4, hi=256, doc="tiny model: channels per head")
@@ -248,10 +249,10 @@ class TrainConfig:
                                    "train.max_inconsistency): warn, stop (exit code 4) or off (not measured)")
     max_inconsistency: float = _f(0.5, lo=0.0, doc="limit on consistency/dlogp_over_clip (mean |Δ log p| / the clip "
                                                    "range); 0 = none")
-    task: str = _f("digits", choices=("digits", "shapes"),
-                   doc="the built-in image task (model.name=tiny): digits, or shapes (coloured shapes at 32 px, "
-                       "GenEval-category prompts, a closed-form checker); shapes sets the keys of config.TASK_DEFAULTS "
-                       "a config leaves at their defaults", family="flow")
+    task: str = _f("shapes", choices=("shapes", "digits"),
+                   doc="the built-in image task (model.name=tiny): shapes (coloured shapes at 32 px, GenEval-category "
+                       "prompts, a closed-form checker; sets the keys of config.TASK_DEFAULTS a config leaves at their "
+                       "defaults) or digits (scikit-learn's 8 × 8 digits, a classifier's confidence)", family="flow")
     digits: list = _f([0, 1, 2, 3, 4, 5, 6, 7, 8, 9], doc="training prompt digits", family="flow")
     prompts_file: str = _f("", path=True, doc="training prompts (replace the digit prompts), drawn by a seeded epoch "
                                               "sampler: a UTF-8 text file (one prompt per line), a .jsonl file (a "

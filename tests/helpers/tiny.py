@@ -9,13 +9,15 @@ import torch
 
 # A model small enough for unit tests: 8×8 images, one transformer block, 6 sampling steps.
 TINY = [
-    "model.image_size=8", "model.patch_size=2", "model.num_layers=1", "model.num_heads=2", "model.head_dim=8",
+    "train.task=digits", "model.image_size=8", "model.patch_size=2", "model.num_layers=1", "model.num_heads=2",
+    "model.head_dim=8",
     "model.text_dim=16", "sampler.num_steps=6", "train.prompts_per_batch=2", "train.group_size=3",
     "log.progress=false", "log.save_images=false", "reward.weights={jpeg_incompressibility: 1.0}",
 ]
 
 # The built-in model at its smallest through ``diffgrpo train``: a 20-step pretraining, 4 sampling steps, EMA 0.5.
-TINY_CLI = ["model.image_size=8", "model.num_layers=1", "model.num_heads=2", "model.head_dim=8", "model.text_dim=16",
+TINY_CLI = ["train.task=digits", "model.image_size=8", "model.num_layers=1", "model.num_heads=2", "model.head_dim=8",
+            "model.text_dim=16",
             "pretrain.steps=20", "pretrain.batch_size=16", "sampler.num_steps=4", "train.prompts_per_batch=2",
             "train.group_size=2", "eval.seeds_per_prompt=1", "eval.every=2", "log.progress=false",
             "reward.weights={jpeg_incompressibility: 1.0}", "train.lr=1e-3", "train.ema_decay=0.5"]

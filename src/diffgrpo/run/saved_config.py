@@ -68,7 +68,8 @@ def distrust(data: dict, overrides: list[str], *, path: Path, command: str, stri
 
 def renamed(data: dict) -> dict:
     """A config saved before a key was renamed (``config.RENAMED``, e.g. ``model.family`` → ``model.pipeline``)
-    read under the key's new name: a run directory of an earlier version still resumes, samples and exports."""
+    read under the key's new name, and one saved before ``train.task`` existed as the digits task it trained on: a
+    run directory of an earlier version still resumes, samples and exports."""
     for old, new in RENAMED.items():
         (sec, key), (new_sec, new_key) = old.split("."), new.split(".")
         section = data.get(sec)
@@ -77,6 +78,9 @@ def renamed(data: dict) -> dict:
             target = data.setdefault(new_sec, {})
             if isinstance(target, dict):
                 target.setdefault(new_key, value)
+    train = data.get("train")
+    if isinstance(train, dict) and "task" not in train:  # saved before train.task existed: the digits task
+        train["task"] = "digits"
     return data
 
 
