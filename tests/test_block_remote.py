@@ -68,11 +68,22 @@ def test_loads_as_the_released_checkpoints_and_reads_its_block_from_the_config(m
         torch.testing.assert_close(pol.logits(padded)[:, B_SIZE:], alone, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("decode,temperature", [("schedule", 0.0), ("threshold", 1.0)])
-def test_cached_and_uncached_block_rollouts_are_equal(model_dir, decode, temperature):
+@pytest.mark.parametrize("decode,temperature,lora", [("schedule", 0.0, 0), ("threshold", 1.0, 0), ("schedule", 1.0, 4)])
+def test_cached_and_uncached_block_rollouts_are_equal(model_dir, decode, temperature, lora):
     """The exact cache (the model stores keys only when asked, ``store_kv``, as the released code) reproduces the
-    uncached block rollout token for token, with dynamic length on, and computes fewer positions."""
-    pol = _policy(model_dir)
+    uncached block rollout token for token, with dynamic length on, and computes fewer positions; also through a
+    peft LoRA wrapper (its adapter moved off zero so that it changes the logits)."""
+    pol = load_hf_masked_lm(str(model_dir), trust_remote_code=True, lora_rank=lora)
+    if lora:
+        assert pol.lora and pol.store_kv
+        with torch.no_grad():
+            for n, p in pol.model.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0, 0.3, generator=torch.Generator().manual_seed(1))
+            x = _prompts(pol)
+            with pol.model.disable_adapter():
+                base = pol.logits(x)
+            assert float((pol.logits(x) - base).abs().max()) > 1e-3
     out = []
     for cache in (None, BlockKVCache(pol)):
         g = torch.Generator().manual_seed(3)
