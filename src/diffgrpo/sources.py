@@ -233,8 +233,8 @@ def as_tensor(ref: str) -> torch.Tensor:
     if ref in _DECODED:
         _DECODED.move_to_end(ref)
         return _DECODED[ref]
-    arr = np.asarray(load_rgb(ref), dtype=np.float32) / 255.0  # (H, W, 3)
-    t = torch.from_numpy(arr).permute(2, 0, 1).contiguous()
+    u8 = torch.from_numpy(np.ascontiguousarray(np.asarray(load_rgb(ref)).transpose(2, 0, 1)))  # (3, H, W) uint8
+    t = u8.to(torch.float32).div_(255.0)  # one float copy (a 64 MP source: 768 MiB)
     if t.nbytes > CACHE_BYTES:
         return t
     _DECODED[ref] = t
