@@ -82,8 +82,8 @@ def parse_variant(spec: str) -> tuple[str, list[str]]:
 def variant_name(name: str) -> str:
     """``name`` when it can name files under ``--out`` (letters, digits, ``_ - . +``, not starting with a dot);
     a one-line ConfigError otherwise (``..`` or ``/`` would leave ``--out``)."""
-    if not re.fullmatch(r"[A-Za-z0-9_+\-][A-Za-z0-9_.+\-]{0,63}", name):
-        raise ConfigError(f"--variant: name {name!r} is not allowed; use up to 64 letters, digits, _ - . + (not "
+    if not re.fullmatch(r"[A-Za-z0-9_+\-][A-Za-z0-9_.+\-]{0,127}", name):
+        raise ConfigError(f"--variant: name {name!r} is not allowed; use up to 128 letters, digits, _ - . + (not "
                           "starting with a dot): it names the variant's files under --out")
     return name
 
