@@ -15,6 +15,7 @@ from ..validation import family_of
 
 LIBRARY = {"flow": "diffusers", "dllm": "transformers"}  # what loads each family's export (a model card's library_name)
 FAMILY_TAGS = {"flow": "flow-matching", "dllm": "masked-diffusion-lm"}
+METHOD_KEYS = {"flow": ("engine", "name", "recompute"), "dllm": ("dllm", "method", "diffu_grpo")}  # (section, key, default)
 PLACEHOLDER = "path/to/this/folder"  # the snippets' folder: the export's own directory
 BUILT_IN_LICENSE = "apache-2.0"  # the built-in models: trained by diffgrpo (Apache-2.0) on built-in data
 
@@ -28,9 +29,8 @@ TINY_NOTE = ("This is the transformer of diffgrpo's built-in digits model, not a
 
 def method_of(config: dict) -> str:
     """The training method a tag names: the engine (flow) or ``dllm.method`` (masked LMs)."""
-    if family_of(config.get("model", {}).get("name", "tiny")) == "dllm":
-        return str(config.get("dllm", {}).get("method", "diffu_grpo"))
-    return str(config.get("engine", {}).get("name", "recompute"))
+    section, key, default = METHOD_KEYS[family_of(config.get("model", {}).get("name", "tiny"))]
+    return str(config.get(section, {}).get(key, default))
 
 
 def base_license(pretrained: str | None) -> str | None:
@@ -67,7 +67,7 @@ def load_snippet(folder: Path | None, config: dict) -> str:
     if "adapter_config.json" in files:
         return (d + f'from peft import PeftModel\nfrom transformers import AutoModelForMaskedLM\n\n'
                 f'model = PeftModel.from_pretrained(AutoModelForMaskedLM.from_pretrained("{base}"), model_dir)\n')
-    if family_of(model.get("name", "tiny")) == "flow":
+    if LIBRARY[family_of(model.get("name", "tiny"))] == "diffusers":
         cls = _class_name(folder) or "SD3Transformer2DModel"
         return d + f"from diffusers import {cls}\n\ntransformer = {cls}.from_pretrained(model_dir)\n"
     remote = ", trust_remote_code=True" if model.get("trust_remote_code") else ""
