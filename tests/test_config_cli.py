@@ -10,11 +10,12 @@ import yaml
 
 from diffgrpo import ConfigError, RunConfig
 from diffgrpo.cli.app import main
+from diffgrpo.tasks import shapes
 
 
 def test_defaults_and_overrides():
     cfg = RunConfig.from_overrides(["engine.name=recompute", "seed=3", "train.lr=5e-5", "loss.beta=0.01",
-                                    "train.digits=[1, 7]", "log.progress=false"])
+                                    "train.task=digits", "train.digits=[1, 7]", "log.progress=false"])
     assert cfg.seed == 3 and cfg.train.lr == 5e-5 and cfg.loss.beta == 0.01 and cfg.train.digits == [1, 7]
     assert cfg.log.progress is False
     assert RunConfig().train.lr == 1e-4  # defaults untouched
@@ -31,7 +32,7 @@ def test_yaml_roundtrip_and_file_plus_overrides(tmp_path):
 
 
 def test_dict_entry_override():
-    cfg = RunConfig.from_overrides(["reward.weights.jpeg_compressibility=0.5"])
+    cfg = RunConfig.from_overrides(["train.task=digits", "reward.weights.jpeg_compressibility=0.5"])
     assert cfg.reward.weights == {"digit_alignment": 1.0, "jpeg_compressibility": 0.5}
 
 
@@ -47,7 +48,11 @@ def test_dict_entry_override():
     (["log.progress=maybe"], "log.progress: value 'maybe' is not a valid bool"),
     (["engine.name=fast"], "engine.name: value 'fast' is not a registered engine"),
     (["reward.weights={hpsv3: 1.0}"], "reward.weights: unknown reward 'hpsv3'"),
-    (["reward.weights={}"], "reward.weights: at least one reward is required"),
+    (["reward.weights={}"], "reward.weights: at least one reward is required, e.g. reward.weights={shapes_score: 1.0}"),
+    (["train.task=digits", "reward.weights={}"], "e.g. reward.weights={digit_alignment: 1.0}"),
+    (["model.name=diffusers", "model.pretrained=org/m", "reward.weights={}"], "e.g. reward.weights={pickscore: 1.0}"),
+    (["train.digits=[1, 7]"], "train.digits: value [1, 7] is read only by train.task=digits, not train.task=shapes; set "
+                              "train.task=digits or remove it"),
     (["reward.weights={digit_alignment: high}"], "reward.weights.digit_alignment: weight 'high' must be a number"),
     (["train.digits=[3, 12]"], "train.digits: value [3, 12] must be a non-empty list of digits 0..9"),
     (["sampler.num_steps=1"], "sampler.num_steps: must be >= 2"),
@@ -99,9 +104,9 @@ def test_cli_entry_point_runs_as_a_module():
     assert yaml.safe_load(r.stdout)["sampler"]["num_steps"] == 7
 
 
-TINY_CLI = ["model.image_size=8", "model.num_layers=1", "model.num_heads=2", "model.head_dim=8", "model.text_dim=16",
-            "pretrain.steps=20", "pretrain.batch_size=16", "sampler.num_steps=4", "train.prompts_per_batch=2",
-            "train.group_size=2", "eval.seeds_per_prompt=1", "log.progress=false"]
+TINY_CLI = ["train.task=digits", "model.image_size=8", "model.num_layers=1", "model.num_heads=2", "model.head_dim=8",
+            "model.text_dim=16", "pretrain.steps=20", "pretrain.batch_size=16", "sampler.num_steps=4",
+            "train.prompts_per_batch=2", "train.group_size=2", "eval.seeds_per_prompt=1", "log.progress=false"]
 
 
 def test_cli_train_sample_and_bench_end_to_end(tmp_path, capsys):
@@ -137,8 +142,9 @@ def test_string_keys_get_the_text_as_typed(typed):
 def test_words_and_numbers_parse_as_yaml_1_2():
     from diffgrpo import RunConfig
 
-    cfg = RunConfig.from_overrides(["model.negative_prompt=no", "reward.weights={digit_alignment: 1e-3}",
-                                    "train.lr=1e-3", "train.num_iterations=010", "log.progress=on"])
+    cfg = RunConfig.from_overrides(["train.task=digits", "model.negative_prompt=no",
+                                    "reward.weights={digit_alignment: 1e-3}", "train.lr=1e-3", "train.num_iterations=010",
+                                    "log.progress=on"])
     assert cfg.model.negative_prompt == "no" and cfg.reward.weights == {"digit_alignment": 0.001}
     assert cfg.train.lr == 0.001 and cfg.train.num_iterations == 10 and cfg.log.progress is True
     assert type(cfg.train.lr) is float and type(cfg.reward.weights["digit_alignment"]) is float
@@ -246,7 +252,11 @@ def test_print_config_check_data_says_what_it_checked(tmp_path, capsys):
     assert main(["print-config", "--check-data", f"train.prompts_file={prompts}"]) == 0
     captured = capsys.readouterr()
     assert yaml.safe_load(captured.out)["train"]["prompts_file"] == str(prompts)  # stdout: the config
-    assert captured.err == (f"data checked: train.prompts_file {str(prompts)!r}: 2 prompts; eval.prompts_file: the "
-                            f"built-in prompts\n")
+    held_out = len(shapes.prompts("test"))  # the default task's evaluation prompts
+    assert captured.err == (f"data checked: train.prompts_file {str(prompts)!r}: 2 prompts; eval.prompts_file "
+                            f"'builtin:shapes/test': {held_out} prompts\n")
+    assert main(["print-config", "--check-data", "train.task=digits"]) == 0
+    assert capsys.readouterr().err == ("data checked: train.prompts_file: the digit prompts; eval.prompts_file: the "
+                                       "digit prompts\n")
     assert main(["print-config", f"train.prompts_file={prompts}"]) == 0
     assert capsys.readouterr().err == ""  # without --check-data nothing is loaded, nothing said

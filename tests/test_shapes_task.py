@@ -46,16 +46,26 @@ def test_the_shapes_task_sets_its_defaults_and_keeps_what_a_config_sets():
 
 
 @pytest.mark.parametrize("overrides, match", [
-    (["model.name=diffusers", "model.pretrained=org/model"], r"^train\.task: value 'shapes' applies to the built-in"),
-    (["model.name=tiny_mlm"], r"train\.task"),
-    (["model.image_size=8"], r"^model\.image_size: value 8 is not drawn by train\.task=shapes"),
-    (["reward.weights={digit_alignment: 0.5}"], r"^reward\.weights: digit_alignment scores digits"),
-    (["eval.guard_features=digits"], r"^eval\.guard_features: 'digits'"),
+    (["train.task=digits", "model.name=diffusers", "model.pretrained=org/model"],
+     r"^train\.task: value 'digits' applies to the built-in"),
+    (["train.task=digits", "model.name=tiny_mlm"], r"train\.task"),
+    (["train.task=shapes", "model.image_size=8"], r"^model\.image_size: value 8 is not drawn by train\.task=shapes"),
+    (["train.task=shapes", "reward.weights={digit_alignment: 0.5}"], r"^reward\.weights: digit_alignment scores digits"),
+    (["train.task=shapes", "eval.guard_features=digits"], r"^eval\.guard_features: 'digits'"),
 ])
 def test_a_wrong_combination_is_a_one_line_config_error(overrides, match):
     with pytest.raises(ConfigError, match=match) as e:
-        RunConfig.from_overrides(["train.task=shapes", *overrides])
+        RunConfig.from_overrides(overrides)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("overrides", [
+    ["model.name=diffusers", "model.pretrained=org/model", "reward.weights={jpeg_compressibility: 1.0}"],
+    ["model.name=tiny_mlm"],
+])
+def test_other_models_ignore_the_default_task(overrides):
+    cfg = RunConfig.from_overrides(overrides, purpose="print")
+    assert cfg.train.task == "shapes" and cfg.train.prompts_file == "" and "shapes_score" not in cfg.reward.weights
 
 
 def test_a_weight_zero_reward_may_be_a_guard_reward_and_a_trained_one_may_not():
@@ -68,7 +78,8 @@ def test_a_weight_zero_reward_may_be_a_guard_reward_and_a_trained_one_may_not():
 
 def test_guard_features_are_none_for_shapes_and_digits_for_digits():
     assert guards.feature_kind(RunConfig.from_overrides(["train.task=shapes"])) == "none"
-    assert guards.feature_kind(RunConfig.from_overrides([])) == "digits"
+    assert guards.feature_kind(RunConfig.from_overrides([])) == "none"
+    assert guards.feature_kind(RunConfig.from_overrides(["train.task=digits"])) == "digits"
 
 
 # ---------------------------------------------------------------------- prompts
@@ -167,7 +178,7 @@ def test_the_evaluation_guards_report_detection_diversity_and_its_drop_trips():
     assert row["eval/guard/rewards/shapes_correct/mean"] == 1.0 and row["eval/guard/detection_diversity"] > 0
     collapsed = {**row, "eval/guard/detection_diversity": 0.5 * row["eval/guard/detection_diversity"]}
     assert any("detection_diversity" in t for t in guards.tripped(row, collapsed, guards.Thresholds()))
-    digits = guards.EvalGuards.for_flow(RunConfig.from_overrides([]), "cpu")
+    digits = guards.EvalGuards.for_flow(RunConfig.from_overrides(["train.task=digits"]), "cpu")
     assert digits.detections is False
 
 

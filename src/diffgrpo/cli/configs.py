@@ -47,7 +47,7 @@ def data_checked(cfg) -> str:
         section, name = key.split(".")
         spec = getattr(getattr(cfg, section), name)
         n = len(load_prompts(spec, key=key, column=cfg.train.prompt_column)) if spec else 0
-        parts.append(f"{key} {spec!r}: {n} prompts" if spec else f"{key}: the built-in prompts")
+        parts.append(f"{key} {spec!r}: {n} prompts" if spec else f"{key}: the digit prompts")
     return "data checked: " + "; ".join(parts)
 
 

@@ -96,12 +96,17 @@ def _validate_flow(cfg: RunConfig) -> None:
     _validate_task(cfg)
     _validate_engine_name(cfg.engine.name)
     if not cfg.reward.weights:
-        raise ConfigError("reward.weights: at least one reward is required, e.g. reward.weights={digit_alignment: 1.0}")
+        example = {"digits": "digit_alignment", "shapes": "shapes_score"}[cfg.train.task] if cfg.model.name == "tiny" \
+            else "pickscore"
+        raise ConfigError(f"reward.weights: at least one reward is required, e.g. reward.weights={{{example}: 1.0}}")
     for name in cfg.reward.weights:  # each weight is a finite number (checked with the field)
         _validate_reward_name(str(name))
     bad = [d for d in cfg.train.digits if not (isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= 9)]
     if bad or not cfg.train.digits:
         raise ConfigError(f"train.digits: value {cfg.train.digits!r} must be a non-empty list of digits 0..9")
+    if cfg.model.name == "tiny" and cfg.train.task != "digits" and list(cfg.train.digits) != list(range(10)):
+        raise ConfigError(f"train.digits: value {cfg.train.digits!r} is read only by train.task=digits, not "
+                          f"train.task={cfg.train.task}; set train.task=digits or remove it")
     if cfg.train.prompts_file and list(cfg.train.digits) != list(range(10)):
         raise ConfigError(f"train.digits: value {cfg.train.digits!r} is not read with train.prompts_file set (the "
                           "file replaces the digit prompts); remove one of the two")
