@@ -63,7 +63,7 @@ class Trainer:
         self._build_optimizer()
         self.iteration = 0
         self.bad_updates = 0  # consecutive skipped updates (non-finite gradient, or nothing to train)
-        every = getattr(getattr(cfg, "diversity", None), "gardo_ref_every", 0)  # GARDO's adaptive KL reference
+        every = cfg.diversity.gardo_ref_every  # GARDO's adaptive KL reference
         self.adaptive_ref = AdaptiveReference(every) if every > 0 else None
 
     def _join_world(self) -> None:

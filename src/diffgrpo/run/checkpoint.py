@@ -243,11 +243,10 @@ def load_checkpoint(ckpt: Path) -> RunState:
     if state.get("format") == "dcp":
         return RunState(**common, sharded=ckpt / "dcp",
                         trainer_state=json.loads((ckpt / "trainer.json").read_text()))
-    return RunState(**common, trainable=load_file(str(ckpt / "trainable.safetensors")),
-                    ema=load_file(str(ckpt / "ema.safetensors")) if (ckpt / "ema.safetensors").is_file() else None,
-                    optimizer=torch.load(ckpt / "optimizer.pt", weights_only=True),
-                    reference=load_file(str(ckpt / "reference.safetensors"))
-                    if (ckpt / "reference.safetensors").is_file() else None)
+    optional = {k: load_file(str(ckpt / f"{k}.safetensors")) if (ckpt / f"{k}.safetensors").is_file() else None
+                for k in ("ema", "reference")}  # the EMA, GARDO's adaptive reference: when the run keeps them
+    return RunState(**common, trainable=load_file(str(ckpt / "trainable.safetensors")), **optional,
+                    optimizer=torch.load(ckpt / "optimizer.pt", weights_only=True))
 
 
 # ---------------------------------------------------------------------- a trainer's run state
