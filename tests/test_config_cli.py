@@ -223,7 +223,7 @@ def test_settings_that_would_be_ignored_or_fail_late_are_refused(tmp_path, overr
     prompts = tmp_path / "p.txt"
     prompts.write_text("a handwritten digit 3\n")
     base = ["train.num_iterations=3", "reward.weights={pickscore: 1.0}" if "pickscore" in override else "seed=0",
-            *([f"train.prompts_file={prompts}"] if "digits" in override else [])]
+            *(["train.task=digits", f"train.prompts_file={prompts}"] if "digits" in override else [])]
     with pytest.raises(ConfigError) as err:
         RunConfig.from_overrides([*base, override])
     assert str(err.value).startswith(why) and "\n" not in str(err.value)
@@ -260,3 +260,32 @@ def test_print_config_check_data_says_what_it_checked(tmp_path, capsys):
                                        "digit prompts\n")
     assert main(["print-config", f"train.prompts_file={prompts}"]) == 0
     assert capsys.readouterr().err == ""  # without --check-data nothing is loaded, nothing said
+
+
+# The default task's model at its smallest: one block, a 10-step pretraining of 8-image batches, 3 sampling steps.
+SHAPES_CLI = ["model.num_layers=1", "model.num_heads=2", "model.head_dim=8", "model.text_dim=16", "pretrain.steps=10",
+              "pretrain.batch_size=8", "sampler.num_steps=3", "train.prompts_per_batch=2", "train.group_size=2",
+              "log.progress=false"]
+
+
+def test_bench_engines_runs_on_the_default_task(tmp_path):
+    out = tmp_path / "bench"
+    assert main(["bench", "engines", *SHAPES_CLI, "reward.weights={jpeg_incompressibility: 1.0}", "--variants",
+                 "recompute;retain", "--repeats", "1", "--out", str(out)]) == 0
+    rep = json.loads((out / "engines.json").read_text())
+    assert rep["config"]["train"]["task"] == "shapes" and rep["config"]["model"]["image_size"] == 32
+    rows = {row["variant"]: row for row in rep["rows"]}
+    assert set(rows) == {"recompute", "retain"}
+    for row in rows.values():  # the same gradient, of a loss that is not zero
+        assert row["grad_cos_vs_recompute"] == pytest.approx(1.0) and row["metrics"]["loss"] != 0.0
+        assert row["counters"]["sample_backwards"] == 4 * 2  # 4 samples × 2 trainable steps
+
+
+def test_help_names_the_default_task(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "run GRPO (default: the built-in shapes model)" in " ".join(capsys.readouterr().out.split())
+    with pytest.raises(SystemExit):
+        main(["sample", "--help"])
+    assert "default: the task's (a held-out one per shapes category, or digits 0-9)" in " ".join(
+        capsys.readouterr().out.split())

@@ -173,6 +173,18 @@ def test_validate_coerces_python_values():
     assert cfg.train.lr == 1.0 and isinstance(cfg.train.lr, float)
 
 
+def test_a_python_built_config_gets_its_task_keys_as_the_command_line_does():
+    cfg = RunConfig()
+    validate(cfg)
+    assert cfg.to_dict() == RunConfig.from_overrides([]).to_dict()
+    assert (cfg.model.image_size, cfg.train.prompts_file) == (32, "builtin:shapes/train")
+    digits = RunConfig()
+    digits.train.task = "digits"
+    validate(digits)
+    assert digits.to_dict() == RunConfig.from_overrides(["train.task=digits"]).to_dict()
+    assert (digits.model.image_size, digits.train.prompts_file) == (16, "")
+
+
 def test_trainer_refuses_a_python_built_config_before_loading_a_model():
     from diffgrpo import Trainer
 

@@ -102,6 +102,14 @@ def test_config_validates_prompt_files_before_any_model(tmp_path):
     assert msg.startswith("train.prompt_column: does not apply to model.name=tiny_mlm"), msg
 
 
+def test_a_shipped_set_keeps_its_prompt_field_whatever_the_column(tmp_path):
+    assert load_prompts("builtin:shapes/test", column="caption") == load_prompts("builtin:shapes/test")
+    own = tmp_path / "p.csv"
+    own.write_text("caption\na cat\n", encoding="utf-8")
+    cfg = RunConfig.from_overrides([f"train.prompts_file={own}", "train.prompt_column=caption"])
+    assert cfg.eval.prompts_file == "builtin:shapes/test"  # the default task's held-out prompts, read as shipped
+
+
 def test_hf_spec_syntax():
     assert split_hf_spec("hf:org/name") == ("org/name", None, "train")
     assert split_hf_spec("hf:org/name:test") == ("org/name", None, "test")

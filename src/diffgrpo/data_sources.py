@@ -206,7 +206,9 @@ def check_prompts(spec: str, *, key: str, column: str = "prompt", purpose: str =
 
 def load_prompts(spec: str, *, key: str = "train.prompts_file", column: str = "prompt") -> list[dict]:
     """The prompt records ``[{"prompt": str, **metadata}]`` of ``spec`` (see the module doc); ``key`` names the
-    config key in errors. Raises ConfigError for a missing, unreadable, malformed or empty source."""
+    config key in errors. Raises ConfigError for a missing, unreadable, malformed or empty source. ``column`` names
+    the prompt field of the user's sources: a shipped ``builtin:`` set's is always ``prompt``."""
+    column = "prompt" if spec.startswith(BUILTIN_PREFIX) else column
     if spec.startswith(HF_PREFIX):
         records = _load_hf(spec, column, key)
     else:

@@ -49,6 +49,7 @@ def validate(cfg: RunConfig, purpose: str = "train") -> None:
     if not isinstance(cfg, RunConfig):
         raise ConfigError(f"config: value of type {type(cfg).__name__} is not a RunConfig")
     check_fields(cfg)
+    config.apply_task(cfg)  # a config built in Python gets its task's keys as the command line's does
     family = family_of(cfg.model.name)
     _validate_family(cfg, family)
     t = cfg.train

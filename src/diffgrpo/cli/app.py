@@ -2,7 +2,7 @@
 
 Every command that builds a run takes ``[--config FILE|NAME] [key=value ...]``, the overrides anywhere on the line
 (also as ``--key value``, and under the TRL / flow_grpo names of ``diffgrpo.cli.flags``); ``diffgrpo train`` with no
-arguments runs the embedded default (the built-in digits model, pretrained on first use). This module holds the
+arguments runs the embedded default (the built-in shapes model, pretrained on first use). This module holds the
 parser and the dispatch; each command lives in its own module (``train``, ``sample``, ``bench``, ``configs``,
 ``outputs``), which loads what it needs when it runs.
 """
@@ -63,7 +63,7 @@ def _common(sp: argparse.ArgumentParser) -> None:
 
 
 def _add_train(sub) -> None:
-    sp = sub.add_parser("train", help="run GRPO (default: the built-in digits model)")
+    sp = sub.add_parser("train", help="run GRPO (default: the built-in shapes model)")
     _common(sp)
     sp.add_argument("--resume", metavar="RUN_DIR|auto", help="continue a run from its last complete checkpoint "
                                                              "(TRL's resume_from_checkpoint)")
@@ -82,7 +82,8 @@ def _add_sample(sub) -> None:
     sp = sub.add_parser("sample", help="write samples (an image grid, or text completions for diffusion LMs) "
                                        "from a run directory or weights file")
     sp.add_argument("--weights", help="run directory or weights.safetensors (default: the pretrained model)")
-    sp.add_argument("--prompt", action="append", help="prompt (repeatable); default: digits 0-9")
+    sp.add_argument("--prompt", action="append", help="prompt (repeatable); default: the task's (a held-out one per "
+                                                      "shapes category, or digits 0-9)")
     sp.add_argument("--seed", type=int, default=0)
     sp.add_argument("--num", type=int, default=None, help="samples per prompt (default 8; a text model decoding "
                                                           "greedily writes one per prompt)")

@@ -10,7 +10,7 @@ import typing
 
 import yaml
 
-from ..config import RunConfig
+from ..config import RunConfig, apply_task
 
 HEADER = ("# Config reference\n\n"
           "Every key of a run, by section: `diffgrpo train section.key=value`, or the same nesting in a YAML file "
@@ -93,8 +93,12 @@ def _flat(d: dict, prefix: str = "") -> dict:
 
 def changed(cfg: RunConfig) -> dict:
     """The keys of ``cfg`` whose values differ from the defaults, nested by section (a YAML ``--config`` file that
-    reproduces ``cfg``)."""
-    base, now = _flat(RunConfig().to_dict()), _flat(cfg.to_dict())
+    reproduces ``cfg``). The keys its ``train.task`` sets (``config.apply_task``) count as defaults."""
+    plain, default = RunConfig(), RunConfig()
+    default.model.name, default.train.task = cfg.model.name, cfg.train.task
+    apply_task(default)
+    base, now = _flat(default.to_dict()), _flat(cfg.to_dict())
+    base["model.name"], base["train.task"] = plain.model.name, plain.train.task
     out: dict = {}
     for key, value in now.items():
         if base.get(key) != value:

@@ -41,8 +41,9 @@ def check_diversity(cfg: RunConfig) -> None:
     if not methods:
         return
     if guards.feature_kind(cfg) == "none":
-        raise ConfigError("diversity.method: needs a feature space for the samples; eval.guard_features=none gives "
-                          "none (use digits, clip or a module:function)")
+        raise ConfigError(f"diversity.method: needs a feature space for the samples; eval.guard_features="
+                          f"{cfg.eval.guard_features} gives none here (use clip, a module:function, or digits with "
+                          "train.task=digits)")
     if cfg.dist.group_layout == "spread":
         raise ConfigError("diversity.method: the objectives compare the samples of a whole group; "
                           "dist.group_layout=spread splits groups over ranks (use local)")
