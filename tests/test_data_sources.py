@@ -273,7 +273,8 @@ def test_shipped_prompt_sets_load_by_name_with_their_metadata():
 
     assert builtin_sets() == ["code/test", "code/train", "edit/test", "edit/train", "geneval/test", "geneval/train",
                               "ocr/test", "ocr/train", "preference/test",
-                              "preference/train", "shapes/test", "shapes/train"]  # code/: MBPP records (dllm.task=code)
+                              "preference/train", "shapes/test", "shapes/train", "shapes_video/test",
+                              "shapes_video/train"]  # code/: MBPP records (dllm.task=code)
     sets = {n: load_prompts(f"builtin:{n}") for n in builtin_sets() if not n.startswith("code/")}
     for name in ("geneval", "ocr", "preference", "shapes"):  # train and test never share a prompt
         assert not {r["prompt"] for r in sets[f"{name}/train"]} & {r["prompt"] for r in sets[f"{name}/test"]}

@@ -19,6 +19,7 @@ from . import calling, clip_models, edit, geneval, ocr, verifiers
 from .http import http as http_reward
 from .image import digit_alignment, jpeg_compressibility, jpeg_incompressibility
 from .shapes import shapes_correct, shapes_score
+from .shapes_video import shapes_video_correct, shapes_video_score
 
 RewardFn = Callable[..., object]
 
@@ -28,6 +29,8 @@ REWARDS: dict[str, RewardFn] = {
     "jpeg_incompressibility": jpeg_incompressibility,
     "shapes_correct": shapes_correct,  # the shapes task's checker: every constraint met (0/1)
     "shapes_score": shapes_score,  # the fraction of its constraints met
+    "shapes_video_correct": shapes_video_correct,  # shapes_video: every frame and every motion right (0/1)
+    "shapes_video_score": shapes_video_score,  # the fraction of its constraints met
     # text verifiers (completions are strings; the reference is read from the prompt and metadata["answer"])
     "verify_gsm8k": verifiers.verify_gsm8k,
     "verify_countdown": verifiers.verify_countdown,
