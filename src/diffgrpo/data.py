@@ -1,5 +1,5 @@
 """Local data: scikit-learn's handwritten digits (shipped with the package, nothing is downloaded), and the
-prompts of the built-in image tasks (``train.task``: digits, shapes) given without a prompt file.
+prompts of the built-in image tasks (``train.task``: digits, shapes, shapes_video) given without a prompt file.
 
 1,797 8×8 images with 17 grey levels, upsampled bilinearly to the requested size. The split is fixed
 (seeded permutation) so the reward classifier's held-out accuracy is measured on images neither it nor the
@@ -12,7 +12,7 @@ import re
 import torch
 import torch.nn.functional as F
 
-from .tasks import shapes
+from .tasks import shapes, shapes_video
 
 NUMBER_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 _DIGIT_RE = re.compile(r"\b(\d)\b")
@@ -54,14 +54,15 @@ def task_metadata(prompt: str, task: str = "digits") -> dict:
     ``train.task=shapes`` the constraints its text states (``tag``, ``include``; nothing when it is not a prompt
     of the shapes grammar)."""
     meta = {"digit": prompt_digit(prompt)}
-    if task == "shapes":
-        meta.update(shapes.parse(prompt) or {})
+    if task in ("shapes", "shapes_video"):
+        meta.update((shapes if task == "shapes" else shapes_video).parse(prompt) or {})
     return meta
 
 
 def default_prompts(task: str = "digits") -> list[str]:
     """The prompts a command samples when given none: the ten digit prompts, or (shapes) the first held-out prompt
     of each GenEval category."""
-    if task == "shapes":
-        return [shapes.prompts("test", (tag,))[0]["prompt"] for tag in shapes.CATEGORIES]
+    if task in ("shapes", "shapes_video"):
+        mod = shapes if task == "shapes" else shapes_video
+        return [mod.prompts("test", (tag,))[0]["prompt"] for tag in mod.CATEGORIES]
     return [digit_prompt(d) for d in range(10)]

@@ -34,6 +34,10 @@ TASK_DEFAULTS: dict[str, dict[str, Any]] = {
                "pretrain.batch_size": 64,
                "train.prompts_file": "builtin:shapes/train", "eval.prompts_file": "builtin:shapes/test",
                "reward.weights": {"shapes_score": 1.0, "shapes_correct": 0.0}, "eval.guard_rewards": ["shapes_correct"]},
+    "shapes_video": {"model.image_size": 32, "model.num_frames": 4, "model.patch_size": 8, "model.num_layers": 3,
+                     "model.head_dim": 32, "pretrain.batch_size": 32, "train.prompts_file": "builtin:shapes_video/train",
+                     "eval.prompts_file": "builtin:shapes_video/test", "eval.guard_rewards": ["shapes_video_correct"],
+                     "reward.weights": {"shapes_video_score": 1.0, "shapes_video_correct": 0.0}},
 }
 
 
@@ -249,10 +253,11 @@ class TrainConfig:
                                    "train.max_inconsistency): warn, stop (exit code 4) or off (not measured)")
     max_inconsistency: float = _f(0.5, lo=0.0, doc="limit on consistency/dlogp_over_clip (mean |Δ log p| / the clip "
                                                    "range); 0 = none")
-    task: str = _f("shapes", choices=("shapes", "digits"),
+    task: str = _f("shapes", choices=("shapes", "digits", "shapes_video"),
                    doc="the built-in image task (model.name=tiny): shapes (coloured shapes at 32 px, GenEval-category "
                        "prompts, a closed-form checker; sets the keys of config.TASK_DEFAULTS a config leaves at their "
-                       "defaults) or digits (scikit-learn's 8 × 8 digits, a classifier's confidence)", family="flow")
+                       "defaults), digits (scikit-learn's 8 × 8 digits, a classifier's confidence) or shapes_video "
+                       "(4-frame clips of moving shapes, a tiny Wan video model)", family="flow")
     digits: list = _f([0, 1, 2, 3, 4, 5, 6, 7, 8, 9], doc="training prompt digits", family="flow")
     prompts_file: str = _f("", path=True, doc="training prompts (replace the digit prompts), drawn by a seeded epoch "
                                               "sampler: a UTF-8 text file (one prompt per line), a .jsonl file (a "

@@ -53,7 +53,8 @@ def preview(lines: list[str], out: Path) -> list[str]:
 
 
 def _write(samples, out: Path) -> None:
-    """Images as one grid (a row per prompt), texts as ``prompt<TAB>completion`` lines (a .png name → .txt)."""
+    """Images as one grid (a row per prompt; videos' first frames, and each clip as its own file), texts as
+    ``prompt<TAB>completion`` lines (a .png name → .txt)."""
     from ..run.runlog import save_grid
 
     if samples.texts is not None:
@@ -65,6 +66,11 @@ def _write(samples, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     save_grid(samples.images, out, nrow=samples.per_prompt)
     print(f"wrote {len(samples.prompts)} samples to {out}")
+    if samples.images.dim() == 5:  # videos: the grid shows first frames; each clip also as <out>_<i>.mp4 / .gif
+        from ..media import save_video, to_uint8
+
+        paths = [save_video(to_uint8(v), out.with_name(f"{out.stem}_{i:03d}")) for i, v in enumerate(samples.images)]
+        print(f"wrote {len(paths)} clips beside it ({paths[0].name}, ...)")
 
 
 def cmd_sample(args) -> int:

@@ -91,13 +91,31 @@ def _validate_task(cfg: RunConfig) -> None:
     if task == "shapes" and "digit_alignment" in cfg.reward.weights:
         raise ConfigError("reward.weights: digit_alignment scores digits, not train.task=shapes' scenes; use "
                           "shapes_score or shapes_correct")
+    if task == "shapes_video":
+        _validate_video_task(cfg)
+
+
+def _validate_video_task(cfg: RunConfig) -> None:
+    """``train.task=shapes_video``: 32-pixel clips of 2 to 8 frames, scored by a clip reward."""
+    m = cfg.model
+    if m.image_size != 32:
+        raise ConfigError(f"model.image_size: value {m.image_size} is not drawn by train.task=shapes_video (its "
+                          "clips and checker are 32 × 32); set 32 or leave it out")
+    if not 2 <= m.num_frames <= 8:
+        raise ConfigError(f"model.num_frames: value {m.num_frames} is out of range for train.task=shapes_video; "
+                          "must be 2..8 (default 4)")
+    image_only = sorted(n for n in cfg.reward.weights if n in ("digit_alignment", "shapes_score", "shapes_correct"))
+    if image_only:
+        raise ConfigError(f"reward.weights: {image_only} score images, not train.task=shapes_video's clips; use "
+                          "shapes_video_score or shapes_video_correct")
 
 
 def _validate_flow(cfg: RunConfig) -> None:
     _validate_task(cfg)
     _validate_engine_name(cfg.engine.name)
     if not cfg.reward.weights:
-        example = {"digits": "digit_alignment", "shapes": "shapes_score"}[cfg.train.task] if cfg.model.name == "tiny" \
+        example = {"digits": "digit_alignment", "shapes": "shapes_score", "shapes_video": "shapes_video_score"}[
+            cfg.train.task] if cfg.model.name == "tiny" \
             else "pickscore"
         raise ConfigError(f"reward.weights: at least one reward is required, e.g. reward.weights={{{example}: 1.0}}")
     for name in cfg.reward.weights:  # each weight is a finite number (checked with the field)

@@ -31,6 +31,8 @@ from .pretraining import pretrain_step
 from .reference import needs_reference
 from .tiny_shapes import ROW as SHAPES_ROW
 from .tiny_shapes import ShapesFlowNet, load_or_pretrain_shapes
+from .tiny_shapes_video import ROW as SHAPES_VIDEO_ROW
+from .tiny_shapes_video import ShapesVideoFlowNet, load_or_pretrain_shapes_video
 
 VOCAB = ["<pad>", "<bos>", "<unk>", "a", "an", "the", "handwritten", "digit", "number", "of", "image", "picture",
          *[str(i) for i in range(10)], *NUMBER_WORDS]
@@ -152,21 +154,24 @@ def build_tiny_policy(cfg: RunConfig, *, progress=True, log=print, pretrained=Tr
     """
     m = cfg.model
     cls, load, row = BUILT_IN_NETS[cfg.train.task]
-    net = load(m, cfg.pretrain, progress=progress, log=log) if pretrained else cls(**arch_kwargs(m))
+    fresh = getattr(cls, "from_model", None) or (lambda mc: cls(**arch_kwargs(mc)))
+    net = load(m, cfg.pretrain, progress=progress, log=log) if pretrained else fresh(m)
     device = resolve_device(m.device, launched_local_rank())  # the Trainer passes it resolved already
     text = net.text.to(device).eval().requires_grad_(False)  # frozen, as text encoders are in SD3 post-training
     options = PolicyOptions(guidance_scale=m.guidance_scale, negative_prompt="", device=device,
                             lora_rank=m.lora_rank, lora_alpha=m.lora_alpha, lora_target_modules=m.lora_target_modules,
                             keep_reference=needs_reference(cfg), mixed_precision=m.mixed_precision,
                             gradient_checkpointing=m.gradient_checkpointing)
-    channels = net.transformer.config.in_channels  # 1 (digits) or 3 (shapes)
-    return DiffusersFlowPolicy(net.transformer, row, options, latent_shape=(channels, net.image_size, net.image_size),
-                               encoder=text.encode, decoder=decode_pixels)
+    channels = net.transformer.config.in_channels  # 1 (digits) or 3 (shapes); a video net: (3, F, S, S)
+    shape = getattr(net, "latent_shape", (channels, net.image_size, net.image_size))
+    return DiffusersFlowPolicy(net.transformer, row, options, latent_shape=shape, encoder=text.encode,
+                               decoder=decode_pixels)
 
 
 # train.task → (network class, cached loader, pipeline row) of the built-in image model
 BUILT_IN_NETS = {"digits": (TinyFlowNet, load_or_pretrain, "sd3"),
-                 "shapes": (ShapesFlowNet, load_or_pretrain_shapes, SHAPES_ROW)}
+                 "shapes": (ShapesFlowNet, load_or_pretrain_shapes, SHAPES_ROW),
+                 "shapes_video": (ShapesVideoFlowNet, load_or_pretrain_shapes_video, SHAPES_VIDEO_ROW)}
 
 __all__ = ["BUILT_IN_NETS", "TinyFlowNet", "PromptEncoder", "build_tiny_policy", "decode_pixels", "load_or_pretrain", "pretrain",
            "tokenize"]
