@@ -307,7 +307,8 @@ def _summary_section(run: Path) -> list[str]:
     return parts
 
 
-HEADLINE = ("eval/rewards/shapes_correct/mean", "eval/reward")  # a shapes_correct run's accuracy leads
+# a shapes_correct run's accuracy leads: GenEval's overall (the mean of its categories), then over samples
+HEADLINE = ("eval/rewards/shapes_correct/mean_of_tags", "eval/rewards/shapes_correct/mean", "eval/reward")
 
 
 def _ratio(first: dict, last: dict, key: str) -> float | None:

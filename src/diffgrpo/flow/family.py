@@ -37,7 +37,7 @@ from ..loss_weights import apply, grpo_loss_weights
 from ..media import SampleTable, grid_frames, to_uint8, with_source
 from ..models.pipelines.editing import is_edit
 from ..models.regional_compile import compile_policy
-from ..rewards import compute_rewards, make_rewards
+from ..rewards import compute_rewards, make_rewards, tag_means
 from ..samplers import flow_sde
 from ..samplers import options as rollout_options
 from ..samplers.rollout import sample_trajectories
@@ -386,6 +386,10 @@ class FlowFamily:
         row = {"eval/reward": float(rewards[torch.isfinite(rewards)].mean())}
         for name, v in comps.items():
             row[f"eval/rewards/{name}/mean"] = float(v[torch.isfinite(v)].mean())
+            by_tag = tag_means(v, metadata)  # GenEval's categories: each one's mean, and their mean (its overall)
+            row.update({f"eval/by_tag/{name}/{t}": x for t, x in by_tag.items()})
+            if by_tag:
+                row[f"eval/rewards/{name}/mean_of_tags"] = sum(by_tag.values()) / len(by_tag)
         row.update(digit_guards.result())  # eval/fid, eval/diversity of the built-in task's digit images
         row.update(held_out.result())
         return row, torch.stack([grid[i] for i in sorted(grid)])

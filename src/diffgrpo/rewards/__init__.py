@@ -40,7 +40,7 @@ from .registry import (
     supply,
     with_supplied,
 )
-from .scoring import RewardTimeout, compute_rewards, make_rewards, time_limited
+from .scoring import RewardTimeout, compute_rewards, make_rewards, tag_means, time_limited
 
 __all__ = [
     "MODEL_REWARDS",
@@ -62,6 +62,7 @@ __all__ = [
     "checks",
     "clip_models",
     "compute_rewards",
+    "tag_means",
     "edit",
     "geneval",
     "make_rewards",

@@ -154,4 +154,18 @@ def make_rewards(weights: Mapping[str, float], options: Mapping[str, Mapping] | 
     return out
 
 
-__all__ = ["RewardTimeout", "compute_rewards", "make_rewards", "time_limited"]
+
+def tag_means(values: torch.Tensor, metadata: list) -> dict[str, float]:
+    """Mean of ``values`` (N,) per prompt category (each record's ``tag``, GenEval's metadata field), NaNs left out;
+    empty unless every record has a tag. GenEval's overall score is the mean of these means, not of the samples."""
+    tags = [m.get("tag") if isinstance(m, Mapping) else None for m in metadata]
+    if not tags or not all(isinstance(t, str) for t in tags):
+        return {}
+    out = {}
+    for tag in dict.fromkeys(tags):
+        v = values[[i for i, t in enumerate(tags) if t == tag]]  # (n_tag,)
+        out[tag] = float(v[torch.isfinite(v)].mean()) if torch.isfinite(v).any() else float("nan")
+    return out
+
+
+__all__ = ["RewardTimeout", "compute_rewards", "make_rewards", "tag_means", "time_limited"]
