@@ -10,6 +10,7 @@ import yaml
 
 from diffgrpo import ConfigError, RunConfig
 from diffgrpo.cli.app import main
+from diffgrpo.studies.engines import ZERO_GRADIENT
 from diffgrpo.tasks import shapes
 
 
@@ -279,6 +280,12 @@ def test_bench_engines_runs_on_the_default_task(tmp_path):
     for row in rows.values():  # the same gradient, of a loss that is not zero
         assert row["grad_cos_vs_recompute"] == pytest.approx(1.0) and row["metrics"]["loss"] != 0.0
         assert row["counters"]["sample_backwards"] == 4 * 2  # 4 samples × 2 trainable steps
+    assert "note" not in rep and "Note:" not in (out / "engines.md").read_text()
+    flat = tmp_path / "flat"  # rewards that tie in every group: no gradient to compare, and the report says so
+    assert main(["bench", "engines", *SHAPES_CLI, "reward.weights={'tests.helpers.rewards:constant': 1.0}",
+                 "--variants", "recompute", "--repeats", "1", "--out", str(flat)]) == 0
+    assert json.loads((flat / "engines.json").read_text())["note"] == ZERO_GRADIENT
+    assert (flat / "engines.md").read_text().endswith("\n\n" + ZERO_GRADIENT + "\n")
 
 
 def test_help_names_the_default_task(capsys):
@@ -289,3 +296,17 @@ def test_help_names_the_default_task(capsys):
         main(["sample", "--help"])
     assert "default: the task's (a held-out one per shapes category, or digits 0-9)" in " ".join(
         capsys.readouterr().out.split())
+
+
+def test_a_default_task_run_samples_and_exports_from_the_command_line(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(["train", *SHAPES_CLI, "eval.seeds_per_prompt=1", "train.num_iterations=1", "train.save_every=1",
+                 f"log.output_dir={run}"]) == 0
+    assert "eval/rewards/shapes_correct/mean:" in capsys.readouterr().out
+    assert main(["sample", "--weights", str(run), "--num", "1", "--out", str(tmp_path / "s.png")]) == 0
+    assert "wrote 6 samples" in capsys.readouterr().out  # a held-out prompt per shapes category
+    assert main(["export", str(run), "--out", str(tmp_path / "model")]) == 0
+    from diffusers import SD3Transformer2DModel
+
+    net = SD3Transformer2DModel.from_pretrained(tmp_path / "model")  # the three-channel 32-pixel transformer
+    assert (net.config.in_channels, net.config.sample_size, net.config.patch_size) == (3, 32, 8)

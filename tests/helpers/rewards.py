@@ -90,6 +90,11 @@ def brightness(images, prompts, metadata):
     return images.flatten(1).mean(1)
 
 
+def constant(images, prompts, metadata):
+    """A reward that ties every group: the policy gradient is zero."""
+    return torch.zeros(len(prompts))
+
+
 def hang(images, prompts, metadata):
     """A reward that never returns (after touching the file named by $DIFFGRPO_TEST_HANG_MARK, if set); with
     $DIFFGRPO_TEST_HANG_MARK set it scores the evaluations (main thread) and hangs in the background scorer only."""

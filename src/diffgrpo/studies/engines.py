@@ -43,6 +43,10 @@ def parse_variant(spec: str) -> tuple[str, list[str]]:
     return spec, overrides
 
 
+ZERO_GRADIENT = ("Note: the exact gradient is zero (every group's rewards tie), so the grad cos and rel err columns "
+                 "compare nothing; bench a pretrained model or a reward that varies within a group.")
+
+
 def _grads(params) -> list[torch.Tensor | None]:
     """A copy of every parameter's gradient in its own dtype (None where there is none): one extra gradient's
     memory, not a float64 vector of every parameter (which at 12B parameters would not fit)."""
@@ -139,6 +143,8 @@ def bench_engines(cfg: RunConfig, variants: list[str], *, repeats: int = 3, out_
         "command": command or "diffgrpo " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
         "num_steps": cfg.sampler.num_steps, "rows": rows, "errors": errors,
     }
+    if any(run.get("ref_zero") for run in results.get("recompute", [])[:1]):  # the warm-up compares gradients
+        report["note"] = ZERO_GRADIENT
     md = to_markdown(report)
     if out_dir:
         out = Path(out_dir)
@@ -170,6 +176,7 @@ def _measure(trainer: Trainer, base: Trainer, base_state: dict, rng_state: dict,
         base.optimizer.zero_grad(set_to_none=True)
         RecomputeEngine().backward(trainer.family.ctx, ro, 0)
         res["ref_cos"], res["ref_relerr"] = _compare(res["grad"], [p.grad for p in base.params])
+        res["ref_zero"] = all(p.grad is None or not bool(p.grad.any()) for p in base.params)
         base.optimizer.zero_grad(set_to_none=True)
     return res
 
@@ -241,4 +248,4 @@ def to_markdown(report: dict) -> str:
             f"{r['grad_cos_vs_recompute']:.5f} | {r['grad_relerr_vs_recompute']:.1e} | "
             f"{r['peak_memory_bytes'] / 2**20:.1f} MiB | {c['forwards_grad']} | {c['forwards_nograd']} | "
             f"{c['sample_backwards']} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + (["", report["note"]] if report.get("note") else [])) + "\n"
