@@ -259,13 +259,13 @@ class TrainConfig:
                        "defaults), digits (scikit-learn's 8 × 8 digits, a classifier's confidence) or shapes_video "
                        "(4-frame clips of moving shapes, a tiny Wan video model)", family="flow")
     digits: list = _f([0, 1, 2, 3, 4, 5, 6, 7, 8, 9], doc="training prompt digits", family="flow")
-    prompts_file: str = _f("", path=True, doc="training prompts (replace the digit prompts), drawn by a seeded epoch "
-                                              "sampler: a UTF-8 text file (one prompt per line), a .jsonl file (a "
-                                              "prompt field + metadata fields) or a .csv file (a prompt column + "
-                                              "metadata columns), or hf:<path or hub id>[:<split>] (datasets."
-                                              "load_dataset; hf:json:<file> for a local JSON file), or "
-                                              "builtin:<set>/<split> (a prompt set shipped with the package, e.g. "
-                                              "builtin:ocr/train); the metadata reaches the rewards", family="flow")
+    prompts_file: str = _f("", path=True, doc="training prompts (default: train.task's, or the digits of train."
+                                              "digits), drawn by a seeded epoch sampler: a UTF-8 text file (one "
+                                              "prompt per line), a .jsonl file (a prompt field + metadata fields) or "
+                                              "a .csv file (a prompt column + metadata columns), or hf:<path or hub "
+                                              "id>[:<split>] (datasets.load_dataset; hf:json:<file> for a local JSON "
+                                              "file), or builtin:<set>/<split> (a prompt set shipped with the package, "
+                                              "e.g. builtin:ocr/train); the metadata reaches the rewards", family="flow")
     prompt_column: str = _f("prompt", doc="the field / column holding the prompt in train.prompts_file and "
                                           "eval.prompts_file (.jsonl, .csv, hf:)", family="flow")
     checkpoint_format: str = _f("auto", choices=("auto", "dcp", "files"),
@@ -415,8 +415,8 @@ class EvalConfig:
     seeds_per_prompt: int = _f(4, lo=1)
     seed: int = _f(1234, family="any")
     sde_type: str = _f("ode", choices=("ode", "flow_sde", "dance_sde", "flash_sde", "cps"))
-    prompts_file: str = _f("", path=True, doc="evaluation prompts (default: the ten digit prompts), in any format of "
-                                              "train.prompts_file; the metadata reaches the rewards")
+    prompts_file: str = _f("", path=True, doc="evaluation prompts (default: train.task's held-out set or the digit "
+                                              "prompts), any format of train.prompts_file; metadata reaches rewards")
     batch_size: int = _f(0, lo=0, doc="evaluation samples sampled, decoded and scored together; 0 = all at once "
                                       "(with > 0 only the first 64 images are kept for the sample grid)")
     guard_rewards: list = _f([], doc="held-out guard rewards, evaluated and never trained on (eval/guard/rewards/"
