@@ -91,14 +91,20 @@ def _flat(d: dict, prefix: str = "") -> dict:
     return out
 
 
+def task_defaults(model_name: str, task: str) -> RunConfig:
+    """The defaults of a config of ``model_name`` and ``train.task``: with the keys that task sets
+    (``config.apply_task``), ``model.name`` and ``train.task`` themselves at their defaults."""
+    default = RunConfig()
+    default.model.name, default.train.task = model_name, task
+    apply_task(default)
+    default.model.name, default.train.task = RunConfig().model.name, RunConfig().train.task
+    return default
+
+
 def changed(cfg: RunConfig) -> dict:
     """The keys of ``cfg`` whose values differ from the defaults, nested by section (a YAML ``--config`` file that
     reproduces ``cfg``). The keys its ``train.task`` sets (``config.apply_task``) count as defaults."""
-    plain, default = RunConfig(), RunConfig()
-    default.model.name, default.train.task = cfg.model.name, cfg.train.task
-    apply_task(default)
-    base, now = _flat(default.to_dict()), _flat(cfg.to_dict())
-    base["model.name"], base["train.task"] = plain.model.name, plain.train.task
+    base, now = _flat(task_defaults(cfg.model.name, cfg.train.task).to_dict()), _flat(cfg.to_dict())
     out: dict = {}
     for key, value in now.items():
         if base.get(key) != value:
@@ -110,4 +116,4 @@ def changed(cfg: RunConfig) -> dict:
     return out
 
 
-__all__ = ["changed", "reference_markdown", "rows"]
+__all__ = ["changed", "reference_markdown", "rows", "task_defaults"]

@@ -33,11 +33,12 @@ import yaml
 
 from .. import yamlio
 from .._version import __version__
-from ..config import RunConfig
+from ..config import TASK_DEFAULTS, RunConfig
 from ..errors import ConfigError, TrainingError
 from ..fileio import atomic_write
 from ..guards import PREFIX as GUARD_PREFIX
 from ..run.runlog import read_metrics
+from .configdoc import task_defaults
 
 # metric family → (title, caption, keys or key prefixes); a key belongs to the first family that claims it
 FAMILIES = (
@@ -193,7 +194,10 @@ def changed_keys(config_text: str) -> list[tuple[str, object, object]] | None:
         return None
     if not isinstance(data, dict):
         return None
-    default = _flat(RunConfig().to_dict())
+    model, train = (data.get(k) if isinstance(data.get(k), dict) else {} for k in ("model", "train"))
+    task = train.get("task", "digits")  # a config saved before train.task existed trained the digits task
+    default = _flat((task_defaults(str(model.get("name", "tiny")), task) if str(task) in TASK_DEFAULTS else
+                     RunConfig()).to_dict())  # the keys the run's task sets count as defaults
     ran = _flat({k: v for k, v in data.items() if isinstance(k, str)})
     return [(k, default.get(k), v) for k, v in ran.items() if default.get(k, object()) != v]
 
