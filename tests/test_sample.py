@@ -13,9 +13,9 @@ from diffgrpo.errors import ConfigError
 from diffgrpo.run.runlog import save_grid
 
 # the built-in image model at its smallest (a 20-step pretraining, cached), 4 sampling steps
-TINY_CLI = ["model.image_size=8", "model.num_layers=1", "model.num_heads=2", "model.head_dim=8", "model.text_dim=16",
-            "pretrain.steps=20", "pretrain.batch_size=16", "sampler.num_steps=4", "log.progress=false",
-            "reward.weights={jpeg_incompressibility: 1.0}"]
+TINY_CLI = ["train.task=digits", "model.image_size=8", "model.num_layers=1", "model.num_heads=2", "model.head_dim=8",
+            "model.text_dim=16", "pretrain.steps=20", "pretrain.batch_size=16", "sampler.num_steps=4",
+            "log.progress=false", "reward.weights={jpeg_incompressibility: 1.0}"]
 FLOW = [*TINY_CLI, "eval.seed=5", "eval.seeds_per_prompt=2"]
 DLLM = ["model.name=tiny_mlm", "dllm.task=arithmetic", "pretrain.steps=5", "pretrain.batch_size=8",
         "log.progress=false", "dllm.eval_samples=2", "dllm.eval_size=3", "eval.seed=7"]
