@@ -208,9 +208,10 @@ def test_sigterm_stops_a_benchmark_from_the_cli_with_its_outputs(tmp_path):
     import sys
 
     out = tmp_path / "bq"
-    tiny = ["model.image_size=8", "model.num_layers=1", "model.num_heads=2", "model.head_dim=8", "model.text_dim=16",
-            "pretrain.steps=20", "pretrain.batch_size=16", "sampler.num_steps=4", "train.prompts_per_batch=2",
-            "train.group_size=2", "eval.seeds_per_prompt=1", "log.progress=false", "log.save_images=false"]
+    tiny = ["train.task=digits", "model.image_size=8", "model.num_layers=1", "model.num_heads=2", "model.head_dim=8",
+            "model.text_dim=16", "pretrain.steps=20", "pretrain.batch_size=16", "sampler.num_steps=4",
+            "train.prompts_per_batch=2", "train.group_size=2", "eval.seeds_per_prompt=1", "log.progress=false",
+            "log.save_images=false"]
     p = subprocess.Popen([sys.executable, "-m", "diffgrpo.cli", "bench", "quality", *tiny, "--variant", "a=",
                           "--variant", "b=engine.name=single_step", "--seeds", "0", "1", "--iterations", "40",
                           "--evals", "8", "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -79,8 +79,8 @@ def llada_dir(tmp_path_factory):
 
 def _model_args(model: str, lora: bool, request) -> list[str]:
     if model == "builtin":
-        args = ["model.image_size=8", "model.num_layers=2", "model.num_heads=2", "model.head_dim=8",
-                "model.text_dim=16", "pretrain.steps=20", "pretrain.batch_size=16", "sampler.num_steps=4",
+        args = ["train.task=digits", "model.image_size=8", "model.num_layers=2", "model.num_heads=2",
+                "model.head_dim=8", "model.text_dim=16", "pretrain.steps=20", "pretrain.batch_size=16", "sampler.num_steps=4",
                 "eval.seeds_per_prompt=1", "reward.weights={jpeg_incompressibility: 1.0}", "train.lr=1e-3"]
     elif model in ("sd3", "wan"):
         d = request.getfixturevalue(f"{model}_dir")

@@ -167,8 +167,8 @@ def returns_text(images, prompts, metadata):
 
 def test_cli_prints_the_plugin_misuse_as_one_line(tmp_path, capsys):
     name = f"{__name__}:returns_text"
-    rc = main(["train", "model.image_size=8", "model.num_layers=1", "model.num_heads=2", "model.head_dim=8",
-               "model.text_dim=16", "pretrain.steps=20", "pretrain.batch_size=16", "sampler.num_steps=2",
+    rc = main(["train", "train.task=digits", "model.image_size=8", "model.num_layers=1", "model.num_heads=2",
+               "model.head_dim=8", "model.text_dim=16", "pretrain.steps=20", "pretrain.batch_size=16", "sampler.num_steps=2",
                "train.prompts_per_batch=2", "train.group_size=2", "train.num_iterations=1", "eval.every=0",
                "log.progress=false", f"reward.weights={{{name}: 1.0}}", f"log.output_dir={tmp_path / 'run'}"])
     err = capsys.readouterr().err.strip().splitlines()
