@@ -291,7 +291,9 @@ def test_bench_engines_runs_on_the_default_task(tmp_path):
 def test_help_names_the_default_task(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
-    assert "run GRPO (default: the built-in shapes model)" in " ".join(capsys.readouterr().out.split())
+    listed = " ".join(capsys.readouterr().out.split())
+    assert "run GRPO (default: the built-in shapes model)" in listed
+    assert "pretrain and cache the built-in model (for digits also its reward classifier)" in listed
     with pytest.raises(SystemExit):
         main(["sample", "--help"])
     assert "default: the task's (a held-out one per shapes category, or digits 0-9)" in " ".join(

@@ -71,7 +71,8 @@ def _add_train(sub) -> None:
 
 
 def _add_pretrain(sub) -> None:
-    sp = sub.add_parser("pretrain", help="pretrain and cache the built-in model and reward classifier")
+    sp = sub.add_parser("pretrain", help="pretrain and cache the built-in model (for digits also its reward "
+                                         "classifier)")
     _common(sp)
     sp.add_argument("--task", choices=["arithmetic", "sudoku", "countdown", "json_schema", "code_toy"],
                     help="pretrain the built-in masked diffusion LM on this task instead")
