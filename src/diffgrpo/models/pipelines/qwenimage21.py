@@ -25,9 +25,13 @@ random-weight pipeline). What the pipeline does, and what is done here:
   t = 0) is not used: every forward recomputes the text tokens, equal to float tolerance.
 - pixels: the VAE decodes 4 channels (RGBA); the rewards see the first three, in [0, 1].
 
-Cost: one transformer call per distinct prompt length of a batch per step (×2 with CFG). Under data parallelism
-the ranks' batches may hold different numbers of distinct lengths, so different numbers of calls: DDP and FSDP2
-runs of this row are untested.
+Cost: one transformer call per distinct prompt length of a batch per step (the negative prompt's among them with
+CFG). Under data parallelism the ranks' batches may hold different numbers of distinct lengths. DDP makes no
+collective in forward and syncs once in backward, so ranks may make different numbers of calls. Under FSDP2 every
+block call is a collective (an all-gather in forward, a reduce-scatter in backward): the ranks agree on the union
+of their lengths (two small all-reduces per forward) and each runs one call per length of the union, a length it
+lacks on one row of zero text whose output is added ×0 (the same calls on every rank; its gradient is exactly 0).
+Two ranks of either kind give one process's gradient on the union of their units (tested).
 """
 from __future__ import annotations
 
@@ -81,18 +85,42 @@ def _call(tr: nn.Module, tokens: torch.Tensor, sigma: torch.Tensor, text: torch.
               img_shapes=[[(1, *hw)]] * n, img_mask=img_mask, return_dict=False)[0][:, -tokens.shape[1]:]
 
 
+def call_lengths(tr: nn.Module, lengths: torch.Tensor) -> list[int]:
+    """The prompt lengths to run a call for, ascending: those of ``lengths`` (N,), and with ``tr`` sharded by FSDP2
+    those of every rank (a collective: all ranks call it together, as they call every FSDP2 forward)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    mine = lengths.unique()  # sorted
+    if not isinstance(tr, FSDPModule):
+        return mine.tolist()
+    import torch.distributed as dist
+
+    top = mine.max().reshape(1).long()
+    dist.all_reduce(top, op=dist.ReduceOp.MAX)
+    present = torch.zeros(int(top) + 1, dtype=torch.long, device=lengths.device)  # (top + 1,) 1 where a rank has it
+    present[mine.long()] = 1
+    dist.all_reduce(present, op=dist.ReduceOp.MAX)
+    return present.nonzero().flatten().tolist()
+
+
 def forward(tr: nn.Module, x: torch.Tensor, sigma: torch.Tensor, cond: dict, args: ForwardArgs) -> torch.Tensor:
-    """x (N, C, h, w), sigma (N,) → velocity (N, C, h, w): one call per distinct prompt length, without padding."""
+    """x (N, C, h, w), sigma (N,) → velocity (N, C, h, w): one call per distinct prompt length, without padding
+    (under FSDP2 per length of any rank; a length without rows here runs on one zero-text row, added ×0)."""
     N, C, h, w = x.shape
     tokens = x.reshape(N, C, h * w).transpose(1, 2)  # (N, h·w, C), row-major cells (the pipeline's _pack_latents)
     lengths = cond["prompt_mask"].sum(dim=1)  # (N,) valid text tokens of each row (a prefix)
-    out = None
-    for length in lengths.unique().tolist():
+    text = cond["prompt_embeds"]  # (N, L, D)
+    out, keep = None, tokens.new_zeros(())
+    for length in call_lengths(tr, lengths):
         rows = (lengths == length).nonzero().flatten()
-        o = _call(tr, tokens[rows], sigma[rows], cond["prompt_embeds"][rows, :int(length)], (h, w))
+        if rows.numel() == 0:  # another rank's length: the same collectives, no contribution
+            o = _call(tr, tokens[:1], sigma[:1], text.new_zeros(1, length, text.shape[2]), (h, w))
+            keep = keep + 0 * o.sum()
+            continue
+        o = _call(tr, tokens[rows], sigma[rows], text[rows, :length], (h, w))
         out = o.new_zeros((N, *o.shape[1:])) if out is None else out
         out = out.index_copy(0, rows, o)
-    return out.transpose(1, 2).reshape(N, C, h, w)
+    return (out + keep.to(out.dtype)).transpose(1, 2).reshape(N, C, h, w)
 
 
 def decode(vae, z: torch.Tensor) -> torch.Tensor:
@@ -115,4 +143,4 @@ ROWS = (
                  latent_shape=latent_shape),
 )
 
-__all__ = ["ROWS", "VAE_FACTOR", "decode", "encode", "forward", "grid_shift", "latent_shape"]
+__all__ = ["ROWS", "VAE_FACTOR", "call_lengths", "decode", "encode", "forward", "grid_shift", "latent_shape"]

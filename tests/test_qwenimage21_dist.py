@@ -1,0 +1,127 @@
+"""Qwen-Image 2.1 under two gloo ranks: DDP and FSDP2 (sharding its transformer blocks) on a tiny random-weight
+``QwenImage21Pipeline`` saved locally (a full fine-tune with the pipeline's true CFG). The row runs one transformer
+call per distinct prompt length of a batch, so two ranks' batches may need different numbers of calls; each rank's
+synced gradient equals one process's on the union of both ranks' units, and the ranks' batches are checked to
+differ in their number of calls."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diffgrpo import RunConfig, Trainer
+from tests.helpers.distributed import free_port, join_gloo
+from tests.helpers.pipelines import qwen3vl_image_only_processor, qwenimage21_pipeline
+from tests.helpers.tensors import flat_grad, rel_err
+
+MODES = ("ddp", "fsdp2")
+# three prompts of one length and one of another, two a rank: one rank's batch holds one prompt length, the
+# other's two (and each the negative prompt's)
+DIST_PROMPTS = ["a red cat", "a red dog", "a big cat", "the sun"]
+DIST_COMMON = ["log.progress=false", "log.save_images=false", "reward.weights={jpeg_incompressibility: 1.0}",
+               "sampler.num_steps=3", "train.prompts_per_batch=4", "train.group_size=2", "model.name=diffusers",
+               "model.resolution=64", "eval.seeds_per_prompt=1", "train.max_grad_norm=0", "engine.name=dgpo",
+               "sampler.sde_type=ode", "engine.forward_timesteps=2", "engine.dgpo_time_fraction=1.0",
+               "model.lora_rank=0", "model.guidance_scale=3.0", "model.negative_prompt= ", "train.lr=0.002"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _processor():
+    with qwen3vl_image_only_processor():
+        yield
+
+
+@pytest.fixture(scope="module")
+def q21_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny-qwenimage21-dist")
+    qwenimage21_pipeline().save_pretrained(str(d))
+    (d / "prompts.txt").write_text("\n".join(DIST_PROMPTS) + "\n")
+    return d
+
+
+def _config(pipe_dir, out: str, *extra: str) -> RunConfig:
+    return RunConfig.from_overrides([*DIST_COMMON, f"model.pretrained={pipe_dir}", "seed=0",
+                                     f"train.prompts_file={pipe_dir}/prompts.txt", f"log.output_dir={out}", *extra])
+
+
+def _dist_worker(rank: int, world: int, port: int, out_dir: str, pipe_dir: str) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    from diffgrpo import distributed
+
+    join_gloo(rank, world, port)
+    with qwen3vl_image_only_processor():
+        for mode in MODES:
+            tr = Trainer(_config(pipe_dir, f"{out_dir}/run-{mode}", f"dist.mode={mode}", "dist.backend=gloo"),
+                         log=lambda *a: None)
+            ro, _ = tr.family.collect()
+            tr.update(ro)  # θ leaves the reference: non-zero margins at the second iteration
+            params = [distributed.to_full(p).detach().clone() for p in tr.params]
+            ro, _ = tr.family.collect()
+            tr.backward(ro)
+            st = ro.traj.engine_state
+            torch.save({"grads": [distributed.to_full(p.grad).detach().clone() for p in tr.params],
+                        "params": params, "prompts": ro.prompts, "cond": ro.traj.cond, "xs": ro.traj.xs,
+                        "sigmas": ro.traj.sigmas, "selected": ro.selected, "rewards": ro.rewards,
+                        "group_ids": ro.group_ids, "idx": st.idx, "noise": st.noise,
+                        "sharded": sum(type(p).__name__ == "DTensor" for p in tr.params),
+                        "n_params": len(tr.params)}, os.path.join(out_dir, f"{mode}-rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def two_ranks(q21_dir, tmp_path_factory):
+    import torch.multiprocessing as mp
+
+    d = tmp_path_factory.mktemp("qwenimage21-dist")
+    mp.spawn(_dist_worker, args=(2, free_port(), str(d), str(q21_dir)), nprocs=2, join=True)
+    return {mode: [torch.load(d / f"{mode}-rank{r}.pt", weights_only=False) for r in range(2)] for mode in MODES}
+
+
+def _lengths(part) -> set[int]:
+    return set(part["cond"]["prompt_mask"].sum(dim=1).tolist())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+def test_two_ranks_train_as_one_process(two_ranks, q21_dir, tmp_path, mode):
+    """Two gloo ranks (DDP; FSDP2 sharding every transformer block), ranks whose batches hold different numbers of
+    prompt lengths: each rank's synced gradient equals one process's on the union of both ranks' units."""
+    from diffgrpo.engines._forward import ForwardState
+    from diffgrpo.models.pipelines.spec import pad_seq
+    from diffgrpo.types import FlowTrajectory, Rollout
+
+    parts = two_ranks[mode]
+    assert len(_lengths(parts[0])) != len(_lengths(parts[1]))  # different numbers of transformer calls
+    if mode == "fsdp2":
+        assert parts[0]["sharded"] == parts[0]["n_params"] > 0  # every trained weight is sharded
+
+    def cat(k):
+        return torch.cat([p[k] for p in parts])
+
+    B = len(parts[0]["prompts"])
+
+    def cond(k):  # each rank's text right-padded to the longer of the two (masked: not read)
+        L = max(p["cond"][k].shape[1] for p in parts)
+        return torch.cat([pad_seq(p["cond"][k], L) for p in parts])
+
+    tr = Trainer(_config(q21_dir, str(tmp_path / "run")), log=lambda *a: None)
+    with torch.no_grad():
+        for q, v in zip(tr.params, parts[0]["params"]):
+            q.copy_(v)
+    traj = FlowTrajectory(cond={k: cond(k) for k in parts[0]["cond"]}, sigmas=parts[0]["sigmas"], xs=cat("xs"),
+                          velocities=torch.zeros(0), log_probs=torch.zeros(0), noise=torch.zeros(0),
+                          engine_state=ForwardState(idx=cat("idx"), noise=cat("noise")))
+    ro = Rollout(prompts=[q for p in parts for q in p["prompts"]],
+                 group_ids=torch.cat([p["group_ids"] + r * B for r, p in enumerate(parts)]), traj=traj,
+                 selected=cat("selected"), rewards=cat("rewards"))
+    tr.family.weigh(ro)
+    tr.backward(ro)
+    g1 = flat_grad(tr.params)
+    assert g1.norm() > 0
+    for r, p in enumerate(parts):
+        g = torch.cat([g.flatten().double() for g in p["grads"]])
+        err, diff = rel_err(g, g1), float((g - g1.double()).abs().max())
+        print(f"qwen-image 2.1 {mode} rank {r}: rel |rank grad − one process| = {err:.2e}, max abs = {diff:.2e}")
+        assert err < 1e-5, err
