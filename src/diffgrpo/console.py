@@ -13,18 +13,29 @@ iterations elsewhere (a piped log or a scheduler's file gets no carriage returns
                        log or ``| tee`` shows each progress line as it is printed, not at the end of the run.
   end_summary(...)     the closing lines: wall time, train reward first → last, every held-out reward and guard
                        start → end, and the paths of the outputs.
+  quiet_library_bars() where stdout or stderr is not a terminal: the progress bars of huggingface_hub and
+                       transformers (``Writing model shards``, downloads) and of diffusers when loaded, turned off:
+                       no carriage return reaches a piped log.
+  note_termination()   a SIGTERM handler for commands without their own: one line (the signal, and the plug-in
+                       call that was running, if any), then the default action (exit status 143).
+  end_leftover_threads(code, before)  after a command: non-daemon threads it left running (a plug-in's) end the
+                       process with ``code`` after a grace period, naming them, instead of keeping it alive.
 """
 from __future__ import annotations
 
 import io
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from tqdm import tqdm
+
+from . import plugins
 
 LOGGER = logging.getLogger("diffgrpo")
 
@@ -162,4 +173,85 @@ def end_summary(run_dir: Path, summary: dict, *, wall_seconds: float, train_rows
     return lines
 
 
-__all__ = ["LOGGER", "Progress", "Steps", "auto_every", "emit", "end_summary", "stream_lines"]
+def quiet_library_bars() -> bool:
+    """Turn the libraries' tqdm bars off when stdout or stderr is not a terminal (see the module doc) → whether."""
+    if _is_tty(sys.stdout) and _is_tty(sys.stderr):
+        return False
+    import huggingface_hub.utils  # transformers reads this state when it is imported
+
+    huggingface_hub.utils.disable_progress_bars()
+    for name in ("transformers", "diffusers"):  # already imported: their own switch (diffusers has no other)
+        if name in sys.modules:
+            __import__(f"{name}.utils.logging", fromlist=["x"]).disable_progress_bar()
+    return True
+
+
+def running_calls() -> str:
+    """`` while reward 'x' was running`` when a guarded plug-in call is in progress, else ``""``."""
+    calls = plugins.running()
+    return f" while {calls[-1]} was running" if calls else ""
+
+
+def _on_term(signum, frame):
+    name = signal.Signals(signum).name
+    try:
+        os.write(sys.stderr.fileno(), f"error: terminated by signal {signum} ({name}){running_calls()}; the command "
+                 "stopped where it was (nothing more is written)\n".encode())
+    except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
+        pass
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)  # the default action: the status says the signal (143)
+
+
+def note_termination():
+    """Install :func:`_on_term` for SIGTERM where the default action is in place (main thread only) → the handler
+    it replaced, for :func:`threads.restore_handlers`-style restoring, or None."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return None
+    return signal.signal(signal.SIGTERM, _on_term)
+
+
+LEFTOVER_GRACE_S = 3.0  # after the interpreter began its exit, for the threads a command left to end by themselves
+
+
+def _leftover(before: set) -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.is_alive() and not t.daemon and t not in before
+            and t is not threading.main_thread()]
+
+
+def _watch_exit(code: int, threads: list[threading.Thread]) -> None:
+    while threading.main_thread().is_alive():  # until the interpreter's exit starts joining the threads
+        time.sleep(0.2)
+    deadline = time.monotonic() + LEFTOVER_GRACE_S
+    while time.monotonic() < deadline and any(t.is_alive() for t in threads):
+        time.sleep(0.05)
+    alive = [t.name for t in threads if t.is_alive()]
+    if not alive:
+        return
+    for f in (sys.stdout, sys.stderr):
+        try:
+            f.flush()
+        except (OSError, ValueError):
+            pass
+    note = (f"warning: non-daemon thread(s) {alive} (started by a plug-in) still run after the command "
+                       f"ended; exiting with status {code} without waiting for them (start such threads with "
+                       "daemon=True, or join them before returning)\n")
+    try:
+        os.write(sys.stderr.fileno(), note.encode())
+    except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
+        pass
+    plugins.real_exit(code)
+
+
+def end_leftover_threads(code: int, before: set) -> list[str]:
+    """After a command that returns ``code``: the non-daemon threads started since ``before`` (a set of threads)
+    and still alive would keep the process from exiting; a daemon watcher ends the process with ``code`` when they
+    outlive :data:`LEFTOVER_GRACE_S` of the interpreter's exit, naming them → their names (empty: nothing to do)."""
+    threads = _leftover(before)
+    if threads:
+        threading.Thread(target=_watch_exit, args=(code, threads), name="diffgrpo-exit-watch", daemon=True).start()
+    return [t.name for t in threads]
+
+
+__all__ = ["LEFTOVER_GRACE_S", "LOGGER", "Progress", "Steps", "auto_every", "emit", "end_leftover_threads",
+           "end_summary", "note_termination", "quiet_library_bars", "running_calls", "stream_lines"]

@@ -5,12 +5,17 @@ the current directory importable (``diffgrpo`` started as a console script does 
 way ``python script.py`` does; ``__main__:fn`` names a function of the running script or notebook) and returns
 the attribute. A malformed spec, a module that fails to import (whatever it raises) or a missing attribute is a
 one-line ConfigError naming the config key; callers word it through the ``malformed`` and ``failed`` templates.
+
+:func:`no_exit` guards a call into user code: ``os._exit`` called in this process while it runs (from any thread)
+raises the given error instead of ending the process with no word (a status 0 that reads as success).
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import sys
+import threading
 
 from .errors import ConfigError
 
@@ -62,4 +67,51 @@ def resolve(spec: str, *, key: str, malformed: str = MALFORMED, failed: str = FA
         raise ConfigError(failed.format(key=key, spec=spec, error=error) + hint) from None
 
 
-__all__ = ["ERROR_CHARS", "FAILED", "MALFORMED", "import_module", "resolve", "split"]
+_GUARD_LOCK = threading.Lock()
+_GUARDED: list[tuple[str, type]] = []  # the calls in progress (any thread): (what, error class)
+_REAL_EXIT: list = []  # os._exit as it was before the first guard (one entry while guards are in place)
+
+
+def _guarded_exit(code=0):
+    with _GUARD_LOCK:
+        guarded = list(_GUARDED)
+        real = _REAL_EXIT[0] if _REAL_EXIT else os._exit
+        owner = _REAL_EXIT[1] if _REAL_EXIT else None
+    if not guarded or os.getpid() != owner:  # a forked child's own exit is its business
+        real(code)
+    what, error = guarded[-1]
+    raise error(f"{what} called os._exit({code!r}), which would end the process at once (status {code!r}, no "
+                "checkpoint, no message); it returns or raises an exception instead, so the run stops here")
+
+
+@contextlib.contextmanager
+def no_exit(what: str, error: type = Exception):
+    """While the block runs, ``os._exit`` in this process raises ``error`` naming ``what`` (e.g. "reward 'x'")."""
+    with _GUARD_LOCK:
+        if not _GUARDED:
+            _REAL_EXIT[:] = [os._exit, os.getpid()]
+            os._exit = _guarded_exit
+        _GUARDED.append((what, error))
+    try:
+        yield
+    finally:
+        with _GUARD_LOCK:
+            _GUARDED.remove((what, error))
+            if not _GUARDED and _REAL_EXIT:
+                os._exit = _REAL_EXIT[0]
+                _REAL_EXIT.clear()
+
+
+def running() -> list[str]:
+    """What the guarded calls in progress are (:func:`no_exit`'s ``what``), oldest first. Takes no lock: safe in a
+    signal handler."""
+    return [what for what, _ in list(_GUARDED)]
+
+
+def real_exit(code: int) -> None:
+    """``os._exit`` itself, whatever guard is in place."""
+    (_REAL_EXIT[0] if _REAL_EXIT else os._exit)(code)
+
+
+__all__ = ["ERROR_CHARS", "FAILED", "MALFORMED", "import_module", "no_exit", "real_exit", "resolve", "running",
+           "split"]

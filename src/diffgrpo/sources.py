@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import io
 import os
+import stat
 from collections import OrderedDict
 from pathlib import Path
 
@@ -109,6 +110,20 @@ def _decode_checked(opener, what: str):
         return to_rgb(im, what)
 
 
+KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
+         (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+
+
+def _kind(p: Path) -> str:
+    """What ``p`` is when it exists but is not a regular file ("a directory", "a FIFO (named pipe)", ...), else
+    ``""`` (it does not exist). Never opens it (a FIFO would block)."""
+    try:
+        mode = os.lstat(p).st_mode
+    except OSError:
+        return ""
+    return next((name for test, name in KINDS if test(mode)), "not a regular file")
+
+
 def _check_path(value: str, base: Path | None, what: str) -> str:
     """An existing image file below ``base`` reached without links → its absolute path (as a string)."""
     if not isinstance(value, str) or not value.strip():
@@ -127,7 +142,9 @@ def _check_path(value: str, base: Path | None, what: str) -> str:
         if cur.is_symlink():
             raise ConfigError(f"{what}: {value!r} goes through the symbolic link {str(cur)!r}; give the file itself")
     if not p.is_file():
-        raise ConfigError(f"{what}: image {value!r} does not exist (resolved to {str(p)!r})")
+        kind = _kind(p)
+        raise ConfigError(f"{what}: image {value!r} " + (f"is {kind}, not an image file" if kind else "does not exist")
+                          + f" (resolved to {str(p)!r})")
     try:
         real = Path(os.path.realpath(p))
         real.relative_to(Path(os.path.realpath(root)))
@@ -163,22 +180,25 @@ def _hf_image(value, key: str, what: str) -> str:
 
 def resolve(records: list[dict], *, base: Path | None, spec: str, key: str, where: str = "record") -> list[dict]:
     """``records`` with their ``image`` / ``images`` fields resolved and checked (see the module doc). ``base``: the
-    prompt file's folder (None for an hf: dataset, whose images are values, not paths)."""
+    prompt file's folder (None for an hf: dataset, whose images are values, not paths). ``where``: what a record
+    is called in messages ("record", "row"); ``""``: ``spec`` is itself the image argument (``--image PATH``),
+    named alone."""
     out = []
     for n, rec in enumerate(records):
+        named = f"{key}: file {spec!r} {where} {n + 1}" if where else f"{key} {spec!r}"
         if not any(f in rec for f in FIELDS):
             out.append(rec)
             continue
         if all(f in rec for f in FIELDS):
-            raise ConfigError(f"{key}: file {spec!r} {where} {n + 1}: give either 'image' or 'images', not both")
+            raise ConfigError(f"{named}: give either 'image' or 'images', not both")
         rec = dict(rec)
         for f in FIELDS:
             if f not in rec:
                 continue
             values = rec[f] if f == "images" else [rec[f]]
             if f == "images" and (not isinstance(values, list) or not values):
-                raise ConfigError(f"{key}: file {spec!r} {where} {n + 1}: 'images' must be a non-empty list of paths")
-            what = f"{key}: file {spec!r} {where} {n + 1} field {f!r}"
+                raise ConfigError(f"{named}: 'images' must be a non-empty list of paths")
+            what = f"{named} field {f!r}" if where else named
             done = []
             for i, v in enumerate(values):
                 if isinstance(v, str):

@@ -2,7 +2,7 @@
 
 Every command that builds a run takes ``[--config FILE|NAME] [key=value ...]``, the overrides anywhere on the line
 (also as ``--key value``, and under the TRL / flow_grpo names of ``diffgrpo.cli.flags``); ``diffgrpo train`` with no
-arguments runs the embedded default (the built-in shapes model, pretrained on first use). This module holds the
+arguments runs the embedded default (the built-in digits model, pretrained on first use). This module holds the
 parser and the dispatch; each command lives in its own module (``train``, ``sample``, ``bench``, ``configs``,
 ``outputs``), which loads what it needs when it runs.
 """
@@ -13,10 +13,11 @@ import os
 import re
 import signal
 import sys
+import threading
 from pathlib import Path
 
 from .._version import __version__
-from ..console import stream_lines
+from ..console import end_leftover_threads, note_termination, quiet_library_bars, stream_lines
 from ..errors import ConfigError, RewardError, TrainingError
 from . import flags
 from .bench import cmd_bench, cmd_bench_quality
@@ -63,7 +64,7 @@ def _common(sp: argparse.ArgumentParser) -> None:
 
 
 def _add_train(sub) -> None:
-    sp = sub.add_parser("train", help="run GRPO (default: the built-in shapes model)")
+    sp = sub.add_parser("train", help="run GRPO (default: the built-in digits model)")
     _common(sp)
     sp.add_argument("--resume", metavar="RUN_DIR|auto", help="continue a run from its last complete checkpoint "
                                                              "(TRL's resume_from_checkpoint)")
@@ -254,6 +255,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     stream_lines()  # progress reaches a pipe (| tee, a scheduler's log) line by line, as it is printed
+    quiet_library_bars()  # no library's carriage-return bar in a piped log
+    before, term = set(threading.enumerate()), note_termination()  # a SIGTERM without a run's handler: one line
+    try:
+        code = _command(argv)
+    finally:
+        if term is not None:
+            signal.signal(signal.SIGTERM, term)
+    if argv is None:  # the command line: a plug-in's leftover non-daemon threads do not hold its exit
+        end_leftover_threads(code, before)
+    return code
+
+
+def _command(argv: list[str] | None) -> int:
     try:
         args = parse_args(argv)
         code = args.func(args)

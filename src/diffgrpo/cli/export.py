@@ -17,7 +17,8 @@
 Only the policy is built (from ``model.pretrained``, as the run did; the rewards and the optimizer never are), and
 only when the checkpoint's own files do not suffice (a LoRA adapter without --merge is copied as it is). Code
 named by the saved config (reward functions, remote code) is ignored as ``diffgrpo sample`` ignores it. The output
-is written into a temporary directory renamed into place; an existing non-empty ``--out`` is refused.
+is written into a temporary directory renamed into place; an existing non-empty ``--out``, a symbolic link (even a
+dangling one) and a folder inside a run's ``checkpoints`` are refused.
 """
 from __future__ import annotations
 
@@ -104,10 +105,25 @@ def _config(ckpt: Path, overrides: list[str]):
     return raw, saved_config.load(ckpt, overrides, command="export")  # reads no prompts: they need not be at hand
 
 
+def _check_out(out: Path, run: Path) -> None:
+    """Refuse an ``--out`` that is a symbolic link (dangling or not: nothing is written through a link) or lies in a
+    run's ``checkpoints`` folder (the source run's, or any folder named so beside a ``config.yaml``)."""
+    if out.is_symlink():
+        where = "a missing path" if not out.exists() else repr(os.readlink(out))
+        raise ConfigError(f"--out: {str(out)!r} is a symbolic link (to {where}); nothing is written through a link: "
+                          "choose a new directory")
+    real = Path(os.path.realpath(out))
+    inside = [a for a in (real, *real.parents) if a.name == "checkpoints" and (a.parent / "config.yaml").is_file()]
+    if real.is_relative_to(Path(os.path.realpath(run / "checkpoints"))) or inside:
+        raise ConfigError(f"--out: {str(out)!r} lies inside a run's checkpoints folder (its resume and export read "
+                          "every folder there); choose a directory outside it")
+
+
 def export(src: str | Path, out: str | Path, *, merge: bool = False, overrides: list[str] | None = None) -> Path:
     """Write the export of ``src`` (see the module docstring) into ``out``. → ``out``."""
     src, out = Path(src), Path(os.path.abspath(out))  # absolute: "." has no name to write a sibling of
     run, ckpt = resolve_checkpoint(src)
+    _check_out(out, run)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out: {str(out)!r} is a file, not a directory; choose a new directory")
     if out.exists() and any(out.iterdir()):

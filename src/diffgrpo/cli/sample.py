@@ -38,7 +38,7 @@ def _sources(paths: list[str]) -> tuple[str, ...]:
     from .. import sources
 
     return tuple(sources.resolve([{"prompt": "-", "image": Path(path).name}], base=Path(path).absolute().parent,
-                                 spec=path, key="--image")[0]["image"] for path in paths)
+                                 spec=path, key="--image", where="")[0]["image"] for path in paths)
 
 
 PREVIEW_LINES, PREVIEW_CHARS = 3, 100  # what stdout shows of the completions written to the file

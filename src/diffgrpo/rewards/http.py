@@ -7,7 +7,10 @@ Each call POSTs JSON batches of at most ``batch_size`` samples to ``url``::
      "completions": [str, ...]}               # text runs
 
 and reads back ``{"scores": [float, ...]}`` (or a bare JSON list), one number per sample; ``null`` marks a sample
-the server could not score (it becomes NaN: excluded from its group). A request that fails (connection refused,
+the server could not score (it becomes NaN: excluded from its group). A score must be a JSON number within
+float32's range (at most 3.4e38 in magnitude, the rewards' precision: a larger one, ``1e308`` or ``Infinity``,
+would become inf) and an integer of at most :data:`MAX_INT_DIGITS` digits (a longer one is refused unparsed);
+either is a one-line RewardError saying so, never a dropped sample. A request that fails (connection refused,
 no complete reply within ``timeout`` seconds, HTTP 5xx or 429) is tried again up to ``attempts`` times in all, with
 a short backoff; ``timeout`` bounds each attempt as a whole (a reply trickling in ends at it). A 4xx other than 429,
 a redirect (never followed: the payload and the token go to ``url`` only), a reply larger than
@@ -50,24 +53,48 @@ def encode_samples(samples) -> dict:
     return {"completions": [str(s) for s in samples]}
 
 
+MAX_INT_DIGITS = 64  # of an integer in a reply (float32's largest is 39 digits); Python's own limit is 4300
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+class _TooLong(ValueError):
+    pass
+
+
+def _bounded_int(text: str) -> int:
+    """json's ``parse_int``: an integer of at most :data:`MAX_INT_DIGITS` digits (a longer one is refused before
+    Python converts it)."""
+    digits = len(text.lstrip("-"))
+    if digits > MAX_INT_DIGITS:
+        raise _TooLong(f"an integer of {digits} digits (at most {MAX_INT_DIGITS} are read)")
+    return int(text)
+
+
+def _number(url: str, i: int, s) -> float:
+    """Score ``i`` of a reply → a float (NaN for ``null``), or a one-line RewardError saying what is refused."""
+    if s is None:
+        return math.nan
+    if not isinstance(s, (int, float)) or isinstance(s, bool):
+        raise RewardError(f"reward 'http' at {url}: score {s!r} is not a number")
+    if abs(s) > FLOAT32_MAX:  # inf too (JSON's Infinity, or 1e400)
+        raise RewardError(f"reward 'http' at {url}: score {i} ({float(s):.4g}) is beyond float32's range (±3.4e38, "
+                          "the rewards' precision); the server must scale its scores")
+    return float(s)
+
+
 def _scores(url: str, reply: bytes, n: int) -> list[float]:
     try:
-        data = json.loads(reply)
+        data = json.loads(reply, parse_int=_bounded_int)
+    except _TooLong as e:
+        raise RewardError(f"reward 'http' at {url}: the reply holds {e}; a score is a number within float32's "
+                          "range") from None
     except ValueError:
         raise RewardError(f"reward 'http' at {url}: the reply is not JSON ({reply[:80]!r})") from None
     scores = data.get("scores") if isinstance(data, dict) else data
     if not isinstance(scores, list) or len(scores) != n:
         what = f"{len(scores)} scores" if isinstance(scores, list) else f"a {type(scores).__name__}"
         raise RewardError(f"reward 'http' at {url}: expected {{\"scores\": [{n} numbers]}}, got {what}")
-    out = []
-    for s in scores:
-        if s is None:
-            out.append(math.nan)
-        elif isinstance(s, (int, float)) and not isinstance(s, bool):
-            out.append(float(s))
-        else:
-            raise RewardError(f"reward 'http' at {url}: score {s!r} is not a number")
-    return out
+    return [_number(url, i, s) for i, s in enumerate(scores)]
 
 
 BACKOFF = 0.5  # seconds before the second attempt, doubling, at most 4 s
@@ -134,4 +161,4 @@ def http(device=None, *, url: str, timeout: float = 60.0, attempts: int = 3, bat
     return score
 
 
-__all__ = ["encode_samples", "http", "png_base64", "post"]
+__all__ = ["FLOAT32_MAX", "MAX_INT_DIGITS", "encode_samples", "http", "png_base64", "post"]

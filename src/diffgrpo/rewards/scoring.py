@@ -3,7 +3,8 @@ called on its own copy of the inputs and retried once, its return value checked 
 weighted sum of the components (:func:`compute_rewards`).
 
 A reward that raises is retried once, then stops the run with a :class:`RewardError` naming it; one that returns
-anything but B real numbers (a string, None, a dict, the wrong shape) or calls ``sys.exit`` stops it at once with
+anything but B real numbers (a string, None, a dict, the wrong shape) or calls ``sys.exit`` (or ``os._exit``:
+:func:`..plugins.no_exit`) stops it at once with
 a one-line RewardError naming it (only KeyboardInterrupt passes through). NaN/inf values mark that sample invalid,
 so it is excluded from the group statistics and the loss instead of being averaged in; a ``None`` in a list of
 scores is such a NaN ("not scored"), as TRL reads a reward that does not apply to some samples. The metadata reaches each
@@ -16,6 +17,7 @@ from collections.abc import Mapping
 
 import torch
 
+from .. import plugins
 from ..errors import RewardError
 from ..threads import CallTimeout, call_with_timeout, signal_expected
 from .registry import RewardFn, build, resolve_reward
@@ -36,8 +38,9 @@ def _call_with_retry(name: str, fn: RewardFn, images, prompts, metadata, log):
         try:
             # every call gets its own copy of the inputs: a reward that edits them in place cannot change a later
             # reward's input, a retry's, or the saved samples
-            return fn(images.clone() if isinstance(images, torch.Tensor) else list(images), list(prompts),
-                      copy.deepcopy(metadata))
+            with plugins.no_exit(f"reward {name!r}", RewardError):  # os._exit: a RewardError, not a silent end
+                return fn(images.clone() if isinstance(images, torch.Tensor) else list(images), list(prompts),
+                          copy.deepcopy(metadata))
         except KeyboardInterrupt:
             if signal_expected():  # a signal (the run's second SIGINT/SIGTERM, or Ctrl-C without a run)
                 raise

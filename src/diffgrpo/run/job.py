@@ -17,7 +17,7 @@ from filelock import FileLock, Timeout
 from safetensors.torch import save_file
 
 from .. import distributed, guards, threads
-from ..console import Progress, signal_note
+from ..console import Progress, running_calls, signal_note
 from ..errors import TrainingError
 from ..fileio import atomic_write, run_root
 from ..media import SampleTable, caption_of, grid_title, side_by_side
@@ -221,7 +221,8 @@ class Job:
             threads.note_signal(signum)  # a KeyboardInterrupt from a signal, not from a reward
             raise KeyboardInterrupt
         self.stop_signal, self._stop_time = signum, time.monotonic()
-        signal_note(f"received signal {signum}: finishing the current iteration, then saving a checkpoint")
+        signal_note(f"received signal {signum}{running_calls()}: finishing the current iteration, then saving a "
+                    "checkpoint")
 
 
 def _fmt(row: dict) -> str:

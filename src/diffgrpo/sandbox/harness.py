@@ -23,7 +23,8 @@ written to the result channel as the first line, so that the caller can warn onc
   6. a seccomp filter (x86-64, aarch64): no fork/vfork/clone of a process (threads are allowed), no exec, no
      signal to another process, no ptrace, no socket() and no connect() (``socketpair`` stays), no limits,
      priority or scheduling of another process, no mount, namespaces, chroot, syslog, bpf, perf, io_uring, keys,
-     modules or host settings (:data:`_REFUSED`).
+     modules or host settings, no ``memfd_create`` (its pages are memory that RLIMIT_AS does not count until
+     mapped) (:data:`_REFUSED`).
 
 Tests: the solution runs once (``setup`` + ``code`` in one namespace), then each test in that namespace with a
 per-test CPU-time alarm; the result of test i is written as ``<token> i 1|0`` to the result channel as soon as
@@ -57,19 +58,20 @@ _NR = {"fork": (57, None), "vfork": (58, None), "clone": (56, 220), "clone3": (4
        "move_mount": (429, 429), "fsopen": (430, 430), "fsconfig": (431, 431), "fsmount": (432, 432),
        "fspick": (433, 433), "mount_setattr": (442, 442), "process_madvise": (440, 440), "kcmp": (312, 272),
        "migrate_pages": (256, 238), "move_pages": (279, 239), "memfd_secret": (447, 447), "acct": (163, 89),
+       "memfd_create": (319, 279),
        "swapon": (167, 224), "swapoff": (168, 225), "quotactl": (179, 60), "settimeofday": (164, 170),
        "clock_settime": (227, 112), "adjtimex": (159, 171), "clock_adjtime": (305, 266)}
 # refused whatever the arguments: new processes, exec, other processes' memory, sockets (socketpair stays: it
 # reaches nothing), mounts and namespaces, the kernel's own settings and log, bpf, io_uring (its operations pass
-# around seccomp), keys, modules
+# around seccomp), keys, modules, anonymous memory files (memfd_create: memory outside RLIMIT_AS)
 _REFUSED = ("fork", "vfork", "execve", "execveat", "tkill", "ptrace", "process_vm_readv", "process_vm_writev",
             "pidfd_open", "pidfd_send_signal", "pidfd_getfd", "socket", "connect", "mount", "umount2", "unshare",
             "setns", "chroot", "pivot_root", "syslog", "bpf", "perf_event_open", "sethostname", "setdomainname",
             "keyctl", "add_key", "request_key", "io_uring_setup", "io_uring_enter", "io_uring_register",
             "userfaultfd", "open_by_handle_at", "name_to_handle_at", "kexec_load", "init_module", "finit_module",
             "delete_module", "reboot", "open_tree", "move_mount", "fsopen", "fsconfig", "fsmount", "fspick",
-            "mount_setattr", "process_madvise", "kcmp", "migrate_pages", "move_pages", "memfd_secret", "acct",
-            "swapon", "swapoff", "quotactl", "settimeofday", "clock_settime", "adjtimex", "clock_adjtime")
+            "mount_setattr", "process_madvise", "kcmp", "migrate_pages", "move_pages", "memfd_secret", "memfd_create",
+            "acct", "swapon", "swapoff", "quotactl", "settimeofday", "clock_settime", "adjtimex", "clock_adjtime")
 # allowed on this process only (pid argument 0 or its own): limits, priority, scheduling
 _OWN_PID_ARG0 = ("prlimit64", "sched_setaffinity", "sched_setscheduler", "sched_setparam", "sched_setattr")
 _LD_W_ABS, _JEQ_K, _JSET_K, _JGE_K, _RET_K = 0x20, 0x15, 0x45, 0x35, 0x06

@@ -5,7 +5,8 @@ The caller starts the harness (:mod:`diffgrpo.sandbox.harness`, :data:`HARNESS_S
 process group with a scrubbed environment, stdin on /dev/null and close_fds; it kills the whole process group at
 the wall-clock deadline (``timeout_s``), reads stdout, stderr and the result channel incrementally up to
 ``output_bytes`` each (the rest is drained and dropped), and removes the private directory afterwards (never
-following a link). Every running program is known (:func:`kill_all` kills them all, from any thread).
+following a link; a caller killed by SIGKILL cannot: the next process to start one removes the folders of dead
+owners, named by their pid). Every running program is known (:func:`kill_all` kills them all, from any thread).
 """
 from __future__ import annotations
 
@@ -223,11 +224,54 @@ def make_job(program: Program, limits: Limits, **flags) -> dict:
             "tests": list(program.tests), "limits": limits.as_job(), "parent_pid": os.getpid(), **flags}
 
 
+PREFIX = "diffgrpo-sandbox-"  # + the owner's pid + "-": a folder whose owner is dead is removed at the next start
+_SWEPT: set[str] = set()  # the temporary directories swept by this process
+
+
+def owner_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (one of another user counts as alive: its folder is not ours to judge)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep_stale(tmp: str | None = None) -> list[str]:
+    """Remove ``<tmp>/diffgrpo-sandbox-<pid>-*`` folders of this uid whose owner ``pid`` is dead (a caller killed
+    by SIGKILL never removes its own); never a link, nor a folder of a live owner → the names removed."""
+    tmp = tmp or tempfile.gettempdir()
+    removed = []
+    try:
+        entries = list(os.scandir(tmp))
+    except OSError:
+        return removed
+    for e in entries:
+        pid = e.name[len(PREFIX):].split("-", 1)[0]
+        if not (e.name.startswith(PREFIX) and pid.isdigit() and e.is_dir(follow_symlinks=False)):
+            continue
+        try:
+            if e.stat(follow_symlinks=False).st_uid != os.getuid() or owner_alive(int(pid)):
+                continue
+        except OSError:
+            continue
+        shutil.rmtree(e.path, ignore_errors=True)  # fd-based on Linux: links inside are removed, never followed
+        removed.append(e.name)
+    return removed
+
+
 class PrivateDir:
-    """``<tmp>/diffgrpo-sandbox-*/{job.bin, work/}``, mode 0700, removed on exit without following links."""
+    """``<tmp>/diffgrpo-sandbox-<pid>-*/{job.bin, work/}``, mode 0700, removed on exit without following links;
+    the first one a process makes sweeps the folders of dead owners (:func:`sweep_stale`)."""
 
     def __enter__(self):
-        self.root = tempfile.mkdtemp(prefix="diffgrpo-sandbox-")
+        tmp = tempfile.gettempdir()
+        if tmp not in _SWEPT:
+            _SWEPT.add(tmp)
+            sweep_stale(tmp)
+        self.root = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=tmp)
         self.work = os.path.join(self.root, "work")
         os.mkdir(self.work, 0o700)
         self.job_path = os.path.join(self.root, "job.bin")
@@ -244,4 +288,5 @@ class PrivateDir:
 
 
 __all__ = ["HARNESS_SOURCE", "Limits", "PrivateDir", "Program", "Result", "SandboxError", "SandboxUnavailable",
-           "kill_all", "make_job", "parse_report", "run_process", "scrubbed_env"]
+           "kill_all", "make_job", "owner_alive", "parse_report", "run_process", "scrubbed_env",
+           "sweep_stale"]
