@@ -180,7 +180,7 @@ def test_a_piped_export_of_the_masked_lm_writes_no_carriage_return(tmp_path):
     tr = Trainer(cfg, policy=build_tiny_mlm_policy(cfg, progress=False, pretrained=False), log=lambda *a: None)
     tr.save_checkpoint()
     p = subprocess.run([sys.executable, "-m", "diffgrpo.cli", "export", str(tmp_path / "run"), "--out",
-                        str(tmp_path / "out")], capture_output=True, text=True, env=subprocess_env(), timeout=300)
-    assert p.returncode == 0, p.stderr[-2000:]
+                        str(tmp_path / "out")], capture_output=True, env=subprocess_env(), timeout=300)  # bytes:
+    assert p.returncode == 0, p.stderr[-2000:]  # text mode would turn each carriage return into a line break
     assert (tmp_path / "out" / "config.json").is_file()
-    assert "\r" not in p.stdout and "\r" not in p.stderr, p.stderr[-2000:]
+    assert b"\r" not in p.stdout and b"\r" not in p.stderr, p.stderr[-2000:]
