@@ -49,10 +49,11 @@ def test_dict_entry_override():
     (["log.progress=maybe"], "log.progress: value 'maybe' is not a valid bool"),
     (["engine.name=fast"], "engine.name: value 'fast' is not a registered engine"),
     (["reward.weights={hpsv3: 1.0}"], "reward.weights: unknown reward 'hpsv3'"),
-    (["reward.weights={}"], "reward.weights: at least one reward is required, e.g. reward.weights={shapes_score: 1.0}"),
-    (["train.task=digits", "reward.weights={}"], "e.g. reward.weights={digit_alignment: 1.0}"),
+    (["train.task=shapes", "reward.weights={}"],
+     "reward.weights: at least one reward is required, e.g. reward.weights={shapes_score: 1.0}"),
+    (["reward.weights={}"], "e.g. reward.weights={digit_alignment: 1.0}"),
     (["model.name=diffusers", "model.pretrained=org/m", "reward.weights={}"], "e.g. reward.weights={pickscore: 1.0}"),
-    (["train.digits=[1, 7]"], "train.digits: value [1, 7] is read only by train.task=digits, not train.task=shapes; set "
+    (["train.task=shapes", "train.digits=[1, 7]"], "train.digits: value [1, 7] is read only by train.task=digits, not train.task=shapes; set "
                               "train.task=digits or remove it"),
     (["reward.weights={digit_alignment: high}"], "reward.weights.digit_alignment: weight 'high' must be a number"),
     (["train.digits=[3, 12]"], "train.digits: value [3, 12] must be a non-empty list of digits 0..9"),
@@ -250,10 +251,10 @@ def test_configs_list_ends_each_description_at_a_word_with_an_ellipsis(capsys):
 def test_print_config_check_data_says_what_it_checked(tmp_path, capsys):
     prompts = tmp_path / "p.txt"
     prompts.write_text("a red circle\ntwo blue squares\n")
-    assert main(["print-config", "--check-data", f"train.prompts_file={prompts}"]) == 0
+    assert main(["print-config", "--check-data", "train.task=shapes", f"train.prompts_file={prompts}"]) == 0
     captured = capsys.readouterr()
     assert yaml.safe_load(captured.out)["train"]["prompts_file"] == str(prompts)  # stdout: the config
-    held_out = len(shapes.prompts("test"))  # the default task's evaluation prompts
+    held_out = len(shapes.prompts("test"))  # the shapes task's evaluation prompts
     assert captured.err == (f"data checked: train.prompts_file {str(prompts)!r}: 2 prompts; eval.prompts_file "
                             f"'builtin:shapes/test': {held_out} prompts\n")
     assert main(["print-config", "--check-data", "train.task=digits"]) == 0
@@ -263,13 +264,13 @@ def test_print_config_check_data_says_what_it_checked(tmp_path, capsys):
     assert capsys.readouterr().err == ""  # without --check-data nothing is loaded, nothing said
 
 
-# The default task's model at its smallest: one block, a 10-step pretraining of 8-image batches, 3 sampling steps.
-SHAPES_CLI = ["model.num_layers=1", "model.num_heads=2", "model.head_dim=8", "model.text_dim=16", "pretrain.steps=10",
+# The shapes task's model at its smallest: one block, a 10-step pretraining of 8-image batches, 3 sampling steps.
+SHAPES_CLI = ["train.task=shapes", "model.num_layers=1", "model.num_heads=2", "model.head_dim=8", "model.text_dim=16", "pretrain.steps=10",
               "pretrain.batch_size=8", "sampler.num_steps=3", "train.prompts_per_batch=2", "train.group_size=2",
               "log.progress=false"]
 
 
-def test_bench_engines_runs_on_the_default_task(tmp_path):
+def test_bench_engines_runs_on_the_shapes_task(tmp_path):
     out = tmp_path / "bench"
     assert main(["bench", "engines", *SHAPES_CLI, "reward.weights={jpeg_incompressibility: 1.0}", "--variants",
                  "recompute;retain", "--repeats", "1", "--out", str(out)]) == 0
@@ -292,7 +293,7 @@ def test_help_names_the_default_task(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     listed = " ".join(capsys.readouterr().out.split())
-    assert "run GRPO (default: the built-in shapes model)" in listed
+    assert "run GRPO (default: the built-in digits model)" in listed
     assert "pretrain and cache the built-in model (for digits also its reward classifier)" in listed
     with pytest.raises(SystemExit):
         main(["sample", "--help"])
@@ -300,7 +301,7 @@ def test_help_names_the_default_task(capsys):
         capsys.readouterr().out.split())
 
 
-def test_a_default_task_run_samples_and_exports_from_the_command_line(tmp_path, capsys):
+def test_a_shapes_task_run_samples_and_exports_from_the_command_line(tmp_path, capsys):
     run = tmp_path / "run"
     assert main(["train", *SHAPES_CLI, "eval.seeds_per_prompt=1", "train.num_iterations=1", "train.save_every=1",
                  f"log.output_dir={run}"]) == 0

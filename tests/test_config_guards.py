@@ -66,7 +66,8 @@ BAD_OVERRIDES = [
     (["reward.weights={':fn': 1}"], "reward.weights: reward ':fn' is not a valid module:function (the module name is "
                                     "empty); choose one of ['aesthetic', 'clip_direction', 'clip_score', 'd1_format', "
                                     "'digit_alignment', 'geneval', 'http', 'jpeg_compressibility', "
-                                    "'jpeg_incompressibility', 'ocr', 'pickscore', 'shapes_correct', 'shapes_score', 'verify_code', 'verify_code_pass_at_1', "
+                                    "'jpeg_incompressibility', 'ocr', 'pickscore', 'shapes_correct', 'shapes_score', "
+                                    "'shapes_video_correct', 'shapes_video_score', 'verify_code', 'verify_code_pass_at_1', "
                                     "'verify_countdown', 'verify_gsm8k', 'verify_json_schema', 'verify_math', 'verify_sudoku'] "
                                     "or package.module:function"),
     (["reward.weights={'.rel:fn': 1}"], "reward.weights: reward '.rel:fn' is not a valid module:function ('.rel' is "
@@ -175,8 +176,9 @@ def test_validate_coerces_python_values():
 
 def test_a_python_built_config_gets_its_task_keys_as_the_command_line_does():
     cfg = RunConfig()
+    cfg.train.task = "shapes"
     validate(cfg)
-    assert cfg.to_dict() == RunConfig.from_overrides([]).to_dict()
+    assert cfg.to_dict() == RunConfig.from_overrides(["train.task=shapes"]).to_dict()
     assert (cfg.model.image_size, cfg.train.prompts_file) == (32, "builtin:shapes/train")
     digits = RunConfig()
     digits.train.task = "digits"

@@ -106,8 +106,8 @@ def test_a_shipped_set_keeps_its_prompt_field_whatever_the_column(tmp_path):
     assert load_prompts("builtin:shapes/test", column="caption") == load_prompts("builtin:shapes/test")
     own = tmp_path / "p.csv"
     own.write_text("caption\na cat\n", encoding="utf-8")
-    cfg = RunConfig.from_overrides([f"train.prompts_file={own}", "train.prompt_column=caption"])
-    assert cfg.eval.prompts_file == "builtin:shapes/test"  # the default task's held-out prompts, read as shipped
+    cfg = RunConfig.from_overrides(["train.task=shapes", f"train.prompts_file={own}", "train.prompt_column=caption"])
+    assert cfg.eval.prompts_file == "builtin:shapes/test"  # the task's held-out prompts, read as shipped
 
 
 def test_hf_spec_syntax():
@@ -321,7 +321,7 @@ def test_shipped_prompt_files_are_package_data():
     pkg = root / "src" / "diffgrpo"
     files = [f.relative_to(pkg).as_posix() for f in (pkg / "prompts").rglob("*")
              if f.suffix in (".txt", ".jsonl", ".md", ".png")]  # .png: the editing set's sources
-    assert len(files) == 21 and all(any(fnmatch.fnmatch(f, p) for p in patterns) for f in files)
+    assert len(files) == 23 and all(any(fnmatch.fnmatch(f, p) for p in patterns) for f in files)
 
 
 # ---------------------------------------------------------------- issue 25 H-3: prompt files moved or edited on resume

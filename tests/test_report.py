@@ -53,11 +53,11 @@ def test_metric_families_get_their_own_axes():
 def test_changed_keys_replace_the_dump():
     cfg = RunConfig.from_overrides(["train.lr=3e-4", "reward.weights={jpeg_compressibility: 1.0}"]).to_dict()
     assert changed_keys(yaml.safe_dump(cfg)) == [
-        ("reward.weights", {"shapes_score": 1.0, "shapes_correct": 0.0}, {"jpeg_compressibility": 1.0}),
-        ("train.lr", 1e-4, 3e-4)]
+        ("reward.weights", {"digit_alignment": 1.0}, {"jpeg_compressibility": 1.0}), ("train.lr", 1e-4, 3e-4)]
     assert changed_keys(yaml.safe_dump(RunConfig.from_overrides([]).to_dict())) == []  # the default run's config
-    digits = RunConfig.from_overrides(["train.task=digits"]).to_dict()  # the task's own keys are not changes
-    assert changed_keys(yaml.safe_dump(digits)) == [("train.task", "shapes", "digits")]
+    shapes = RunConfig.from_overrides(["train.task=shapes"]).to_dict()  # the task's own keys are not changes
+    assert changed_keys(yaml.safe_dump(shapes)) == [("train.task", "digits", "shapes")]
+    digits = RunConfig.from_overrides([]).to_dict()
     del digits["train"]["task"]  # saved before train.task existed: the digits task
     assert changed_keys(yaml.safe_dump(digits)) == []
     assert changed_keys("[1, 2") is None

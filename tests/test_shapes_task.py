@@ -23,10 +23,10 @@ SHAPES_CLI = ["train.task=shapes", "model.num_layers=1", "model.num_heads=2", "m
 
 
 # ---------------------------------------------------------------------- config
-def test_the_shapes_task_is_the_default_and_digits_keeps_its_settings():
-    assert RunConfig().train.task == "shapes"
-    assert RunConfig.from_overrides([]).to_dict() == RunConfig.from_overrides(["train.task=shapes"]).to_dict()
-    digits = RunConfig.from_overrides(["train.task=digits"])
+def test_the_digits_task_is_the_default_and_keeps_its_settings():
+    assert RunConfig().train.task == "digits"
+    assert RunConfig.from_overrides([]).to_dict() == RunConfig.from_overrides(["train.task=digits"]).to_dict()
+    digits = RunConfig.from_overrides([])
     assert digits.reward.weights == {"digit_alignment": 1.0}
     assert (digits.model.image_size, digits.model.patch_size, digits.model.num_layers) == (16, 2, 2)
     assert digits.train.prompts_file == digits.eval.prompts_file == ""
@@ -46,9 +46,9 @@ def test_the_shapes_task_sets_its_defaults_and_keeps_what_a_config_sets():
 
 
 @pytest.mark.parametrize("overrides, match", [
-    (["train.task=digits", "model.name=diffusers", "model.pretrained=org/model"],
-     r"^train\.task: value 'digits' applies to the built-in"),
-    (["train.task=digits", "model.name=tiny_mlm"], r"train\.task"),
+    (["train.task=shapes", "model.name=diffusers", "model.pretrained=org/model"],
+     r"^train\.task: value 'shapes' applies to the built-in"),
+    (["train.task=shapes", "model.name=tiny_mlm"], r"train\.task"),
     (["train.task=shapes", "model.image_size=8"], r"^model\.image_size: value 8 is not drawn by train\.task=shapes"),
     (["train.task=shapes", "reward.weights={digit_alignment: 0.5}"], r"^reward\.weights: digit_alignment scores digits"),
     (["train.task=shapes", "eval.guard_features=digits"], r"^eval\.guard_features: 'digits'"),
@@ -65,7 +65,7 @@ def test_a_wrong_combination_is_a_one_line_config_error(overrides, match):
 ])
 def test_other_models_ignore_the_default_task(overrides):
     cfg = RunConfig.from_overrides(overrides, purpose="print")
-    assert cfg.train.task == "shapes" and cfg.train.prompts_file == "" and "shapes_score" not in cfg.reward.weights
+    assert cfg.train.task == "digits" and cfg.train.prompts_file == "" and "shapes_score" not in cfg.reward.weights
 
 
 def test_a_weight_zero_reward_may_be_a_guard_reward_and_a_trained_one_may_not():
@@ -78,7 +78,7 @@ def test_a_weight_zero_reward_may_be_a_guard_reward_and_a_trained_one_may_not():
 
 def test_guard_features_are_none_for_shapes_and_digits_for_digits():
     assert guards.feature_kind(RunConfig.from_overrides(["train.task=shapes"])) == "none"
-    assert guards.feature_kind(RunConfig.from_overrides([])) == "none"
+    assert guards.feature_kind(RunConfig.from_overrides([])) == "digits"
     assert guards.feature_kind(RunConfig.from_overrides(["train.task=digits"])) == "digits"
 
 

@@ -253,11 +253,11 @@ class TrainConfig:
                                    "train.max_inconsistency): warn, stop (exit code 4) or off (not measured)")
     max_inconsistency: float = _f(0.5, lo=0.0, doc="limit on consistency/dlogp_over_clip (mean |Δ log p| / the clip "
                                                    "range); 0 = none")
-    task: str = _f("shapes", choices=("shapes", "digits", "shapes_video"),
-                   doc="the built-in image task (model.name=tiny): shapes (coloured shapes at 32 px, GenEval-category "
-                       "prompts, a closed-form checker; sets the keys of config.TASK_DEFAULTS a config leaves at their "
-                       "defaults), digits (scikit-learn's 8 × 8 digits, a classifier's confidence) or shapes_video "
-                       "(4-frame clips of moving shapes, a tiny Wan video model)", family="flow")
+    task: str = _f("digits", choices=("digits", "shapes", "shapes_video"),
+                   doc="the built-in image task (model.name=tiny): digits (scikit-learn's 8 × 8 digits, a classifier's "
+                       "confidence), shapes (coloured shapes at 32 px, GenEval-category prompts, a closed-form checker) "
+                       "or shapes_video (4-frame clips of moving shapes, a tiny Wan video model); shapes* set the keys "
+                       "of config.TASK_DEFAULTS a config leaves at their defaults", family="flow")
     digits: list = _f([0, 1, 2, 3, 4, 5, 6, 7, 8, 9], doc="training prompt digits", family="flow")
     prompts_file: str = _f("", path=True, doc="training prompts (default: train.task's, or the digits of train."
                                               "digits), drawn by a seeded epoch sampler: a UTF-8 text file (one "

@@ -80,7 +80,7 @@ def _validate_reward_name(name: str) -> None:
 def _validate_task(cfg: RunConfig) -> None:
     """``train.task`` chooses the built-in image model's task: it needs that model and its 32-pixel scenes."""
     task = cfg.train.task
-    if task != "shapes" and cfg.model.name != "tiny":  # the default is ignored by other models
+    if task != "digits" and cfg.model.name != "tiny":  # the default is ignored by other models
         raise ConfigError(f"train.task: value {task!r} applies to the built-in image model (model.name=tiny), not "
                           f"model.name={cfg.model.name}; remove it, or give the prompts with train.prompts_file")
     if cfg.model.name != "tiny":
