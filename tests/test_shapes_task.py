@@ -35,6 +35,7 @@ def test_the_digits_task_is_the_default_and_keeps_its_settings():
 def test_the_shapes_task_sets_its_defaults_and_keeps_what_a_config_sets():
     cfg = RunConfig.from_overrides(["train.task=shapes"])
     assert (cfg.model.image_size, cfg.model.patch_size, cfg.model.num_layers) == (32, 8, 3)
+    assert (cfg.pretrain.steps, cfg.pretrain.lr, cfg.pretrain.batch_size) == (2400, 1e-3, 64)
     assert (cfg.train.prompts_file, cfg.eval.prompts_file) == ("builtin:shapes/train", "builtin:shapes/test")
     assert cfg.reward.weights == {"shapes_score": 1.0, "shapes_correct": 0.0}
     assert cfg.eval.guard_rewards == ["shapes_correct"]

@@ -31,7 +31,7 @@ FAMILY_TITLES = {"flow": "flow-matching models", "dllm": "masked diffusion LMs"}
 TASK_DEFAULTS: dict[str, dict[str, Any]] = {
     "digits": {},
     "shapes": {"model.image_size": 32, "model.patch_size": 8, "model.num_layers": 3, "model.head_dim": 32,
-               "pretrain.batch_size": 64,
+               "pretrain.batch_size": 64, "pretrain.steps": 2400, "pretrain.lr": 1e-3,
                "train.prompts_file": "builtin:shapes/train", "eval.prompts_file": "builtin:shapes/test",
                "reward.weights": {"shapes_score": 1.0, "shapes_correct": 0.0}, "eval.guard_rewards": ["shapes_correct"]},
     "shapes_video": {"model.image_size": 32, "model.num_frames": 4, "model.patch_size": 8, "model.num_layers": 3,
