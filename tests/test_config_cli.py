@@ -309,6 +309,9 @@ def test_a_shapes_task_run_samples_and_exports_from_the_command_line(tmp_path, c
     assert main(["sample", "--weights", str(run), "--num", "1", "--out", str(tmp_path / "s.png")]) == 0
     assert "wrote 6 samples" in capsys.readouterr().out  # a held-out prompt per shapes category
     assert main(["export", str(run), "--out", str(tmp_path / "model")]) == 0
+    card = (tmp_path / "model" / "README.md").read_text()  # what else loading it needs, for this model
+    assert "built-in shapes model" in card and "predicts the clean sample" in card
+    assert "diffgrpo.models.tiny_shapes.velocity_from_clean" in card
     from diffusers import SD3Transformer2DModel
 
     net = SD3Transformer2DModel.from_pretrained(tmp_path / "model")  # the three-channel 32-pixel transformer

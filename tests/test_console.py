@@ -73,11 +73,12 @@ def test_first_time_pretraining_writes_no_carriage_returns_into_a_pipe(tmp_path)
                                                                       "pretrain.batch_size=8"]}
     for expected, argv in runs.items():
         args = [a for a in argv if a != "log.progress=false"]  # the default: progress on
-        done = subprocess.run([sys.executable, "-m", "diffgrpo.cli", *args], capture_output=True, text=True, env=env,
-                              timeout=600)
-        assert done.returncode == 0, done.stdout + done.stderr
-        assert "\r" not in done.stdout and "\r" not in done.stderr, done.stderr[-2000:]
-        assert expected in done.stdout, done.stdout
+        done = subprocess.run([sys.executable, "-m", "diffgrpo.cli", *args], capture_output=True, env=env,
+                              timeout=600)  # bytes: text mode would turn a carriage return into a line break
+        out, err = done.stdout.decode(), done.stderr.decode()
+        assert done.returncode == 0, out + err
+        assert b"\r" not in done.stdout and b"\r" not in done.stderr, err[-2000:]
+        assert expected in out, out
 
 
 def test_a_signal_handlers_note_bypasses_the_buffered_writer(capfd, monkeypatch):

@@ -25,6 +25,11 @@ TINY_NOTE = ("This is the transformer of diffgrpo's built-in digits model, not a
              "`diffgrpo.models.tiny.VOCAB`, pretrained with the transformer and frozen in training), and the pixel "
              "decoder `diffgrpo.models.tiny.decode_pixels` (the model works on pixels, no VAE). Sample the "
              "trained model with diffgrpo: `diffgrpo sample --weights <run directory>`.")
+CLEAN_NOTE = ("Unlike a diffusers flow model, this transformer predicts the clean sample x̂₀ (pixels in [−1, 1]): the "
+              "velocity is v = (x − x̂₀) / max(σ, 0.02) (`diffgrpo.models.{module}.velocity_from_clean`), and the "
+              "prompt encoder is the one in `diffgrpo.models.{module}` (over the task's own vocabulary), not the "
+              "digits model's.")
+CLEAN_PREDICTING = {"shapes": "tiny_shapes", "shapes_video": "tiny_shapes_video"}  # train.task → its model module
 
 
 def method_of(config: dict) -> str:
@@ -126,7 +131,10 @@ def model_card(config: dict, iteration: int, held_out: dict | None, kind: str, f
     body = ["# GRPO post-trained with diffgrpo", "", "| | |", "|---|---|", *[f"| {k} | {v} |" for k, v in rows], "",
             "## Load", "", "```python", _imports_first(load_snippet(folder, config)), "```", ""]
     if model.get("name") == "tiny":
-        body += [TINY_NOTE, ""]
+        task = train.get("task", "digits")
+        body += [TINY_NOTE.replace("built-in digits model", f"built-in {task} model"), ""]
+        if task in CLEAN_PREDICTING:
+            body += [CLEAN_NOTE.format(module=CLEAN_PREDICTING[task]), ""]
     return ModelCard.from_template(data, template_str="---\n{{ card_data }}\n---\n\n" + "\n".join(body)).content
 
 
