@@ -1,6 +1,6 @@
 """The user-path matrix: launch {one process, torchrun 2 ranks DDP, torchrun 2 ranks FSDP2} × model {built-in, a tiny
 StableDiffusion3Pipeline directory, a tiny Wan pipeline directory, the built-in masked LM, a tiny remote-code
-LLaDA-style model, the built-in block-diffusion LM} × {full fine-tune, LoRA}, each cell through the command line to the very end:
+LLaDA-style model, the built-in block-diffusion LM, a tiny Qwen-Image 2.1 pipeline directory} × {full fine-tune, LoRA}, each cell through the command line to the very end:
 
     train with a checkpoint every iteration → SIGTERM once the first checkpoint exists (the run finishes its
     iteration, checkpoints, exits 143) → ``train --resume`` → finish (exit 0, every promised file) → ``export``
@@ -14,6 +14,7 @@ the measured table.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -29,11 +30,21 @@ from safetensors.torch import load_file
 from diffgrpo.cli.app import main
 from diffgrpo.run.checkpoint import latest_complete
 from tests.helpers.distributed import free_port
-from tests.helpers.pipelines import PROMPTS, t5_tokenizer, tiny_transformer
+from tests.helpers.pipelines import (
+    PROMPTS,
+    qwen3vl_image_only_processor,
+    qwenimage21_pipeline,
+    t5_tokenizer,
+    tiny_transformer,
+)
 from tests.helpers.remote_models import build_remote_model
 
 LAUNCHES = ("one", "ddp", "fsdp2")
-MODELS = ("builtin", "sd3", "wan", "mlm", "llada", "block")
+MODELS = ("builtin", "sd3", "wan", "mlm", "llada", "block", "qwenimage21")
+DIFFUSERS = ("sd3", "wan", "qwenimage21")  # pipeline directories: export --merge, reload with diffusers
+# Qwen-Image 2.1: three prompts of one length and one of another, two a rank: the ranks' batches hold different
+# numbers of prompt lengths (one transformer call per length)
+Q21_PROMPTS = ["a red cat", "a red dog", "a big cat", "the sun"]
 LLADA_MASK = 2
 COMMON = ["log.progress=false", "log.save_images=false", "train.prompts_per_batch=2", "train.group_size=4",
           "seed=0", "train.save_every=1", "train.ema_decay=0.0"]
@@ -68,6 +79,16 @@ def wan_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def qwenimage21_dir(tmp_path_factory):
+    """A tiny QwenImage21Pipeline (Qwen3-VL text encoder, 2.1 VAE, block-causal transformer), save_pretrained."""
+    d = tmp_path_factory.mktemp("tiny-qwenimage21")
+    with qwen3vl_image_only_processor():
+        qwenimage21_pipeline().save_pretrained(str(d))
+    (d / "prompts.txt").write_text("\n".join(Q21_PROMPTS) + "\n")
+    return d
+
+
+@pytest.fixture(scope="module")
 def llada_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny-llada")
     model = build_remote_model(root / "llada", "llada")
@@ -88,6 +109,12 @@ def _model_args(model: str, lora: bool, request) -> list[str]:
                 "model.guidance_scale=3.0", "sampler.num_steps=3", "reward.weights={jpeg_incompressibility: 1.0}",
                 f"train.prompts_file={d / 'prompts.txt'}", f"eval.prompts_file={d / 'prompts.txt'}",
                 "eval.seeds_per_prompt=1", "train.lr=0.05", *(["model.num_frames=5"] if model == "wan" else [])]
+    elif model == "qwenimage21":
+        d = request.getfixturevalue("qwenimage21_dir")
+        args = ["model.name=diffusers", f"model.pretrained={d}", "model.resolution=64", "model.guidance_scale=3.0",
+                "model.negative_prompt= ", "sampler.num_steps=3", "reward.weights={jpeg_incompressibility: 1.0}",
+                f"train.prompts_file={d / 'prompts.txt'}", f"eval.prompts_file={d / 'prompts.txt'}",
+                "eval.seeds_per_prompt=1", "train.lr=0.05"]
     elif model == "mlm":
         args = ["model.name=tiny_mlm", "dllm.eval_size=4", "pretrain.steps=20"]
     elif model == "block":
@@ -99,16 +126,17 @@ def _model_args(model: str, lora: bool, request) -> list[str]:
                 "dllm.prompt_field=question", "dllm.prompt_length=16", "dllm.gen_length=8", "dllm.diffusion_steps=8",
                 "dllm.eval_size=4"]
     lora_key = "dllm.lora_rank" if model in ("mlm", "llada", "block") else "model.lora_rank"
-    return [*args, *COMMON, *([f"{lora_key}=4"] if lora else [])]
+    batch = ["train.prompts_per_batch=4", "train.group_size=2"] if model == "qwenimage21" else []
+    return [*args, *COMMON, *batch, *([f"{lora_key}=4"] if lora else [])]
 
 
 # ------------------------------------------------------------------------------------------ launching
-def _launcher(launch: str) -> tuple[list[str], list[str]]:
-    """(command prefix, extra overrides) of a launch mode."""
+def _launcher(launch: str, cli: str = "diffgrpo.cli") -> tuple[list[str], list[str]]:
+    """(command prefix, extra overrides) of a launch mode running the command-line module ``cli``."""
     if launch == "one":
-        return [sys.executable, "-m", "diffgrpo.cli"], []
+        return [sys.executable, "-m", cli], []
     return ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-             "--master_port", str(free_port()), "-m", "diffgrpo.cli"],
+             "--master_port", str(free_port()), "-m", cli],
             [f"dist.mode={launch}", "dist.backend=gloo"])
 
 
@@ -201,14 +229,17 @@ def _reload_and_sample(model: str, lora: bool, run: Path, exp: Path, merged: Pat
                                             else "diffusion_pytorch_model.safetensors")))
             _assert_same({k.removeprefix("transformer."): v for k, v in exported.items()}, weights)
         return
-    if model in ("sd3", "wan"):
+    if model in DIFFUSERS:
         import diffusers
 
         d = request.getfixturevalue(f"{model}_dir")
-        cls = diffusers.StableDiffusion3Pipeline if model == "sd3" else diffusers.WanPipeline
+        cls = {"sd3": diffusers.StableDiffusion3Pipeline, "wan": diffusers.WanPipeline,
+               "qwenimage21": diffusers.QwenImage21Pipeline}[model]
         kw = {"height": 16, "width": 16, "num_inference_steps": 2, "output_type": "pt", "max_sequence_length": 8}
         if model == "wan":
             kw["num_frames"] = 5
+        if model == "qwenimage21":  # (64: a whole number of 2×2 latent slots; the pipeline has no max length)
+            kw = {"height": 64, "width": 64, "num_inference_steps": 2, "output_type": "pt"}
         if lora:
             pipe = cls.from_pretrained(str(d))
             pipe.load_lora_weights(str(exp))
@@ -217,14 +248,14 @@ def _reload_and_sample(model: str, lora: bool, run: Path, exp: Path, merged: Pat
             pipe = cls.from_pretrained(str(d), transformer=tr_cls.from_pretrained(str(exp)))
             _assert_same(pipe.transformer.state_dict(), weights)
         out = pipe(PROMPTS[:1], generator=torch.Generator().manual_seed(0), **kw)
-        images = out.images if model == "sd3" else out.frames
+        images = out.frames if model == "wan" else out.images
         assert torch.isfinite(torch.as_tensor(images)).all()
         full = cls.from_pretrained(str(merged))
         assert not any("lora" in n for n, _ in full.transformer.named_parameters())
         if not lora:
             _assert_same(full.transformer.state_dict(), weights)
         again = full(PROMPTS[:1], generator=torch.Generator().manual_seed(0), **kw)
-        assert torch.isfinite(torch.as_tensor(again.images if model == "sd3" else again.frames)).all()
+        assert torch.isfinite(torch.as_tensor(again.frames if model == "wan" else again.images)).all()
         return
     from transformers import AutoModel
 
@@ -245,7 +276,7 @@ def _reload_and_sample(model: str, lora: bool, run: Path, exp: Path, merged: Pat
 # ------------------------------------------------------------------------------------------ the cells
 def _cell(launch: str, model: str, kind: str, request, tmp_path: Path) -> None:
     lora = kind == "lora"
-    prefix, dist_args = _launcher(launch)
+    prefix, dist_args = _launcher(launch, "tests.helpers.qwen3vl_cli" if model == "qwenimage21" else "diffgrpo.cli")
     run = tmp_path / "run"
     args = [*_model_args(model, lora, request), *dist_args]
     refused = REFUSED.get((launch, model, kind))
@@ -268,7 +299,7 @@ def _cell(launch: str, model: str, kind: str, request, tmp_path: Path) -> None:
     assert "resumed from" in text
     exported_name = {"builtin": "lora" if lora else "transformer", "sd3": "lora" if lora else "transformer",
                      "wan": "lora" if lora else "transformer", "mlm": "lora" if lora else "model", "llada": "lora" if lora else "model",
-                     "block": "lora" if lora else "model"}
+                     "block": "lora" if lora else "model", "qwenimage21": "lora" if lora else "transformer"}
     for name in ("config.yaml", "metrics.jsonl", "summary.json", "weights.safetensors", ".diffgrpo-run",
                  exported_name[model]):
         assert (run / name).exists(), (name, sorted(p.name for p in run.iterdir()))
@@ -279,7 +310,7 @@ def _cell(launch: str, model: str, kind: str, request, tmp_path: Path) -> None:
     exp = tmp_path / "export"
     assert main(["export", str(run), *code, "--out", str(exp)]) == 0 and (exp / "README.md").is_file()
     merged = None
-    if model in ("sd3", "wan"):
+    if model in DIFFUSERS:
         merged = tmp_path / "merged"
         assert main(["export", str(run), "--out", str(merged), "--merge"]) == 0
     _reload_and_sample(model, lora, run, exp, merged, request, tmp_path)
@@ -292,7 +323,8 @@ CELLS = [(launch, model, kind) for launch in LAUNCHES for model in MODELS for ki
 @pytest.mark.parametrize("launch, model, kind", [
     pytest.param(*c, marks=() if c in FAST else pytest.mark.slow, id="-".join(c)) for c in CELLS])
 def test_user_path(launch, model, kind, request, tmp_path):
-    _cell(launch, model, kind, request, tmp_path)
+    with qwen3vl_image_only_processor() if model == "qwenimage21" else contextlib.nullcontext():
+        _cell(launch, model, kind, request, tmp_path)
 
 
 def test_a_key_that_does_not_apply_is_refused_in_one_line_before_anything_loads(tmp_path):
