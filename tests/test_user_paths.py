@@ -1,6 +1,7 @@
 """The user-path matrix: launch {one process, torchrun 2 ranks DDP, torchrun 2 ranks FSDP2} × model {built-in, a tiny
 StableDiffusion3Pipeline directory, a tiny Wan pipeline directory, the built-in masked LM, a tiny remote-code
-LLaDA-style model, the built-in block-diffusion LM, a tiny Qwen-Image 2.1 pipeline directory} × {full fine-tune, LoRA}, each cell through the command line to the very end:
+LLaDA-style model, the built-in block-diffusion LM, a tiny Qwen-Image 2.1 pipeline directory, the shipped Qwen-Image
+2.1 Turbo config on a tiny Turbo-style pipeline directory} × {full fine-tune, LoRA}, each cell through the command line to the very end:
 
     train with a checkpoint every iteration → SIGTERM once the first checkpoint exists (the run finishes its
     iteration, checkpoints, exits 143) → ``train --resume`` → finish (exit 0, every promised file) → ``export``
@@ -40,8 +41,11 @@ from tests.helpers.pipelines import (
 from tests.helpers.remote_models import build_remote_model
 
 LAUNCHES = ("one", "ddp", "fsdp2")
-MODELS = ("builtin", "sd3", "wan", "mlm", "llada", "block", "qwenimage21")
-DIFFUSERS = ("sd3", "wan", "qwenimage21")  # pipeline directories: export --merge, reload with diffusers
+MODELS = ("builtin", "sd3", "wan", "mlm", "llada", "block", "qwenimage21", "qwenimage21turbo")
+DIFFUSERS = ("sd3", "wan", "qwenimage21", "qwenimage21turbo")  # pipeline directories: export --merge, reload
+QWEN21 = ("qwenimage21", "qwenimage21turbo")  # loaded with the Qwen3-VL processor without torchvision
+TURBO_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "qwenimage21_turbo_pickscore.yaml"
+TURBO_SIGMAS = [1.0, 2 / 3, 1 / 3]  # a distilled uniform 3-step grid (the pipeline config's sample_sigmas)
 # Qwen-Image 2.1: three prompts of one length and one of another, two a rank: the ranks' batches hold different
 # numbers of prompt lengths (one transformer call per length)
 Q21_PROMPTS = ["a red cat", "a red dog", "a big cat", "the sun"]
@@ -78,14 +82,24 @@ def wan_dir(tmp_path_factory):
     return d
 
 
+def _q21_dir(tmp_path_factory, name: str, sample_sigmas=None) -> Path:
+    d = tmp_path_factory.mktemp(name)
+    with qwen3vl_image_only_processor():
+        qwenimage21_pipeline(sample_sigmas=sample_sigmas).save_pretrained(str(d))
+    (d / "prompts.txt").write_text("\n".join(Q21_PROMPTS) + "\n")
+    return d
+
+
 @pytest.fixture(scope="module")
 def qwenimage21_dir(tmp_path_factory):
     """A tiny QwenImage21Pipeline (Qwen3-VL text encoder, 2.1 VAE, block-causal transformer), save_pretrained."""
-    d = tmp_path_factory.mktemp("tiny-qwenimage21")
-    with qwen3vl_image_only_processor():
-        qwenimage21_pipeline().save_pretrained(str(d))
-    (d / "prompts.txt").write_text("\n".join(Q21_PROMPTS) + "\n")
-    return d
+    return _q21_dir(tmp_path_factory, "tiny-qwenimage21")
+
+
+@pytest.fixture(scope="module")
+def qwenimage21turbo_dir(tmp_path_factory):
+    """The same with a Turbo's distilled ``sample_sigmas`` grid in its pipeline config."""
+    return _q21_dir(tmp_path_factory, "tiny-qwenimage21turbo", TURBO_SIGMAS)
 
 
 @pytest.fixture(scope="module")
@@ -115,6 +129,18 @@ def _model_args(model: str, lora: bool, request) -> list[str]:
                 "model.negative_prompt= ", "sampler.num_steps=3", "reward.weights={jpeg_incompressibility: 1.0}",
                 f"train.prompts_file={d / 'prompts.txt'}", f"eval.prompts_file={d / 'prompts.txt'}",
                 "eval.seeds_per_prompt=1", "train.lr=0.05"]
+    elif model == "qwenimage21turbo":  # the shipped config, sized down to CPU float32 (its training kept)
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        from diffgrpo.models.pipelines.qwenimage21 import grid_shift
+
+        d = request.getfixturevalue("qwenimage21turbo_dir")
+        shift = grid_shift(FlowMatchEulerDiscreteScheduler.load_config(str(d), subfolder="scheduler"), 64)
+        args = ["--config", str(TURBO_CONFIG), f"model.pretrained={d}", "model.dtype=float32",
+                "model.mixed_precision=no", "model.resolution=64", "model.lora_alpha=8", "sampler.num_steps=3",
+                f"sampler.shift={shift!r}", "reward.weights={jpeg_incompressibility: 1.0}",
+                f"train.prompts_file={d / 'prompts.txt'}", f"eval.prompts_file={d / 'prompts.txt'}",
+                "eval.seeds_per_prompt=1", "train.lr=0.05", *([] if lora else ["model.lora_rank=0", "train.lr=0.002"])]
     elif model == "mlm":
         args = ["model.name=tiny_mlm", "dllm.eval_size=4", "pretrain.steps=20"]
     elif model == "block":
@@ -126,7 +152,7 @@ def _model_args(model: str, lora: bool, request) -> list[str]:
                 "dllm.prompt_field=question", "dllm.prompt_length=16", "dllm.gen_length=8", "dllm.diffusion_steps=8",
                 "dllm.eval_size=4"]
     lora_key = "dllm.lora_rank" if model in ("mlm", "llada", "block") else "model.lora_rank"
-    batch = ["train.prompts_per_batch=4", "train.group_size=2"] if model == "qwenimage21" else []
+    batch = ["train.prompts_per_batch=4", "train.group_size=2"] if model in QWEN21 else []
     return [*args, *COMMON, *batch, *([f"{lora_key}=4"] if lora else [])]
 
 
@@ -234,12 +260,13 @@ def _reload_and_sample(model: str, lora: bool, run: Path, exp: Path, merged: Pat
 
         d = request.getfixturevalue(f"{model}_dir")
         cls = {"sd3": diffusers.StableDiffusion3Pipeline, "wan": diffusers.WanPipeline,
-               "qwenimage21": diffusers.QwenImage21Pipeline}[model]
+               "qwenimage21": diffusers.QwenImage21Pipeline, "qwenimage21turbo": diffusers.QwenImage21Pipeline}[model]
         kw = {"height": 16, "width": 16, "num_inference_steps": 2, "output_type": "pt", "max_sequence_length": 8}
         if model == "wan":
             kw["num_frames"] = 5
-        if model == "qwenimage21":  # (64: a whole number of 2×2 latent slots; the pipeline has no max length)
-            kw = {"height": 64, "width": 64, "num_inference_steps": 2, "output_type": "pt"}
+        if model in QWEN21:  # (64: a whole number of 2×2 latent slots; no max length; the Turbo: its own grid)
+            kw = {"height": 64, "width": 64, "num_inference_steps": 3 if model == "qwenimage21turbo" else 2,
+                  "output_type": "pt"}
         if lora:
             pipe = cls.from_pretrained(str(d))
             pipe.load_lora_weights(str(exp))
@@ -276,7 +303,7 @@ def _reload_and_sample(model: str, lora: bool, run: Path, exp: Path, merged: Pat
 # ------------------------------------------------------------------------------------------ the cells
 def _cell(launch: str, model: str, kind: str, request, tmp_path: Path) -> None:
     lora = kind == "lora"
-    prefix, dist_args = _launcher(launch, "tests.helpers.qwen3vl_cli" if model == "qwenimage21" else "diffgrpo.cli")
+    prefix, dist_args = _launcher(launch, "tests.helpers.qwen3vl_cli" if model in QWEN21 else "diffgrpo.cli")
     run = tmp_path / "run"
     args = [*_model_args(model, lora, request), *dist_args]
     refused = REFUSED.get((launch, model, kind))
@@ -299,7 +326,8 @@ def _cell(launch: str, model: str, kind: str, request, tmp_path: Path) -> None:
     assert "resumed from" in text
     exported_name = {"builtin": "lora" if lora else "transformer", "sd3": "lora" if lora else "transformer",
                      "wan": "lora" if lora else "transformer", "mlm": "lora" if lora else "model", "llada": "lora" if lora else "model",
-                     "block": "lora" if lora else "model", "qwenimage21": "lora" if lora else "transformer"}
+                     "block": "lora" if lora else "model", "qwenimage21": "lora" if lora else "transformer",
+                     "qwenimage21turbo": "lora" if lora else "transformer"}
     for name in ("config.yaml", "metrics.jsonl", "summary.json", "weights.safetensors", ".diffgrpo-run",
                  exported_name[model]):
         assert (run / name).exists(), (name, sorted(p.name for p in run.iterdir()))
@@ -323,7 +351,7 @@ CELLS = [(launch, model, kind) for launch in LAUNCHES for model in MODELS for ki
 @pytest.mark.parametrize("launch, model, kind", [
     pytest.param(*c, marks=() if c in FAST else pytest.mark.slow, id="-".join(c)) for c in CELLS])
 def test_user_path(launch, model, kind, request, tmp_path):
-    with qwen3vl_image_only_processor() if model == "qwenimage21" else contextlib.nullcontext():
+    with qwen3vl_image_only_processor() if model in QWEN21 else contextlib.nullcontext():
         _cell(launch, model, kind, request, tmp_path)
 
 
