@@ -272,7 +272,7 @@ SHAPES_CLI = ["train.task=shapes", "model.num_layers=1", "model.num_heads=2", "m
 
 def test_bench_engines_runs_on_the_shapes_task(tmp_path):
     out = tmp_path / "bench"
-    assert main(["bench", "engines", *SHAPES_CLI, "reward.weights={jpeg_incompressibility: 1.0}", "--variants",
+    assert main(["bench", "engines", *SHAPES_CLI, "reward.weights={'tests.helpers.rewards:brightness': 1.0}", "--variants",
                  "recompute;retain", "--repeats", "1", "--out", str(out)]) == 0
     rep = json.loads((out / "engines.json").read_text())
     assert rep["config"]["train"]["task"] == "shapes" and rep["config"]["model"]["image_size"] == 32

@@ -175,7 +175,7 @@ def test_m7_a_truncated_image_is_refused_at_load_and_by_sample_image(tmp_path, c
     assert "\n" not in str(e.value)
     rc = main(["sample", "--prompt", "x", "--image", str(tmp_path / "cut.png"), "--out", str(tmp_path / "s.png")])
     err = capsys.readouterr().err
-    assert rc == 2 and err.startswith("error: --image:") and "does not decode whole" in err, err
+    assert rc == 2 and err.startswith(f"error: --image {str(tmp_path / 'cut.png')!r}:") and "does not decode whole" in err, err
     assert err.count("\n") == 1 and not (tmp_path / "s.png").exists()  # refused before any model loads
 
 
