@@ -1,8 +1,15 @@
-"""The optimiser update shared by the built-in models' pretraining loops (the tiny flow model, the tiny dLLM)."""
+"""What the built-in models' pretraining shares: the optimiser update of their loops (the tiny flow models, the
+tiny dLLM) and the cached-weights step of the image and video models (pretrain once, write atomically, load)."""
 from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn as nn
+
+from ..cache import cache_lock, save_dir_atomic
 
 
 def pretrain_step(loss: torch.Tensor, net: nn.Module, opt, sched, bar, ema: float | None) -> float:
@@ -18,4 +25,25 @@ def pretrain_step(loss: torch.Tensor, net: nn.Module, opt, sched, bar, ema: floa
     return ema
 
 
-__all__ = ["pretrain_step"]
+def load_or_train(path: Path, net: nn.Module, train: Callable[[], nn.Module], meta: dict, *, what: str,
+                  steps: int, log=print) -> nn.Module:
+    """``net`` (eval mode) with the weights cached at ``path``; when absent, ``train()`` makes them once (under the
+    cache's lock, so concurrent runs and torchrun ranks share one pretraining), written atomically beside
+    ``config.json`` = ``meta``."""
+    from safetensors.torch import load_file, save_file
+
+    with cache_lock(path):
+        if not (path / "model.safetensors").is_file():
+            log(f"no cached {what} at {path}; pretraining it ({steps} steps, runs once)")
+            trained = train()
+
+            def write(tmp: Path):
+                save_file({k: v.contiguous() for k, v in trained.state_dict().items()}, str(tmp / "model.safetensors"))
+                (tmp / "config.json").write_text(json.dumps(meta, indent=2))
+
+            save_dir_atomic(path, write)
+    net.load_state_dict(load_file(str(path / "model.safetensors")))
+    return net.eval()
+
+
+__all__ = ["load_or_train", "pretrain_step"]

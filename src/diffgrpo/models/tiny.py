@@ -14,20 +14,19 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..cache import cache_lock, cache_root, save_dir_atomic
+from ..cache import cache_root
 from ..config import ModelConfig, PretrainConfig, RunConfig
 from ..console import Steps
 from ..data import NUMBER_WORDS, digits_split
 from ..distributed import launched_local_rank, resolve_device
 from . import words
 from .diffusers_adapter import DiffusersFlowPolicy, PolicyOptions
-from .pretraining import pretrain_step
+from .pretraining import load_or_train, pretrain_step
 from .reference import needs_reference
 from .tiny_shapes import ROW as SHAPES_ROW
 from .tiny_shapes import ShapesFlowNet, load_or_pretrain_shapes
@@ -120,23 +119,10 @@ def pretrain(mcfg: ModelConfig, pcfg: PretrainConfig, *, progress: bool = True) 
 
 def load_or_pretrain(mcfg: ModelConfig, pcfg: PretrainConfig, *, progress: bool = True, log=print) -> TinyFlowNet:
     """The cached pretrained network for this architecture and recipe; pretrains (and caches) it if absent."""
-    from safetensors.torch import load_file, save_file
-
     arch = arch_kwargs(mcfg)
     path = cache_root(mcfg.cache_dir) / f"tiny-flow-{_recipe_key(arch, pcfg)}"
-    net = TinyFlowNet(**arch)
-    with cache_lock(path):  # concurrent runs (or torchrun ranks) pretrain once and share the result
-        if not (path / "model.safetensors").is_file():
-            log(f"no cached built-in model at {path}; pretraining it ({pcfg.steps} steps, runs once)")
-            trained = pretrain(mcfg, pcfg, progress=progress)
-
-            def write(tmp: Path):
-                save_file({k: v.contiguous() for k, v in trained.state_dict().items()}, str(tmp / "model.safetensors"))
-                (tmp / "config.json").write_text(json.dumps({"arch": arch, "pretrain": vars(pcfg)}, indent=2))
-
-            save_dir_atomic(path, write)
-    net.load_state_dict(load_file(str(path / "model.safetensors")))
-    return net.eval()
+    return load_or_train(path, TinyFlowNet(**arch), lambda: pretrain(mcfg, pcfg, progress=progress),
+                         {"arch": arch, "pretrain": vars(pcfg)}, what="built-in model", steps=pcfg.steps, log=log)
 
 
 def decode_pixels(x: torch.Tensor) -> torch.Tensor:

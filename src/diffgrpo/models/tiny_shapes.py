@@ -28,21 +28,20 @@ import dataclasses
 import hashlib
 import json
 import math
-from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..cache import cache_lock, cache_root, save_dir_atomic
+from ..cache import cache_root
 from ..config import ModelConfig, PretrainConfig
 from ..console import Steps
 from ..tasks import shapes as task
 from . import words
 from .pipelines import sd3
 from .pipelines.spec import ForwardArgs
-from .pretraining import pretrain_step
+from .pretraining import load_or_train, pretrain_step
 
 VOCAB = ["<pad>", "<bos>", "<unk>", "a", "an", "and", "of", "left", "right", "above", "below",
          *task.NUMBERS.values(), *task.COLORS, *task.SHAPES, *(f"{s}s" for s in task.SHAPES)]
@@ -167,24 +166,11 @@ def pretrain(mcfg: ModelConfig, pcfg: PretrainConfig, *, progress: bool = True, 
 def load_or_pretrain_shapes(mcfg: ModelConfig, pcfg: PretrainConfig, *, progress: bool = True,
                             log=print) -> ShapesFlowNet:
     """The cached pretrained shapes network for this architecture and recipe; pretrains (and caches) it if absent."""
-    from safetensors.torch import load_file, save_file
-
     arch = arch_kwargs(mcfg)
     path = cache_root(mcfg.cache_dir) / f"tiny-shapes-{_recipe_key(arch, pcfg)}"
-    net = ShapesFlowNet(**arch)
-    with cache_lock(path):  # concurrent runs (or torchrun ranks) pretrain once and share the result
-        if not (path / "model.safetensors").is_file():
-            log(f"no cached shapes model at {path}; pretraining it ({pcfg.steps} steps, runs once)")
-            trained = pretrain(mcfg, pcfg, progress=progress, log=log)
-
-            def write(tmp: Path):
-                save_file({k: v.contiguous() for k, v in trained.state_dict().items()}, str(tmp / "model.safetensors"))
-                (tmp / "config.json").write_text(json.dumps({"arch": arch, "pretrain": vars(pcfg), "pool": POOL,
-                                                             "version": RECIPE_VERSION}, indent=2))
-
-            save_dir_atomic(path, write)
-    net.load_state_dict(load_file(str(path / "model.safetensors")))
-    return net.eval()
+    meta = {"arch": arch, "pretrain": vars(pcfg), "pool": POOL, "version": RECIPE_VERSION}
+    return load_or_train(path, ShapesFlowNet(**arch), lambda: pretrain(mcfg, pcfg, progress=progress, log=log), meta,
+                         what="shapes model", steps=pcfg.steps, log=log)
 
 
 __all__ = ["ROW", "SIGMA_FLOOR", "ShapesFlowNet", "ShapesPromptEncoder", "load_or_pretrain_shapes", "mirror", "pretrain", "scene_pool",

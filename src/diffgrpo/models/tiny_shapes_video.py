@@ -21,14 +21,13 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..cache import cache_lock, cache_root, save_dir_atomic
+from ..cache import cache_root
 from ..config import ModelConfig, PretrainConfig
 from ..console import Steps
 from ..tasks import shapes
@@ -36,7 +35,7 @@ from ..tasks import shapes_video as task
 from . import words
 from .pipelines import wan
 from .pipelines.spec import ForwardArgs
-from .pretraining import pretrain_step
+from .pretraining import load_or_train, pretrain_step
 from .tiny_shapes import SIGMA_FLOOR, _schedule
 
 VOCAB = ["<pad>", "<bos>", "<unk>", "a", "an", "and", "moving", *task.DIRECTIONS, *shapes.COLORS, *shapes.SHAPES]
@@ -150,24 +149,11 @@ def pretrain(mcfg: ModelConfig, pcfg: PretrainConfig, *, progress: bool = True, 
 def load_or_pretrain_shapes_video(mcfg: ModelConfig, pcfg: PretrainConfig, *, progress: bool = True,
                                   log=print) -> ShapesVideoFlowNet:
     """The cached pretrained network for this architecture and recipe; pretrains (and caches) it if absent."""
-    from safetensors.torch import load_file, save_file
-
     arch = arch_kwargs(mcfg)
     path = cache_root(mcfg.cache_dir) / f"tiny-shapes-video-{_recipe_key(arch, pcfg)}"
-    net = ShapesVideoFlowNet(**arch)
-    with cache_lock(path):  # concurrent runs (or torchrun ranks) pretrain once and share the result
-        if not (path / "model.safetensors").is_file():
-            log(f"no cached shapes_video model at {path}; pretraining it ({pcfg.steps} steps, runs once)")
-            trained = pretrain(mcfg, pcfg, progress=progress, log=log)
-
-            def write(tmp: Path):
-                save_file({k: v.contiguous() for k, v in trained.state_dict().items()}, str(tmp / "model.safetensors"))
-                (tmp / "config.json").write_text(json.dumps({"arch": arch, "pretrain": vars(pcfg), "pool": POOL,
-                                                             "version": RECIPE_VERSION}, indent=2))
-
-            save_dir_atomic(path, write)
-    net.load_state_dict(load_file(str(path / "model.safetensors")))
-    return net.eval()
+    meta = {"arch": arch, "pretrain": vars(pcfg), "pool": POOL, "version": RECIPE_VERSION}
+    return load_or_train(path, ShapesVideoFlowNet(**arch), lambda: pretrain(mcfg, pcfg, progress=progress, log=log),
+                         meta, what="shapes_video model", steps=pcfg.steps, log=log)
 
 
 __all__ = ["ROW", "ShapesVideoFlowNet", "arch_kwargs", "clip_pool", "load_or_pretrain_shapes_video", "pretrain",
