@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 from pathlib import Path
 
 OBJECTIVES = {"trace_rl": ["dllm.method=trace_rl"], "diffu_grpo": ["dllm.method=diffu_grpo"],
@@ -104,7 +105,8 @@ def main() -> None:
     cost = [cost_cell(args, name) for name in CACHES]
     (args.out / "block_study.json").write_text(json.dumps({"grad_forwards_per_iteration": per_iter, "train": train,
                                                            "cost": cost, "args": vars(args)}, indent=2, default=str))
-    (args.out / "block_study.md").write_text(table(train, cost, args.budget))
+    command = "OMP_NUM_THREADS=1 python " + " ".join(sys.argv)
+    (args.out / "block_study.md").write_text(f"```\n{command}\n```\n\n" + table(train, cost, args.budget))
     print(table(train, cost, args.budget))
 
 

@@ -1,7 +1,8 @@
-"""train.task=shapes end to end: one ``diffgrpo train train.task=shapes`` run (first-time pretraining included when
-the cache is empty), its wall time, its end lines, the held-out GenEval correctness (``shapes_correct``) by category
-at the start (the base model) and at the end, and its labelled start / end sample grid; written as table.md (with
-the commands), results.json and samples_start_end.png.
+"""``diffgrpo train train.task=shapes`` beside the default (digits) job: the shapes job for three seeds, the first
+with first-time pretraining (an empty model cache), and ``diffgrpo train`` with its own first-time pretraining, run
+one after the other in one invocation so their wall times compare. Per run: wall time, the end lines, held-out GenEval correctness (``shapes_correct``) per category at
+the start (the base model) and at the end; written as table.md (with the command), results.json and the first
+seed's samples_start_end.png.
 
     OMP_NUM_THREADS=1 python benchmarks/shapes_task.py --out benchmarks/results/shapes_task [key=value ...]
 """
@@ -11,20 +12,22 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 from diffgrpo.tasks import shapes
 
 
-def run(out: Path, overrides: list[str]) -> tuple[float, list[str]]:
-    """``diffgrpo train train.task=shapes`` into ``out`` → (wall seconds, the lines it printed)."""
-    cmd = [sys.executable, "-m", "diffgrpo.cli", "train", "train.task=shapes", f"log.output_dir={out}",
-           "log.progress=false", *overrides]
+def run(out: Path, cache: Path, args: list[str]) -> tuple[float, list[str]]:
+    """``diffgrpo train <args>`` into ``out`` with the model cache ``cache`` → (wall seconds, its printed lines)."""
+    cmd = [sys.executable, "-m", "diffgrpo.cli", "train", f"log.output_dir={out}", "log.progress=false", *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1", DIFFGRPO_CACHE=str(cache))
     t0 = time.perf_counter()
-    done = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True)
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - t0
     if done.returncode != 0:
         sys.exit(f"the run failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
@@ -32,7 +35,8 @@ def run(out: Path, overrides: list[str]) -> tuple[float, list[str]]:
 
 
 def by_category(table: Path) -> dict[str, float]:
-    """Mean ``shapes_correct`` of an evaluation's sample table per GenEval category, and over categories."""
+    """Mean ``shapes_correct`` of an evaluation's sample table per GenEval category, their mean (GenEval's overall)
+    and the mean over samples."""
     rows = [json.loads(line) for line in table.read_text().splitlines()]
     cats: dict[str, list[float]] = {}
     for r in rows:
@@ -43,34 +47,61 @@ def by_category(table: Path) -> dict[str, float]:
     return out
 
 
+def evals(run_dir: Path) -> list[Path]:
+    return sorted((run_dir / "samples").glob("eval_*.jsonl"), key=lambda p: int(p.stem.split("_")[1]))
+
+
+def end_lines(printed: list[str]) -> list[str]:
+    return [line for line in printed if line.startswith(("finished", "train reward", "eval/"))]
+
+
 def write(out: Path, result: dict, command: str) -> None:
     (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
-    start, end = result["start"], result["end"]
-    lines = ["# train.task=shapes end to end", "", "```", command, "```", "",
-             f"wall time {result['wall_s']:.0f} s on one thread (first-time pretraining "
-             f"{'included' if result['pretrained'] else 'cached'})", "",
-             "| held-out `shapes_correct` | start (base model) | end |", "|---|---|---|"]
-    lines += [f"| {k} | {start[k]:.3f} | {end[k]:.3f} |" for k in start]
-    lines += ["", "End lines:", "", "```", *result["end_lines"], "```", ""]
+    shapes_runs, digits = result["shapes"], result["digits"]
+    cats = list(shapes_runs[0]["start"])
+    lines = ["# train.task=shapes beside the default (digits) job", "", "```", command, "```", "",
+             "| held-out `shapes_correct` | " + " | ".join(f"seed {r['seed']} start → end" for r in shapes_runs)
+             + " | mean start → end |", "|---|" + "---|" * (len(shapes_runs) + 1)]
+    for c in cats:
+        cells = [f"{r['start'][c]:.3f} → {r['end'][c]:.3f}" for r in shapes_runs]
+        s = statistics.mean(r["start"][c] for r in shapes_runs)
+        e = statistics.mean(r["end"][c] for r in shapes_runs)
+        lines.append(f"| {c} | " + " | ".join(cells) + f" | {s:.3f} → {e:.3f} |")
+    lines += ["", "| job | wall time | first-time pretraining |", "|---|---|---|"]
+    lines += [f"| shapes, seed {r['seed']} | {r['wall_s']:.0f} s | {'included' if r['pretrained'] else 'cached'} |"
+              for r in shapes_runs]
+    lines += [f"| digits (the default job), seed 0 | {digits['wall_s']:.0f} s | "
+              f"{'included' if digits['pretrained'] else 'cached'} |", ""]
+    for r in shapes_runs:
+        lines += [f"End lines, shapes seed {r['seed']}:", "", "```", *r["end_lines"], "```", ""]
+    lines += ["End lines, digits:", "", "```", *digits["end_lines"], "```", ""]
     (out / "table.md").write_text("\n".join(lines))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/shapes_task"))
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
-    run_dir = a.out / "runs" / "seed0"  # git keeps its config.yaml and summary.json (.gitignore)
-    if run_dir.exists():
-        shutil.rmtree(run_dir)
-    wall, printed = run(run_dir, a.overrides)
-    tables = sorted((run_dir / "samples").glob("eval_*.jsonl"), key=lambda p: int(p.stem.split("_")[1]))
-    result = {"overrides": ["train.task=shapes", *a.overrides], "wall_s": wall,
-              "pretrained": any("pretraining it" in line for line in printed),
-              "start": by_category(tables[0]), "end": by_category(tables[-1]),
-              "end_lines": [line for line in printed if line.startswith(("finished", "train reward", "eval/"))]}
-    shutil.copy(run_dir / "samples_start_end.png", a.out / "samples_start_end.png")
+    result: dict = {"overrides": a.overrides, "seeds": a.seeds, "shapes": []}
+    with tempfile.TemporaryDirectory() as shapes_cache, tempfile.TemporaryDirectory() as digits_cache:
+        for i, seed in enumerate(a.seeds):
+            run_dir = a.out / "runs" / f"shapes_seed{seed}"  # git keeps config.yaml and summary.json (.gitignore)
+            shutil.rmtree(run_dir, ignore_errors=True)
+            wall, printed = run(run_dir, Path(shapes_cache), ["train.task=shapes", f"seed={seed}", *a.overrides])
+            tables = evals(run_dir)
+            result["shapes"].append({"seed": seed, "wall_s": wall, "pretrained": any("pretraining it" in x for x in printed),
+                                     "start": by_category(tables[0]), "end": by_category(tables[-1]),
+                                     "end_lines": end_lines(printed)})
+            if i == 0:
+                shutil.copy(run_dir / "samples_start_end.png", a.out / "samples_start_end.png")
+                run_dir = a.out / "runs" / "digits_seed0"
+                shutil.rmtree(run_dir, ignore_errors=True)
+                wall, printed = run(run_dir, Path(digits_cache), [])  # the default job
+                result["digits"] = {"wall_s": wall, "pretrained": any("pretraining it" in x for x in printed),
+                                    "end_lines": end_lines(printed)}
     command = "OMP_NUM_THREADS=1 python benchmarks/shapes_task.py --out " + " ".join([str(a.out), *a.overrides])
     write(a.out, result, command)
     print((a.out / "table.md").read_text())
