@@ -243,7 +243,8 @@ def _late_signal_worker(rank: int, port: int, out: str) -> None:
         return agreed
 
     job_mod.distributed.first_set = first_set
-    run = Path(out)
+    run = Path(out) / f"run{rank}"  # one directory per rank: a shared metrics file raced (one rank read it truncated)
+    run.mkdir()
     (run / "metrics.jsonl").write_text(json.dumps({"iteration": 0, "eval/reward": 0.0}) + "\n")
     result = job._loop(run, True, job_mod._NullWriter())
     Path(out, f"rank{rank}.json").write_text(json.dumps({"saves": tr.saves, "stopped": tr.iteration,
