@@ -53,11 +53,15 @@ RECIPE_VERSION = 2
 SIGMA_FLOOR = 0.02  # v = (x − x̂₀) / max(σ, SIGMA_FLOOR): samplers never call the model below their last σ > 0
 
 
+def clean_to_velocity(h: torch.Tensor, clean: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+    """v = (x − x̂₀) / max(σ, SIGMA_FLOOR): h, clean (N, C, ...) and sigma (N,) → velocity (N, C, ...)."""
+    return (h - clean) / sigma.clamp_min(SIGMA_FLOOR).view(-1, *([1] * (h.dim() - 1))).to(h.dtype)
+
+
 def velocity_from_clean(tr: nn.Module, h: torch.Tensor, sigma: torch.Tensor, cond: dict, args: ForwardArgs
                         ) -> torch.Tensor:
     """h (N, 3, S, S), sigma (N,) → velocity (N, 3, S, S) from the transformer's clean-image prediction."""
-    clean = sd3.forward(tr, h, sigma, cond, args)  # x̂₀ (N, 3, S, S)
-    return (h - clean) / sigma.clamp_min(SIGMA_FLOOR).view(-1, *([1] * (h.dim() - 1))).to(h.dtype)
+    return clean_to_velocity(h, sd3.forward(tr, h, sigma, cond, args), sigma)
 
 
 ROW = dataclasses.replace(sd3.ROWS[0], forward=velocity_from_clean)  # SD3's row, velocity from x̂₀
@@ -173,5 +177,5 @@ def load_or_pretrain_shapes(mcfg: ModelConfig, pcfg: PretrainConfig, *, progress
                          what="shapes model", steps=pcfg.steps, log=log)
 
 
-__all__ = ["ROW", "SIGMA_FLOOR", "ShapesFlowNet", "ShapesPromptEncoder", "load_or_pretrain_shapes", "mirror", "pretrain", "scene_pool",
+__all__ = ["ROW", "SIGMA_FLOOR", "clean_to_velocity", "ShapesFlowNet", "ShapesPromptEncoder", "load_or_pretrain_shapes", "mirror", "pretrain", "scene_pool",
            "tokenize", "velocity_from_clean"]

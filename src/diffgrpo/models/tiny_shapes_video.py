@@ -36,7 +36,7 @@ from . import words
 from .pipelines import wan
 from .pipelines.spec import ForwardArgs
 from .pretraining import load_or_train, pretrain_step
-from .tiny_shapes import SIGMA_FLOOR, _schedule
+from .tiny_shapes import _schedule, clean_to_velocity
 
 VOCAB = ["<pad>", "<bos>", "<unk>", "a", "an", "and", "moving", *task.DIRECTIONS, *shapes.COLORS, *shapes.SHAPES]
 MAX_TOKENS = 12  # <bos> + the longest prompt (11 words)
@@ -50,8 +50,7 @@ REVERSE = {"left": "right", "right": "left", "up": "down", "down": "up"}
 def velocity_from_clean(tr: nn.Module, h: torch.Tensor, sigma: torch.Tensor, cond: dict, args: ForwardArgs
                         ) -> torch.Tensor:
     """h (N, 3, F, S, S), sigma (N,) → velocity (N, 3, F, S, S) from the transformer's clean-clip prediction."""
-    clean = wan.forward(tr, h, sigma, cond, args)  # x̂₀ (N, 3, F, S, S)
-    return (h - clean) / sigma.clamp_min(SIGMA_FLOOR).view(-1, *([1] * (h.dim() - 1))).to(h.dtype)
+    return clean_to_velocity(h, wan.forward(tr, h, sigma, cond, args), sigma)
 
 
 ROW = dataclasses.replace(wan.ROWS[0], forward=velocity_from_clean)  # Wan's row, velocity from x̂₀
