@@ -18,7 +18,11 @@ context; on a bidirectional masked LM the full masked sequence is the sampler's 
 
 Differences from the released code (Gen-Verse/dLLM-RL): its value model (a second network scoring the trajectory's
 states for per-step advantages, optional there) is not included: the advantage is the sequence's group-normalised
-reward for every step; its per-step loss normalisation follows its own micro-batches, here ``loss.aggregation``.
+reward for every step; it divides each micro-batch's summed token terms by (rows · L), one row per round of
+decoding steps, here ``loss.aggregation`` (``sum`` / (rows · L) reproduces it); it clamps ℓ − ℓ_old to ±10 before
+the ratio; its β term is k3 against ℓ_old, here against the reference; with k > 1 it groups k distinct steps of each
+block, here k consecutive global steps (the same when every block takes a multiple of k steps).
+``tests/test_trace_rl_reference.py`` checks these against a re-derivation of its ``train/rl_sdar.py``.
 Cost: ⌈S / k⌉ forwards per completion for S decoding steps (on a block model each forward covers one block).
 """
 from __future__ import annotations
