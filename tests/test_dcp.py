@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_leaves
 from diffgrpo import RunConfig, distributed
 from diffgrpo.run.checkpoint import is_complete, latest_complete, list_checkpoints
 from diffgrpo.run.job import resume
-from tests.helpers.distributed import free_port
+from tests.helpers.distributed import free_port, leave_gloo
 from tests.helpers.tiny import TINY
 
 COMMON = [*TINY, "seed=0", "engine.name=recompute", "train.group_size=4", "train.prompts_per_batch=2",
@@ -137,7 +137,7 @@ def _worker(rank: int, world: int, port: int, d: str) -> None:
     res["from_one"] = _full_state(tr)
     res["from_one_rng"] = tr.family.rng_state()
     torch.save(res, os.path.join(d, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    leave_gloo()
 
 
 @pytest.fixture(scope="module")

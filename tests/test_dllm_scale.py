@@ -32,7 +32,7 @@ from diffgrpo.rewards.verifiers import (
     reference_number,
 )
 from diffgrpo.samplers import masked
-from tests.helpers.distributed import free_port
+from tests.helpers.distributed import free_port, leave_gloo
 from tests.helpers.remote_models import build_remote_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -397,7 +397,7 @@ def _dist_worker(rank, world, port, model_dir, data, out_dir):
                     "traj": {k: getattr(ro.traj, k) for k in ("sequences", "log_probs", "masks", "mask_weights",
                                                                "ref_log_probs", "token_weights", "strata", "groups")}},
                    os.path.join(out_dir, f"{name}-rank{rank}.pt"))
-    dist.destroy_process_group()
+    leave_gloo()
 
 
 def _load_export(run: Path, base_dir: Path) -> dict:

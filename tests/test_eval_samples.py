@@ -17,7 +17,7 @@ from diffgrpo import RunConfig, Trainer
 from diffgrpo.media import SampleTable, can_write_mp4, save_video, to_uint8
 from diffgrpo.models.tiny import build_tiny_policy
 from diffgrpo.rewards import compute_rewards
-from tests.helpers.distributed import free_port
+from tests.helpers.distributed import free_port, leave_gloo
 from tests.helpers.tiny import TINY
 
 PROMPTS = [{"prompt": f"a picture of the digit {d}", "tag": f"t{d}", "digit": d} for d in (3, 1, 4, 1, 5)]
@@ -101,7 +101,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         if rank == 0:
             table.close()
         torch.save({"row": row, "grid": grid}, os.path.join(out_dir, f"bs{bs}-rank{rank}.pt"))
-    dist.destroy_process_group()
+    leave_gloo()
 
 
 @pytest.mark.slow  # two spawned processes: about 30-50 s on two busy cores, mostly imports

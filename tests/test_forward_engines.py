@@ -14,6 +14,7 @@ from diffgrpo import RunConfig
 from diffgrpo.config import ConfigError
 from diffgrpo.engines._forward import ForwardState, grid_times, stratified_grid_times
 from diffgrpo.validation import validate
+from tests.helpers.distributed import leave_gloo
 from tests.helpers.tensors import flat_grad, rel_err
 from tests.helpers.tiny import TINY
 
@@ -315,7 +316,7 @@ def _dist_worker(rank: int, world: int, port: int, out_dir: str) -> None:
                     "rewards": ro.rewards, "group_ids": ro.group_ids, "loss_weights": ro.loss_weights,
                     "idx": st.idx, "noise": st.noise, "forwards_nograd": stats.forwards_nograd},
                    os.path.join(out_dir, f"{name}-{mode}-rank{rank}.pt"))
-    dist.destroy_process_group()
+    leave_gloo()
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ from diffgrpo.models.diffusers_adapter import (
 )
 from diffgrpo.samplers.flow_sde import sigma_grid
 from diffgrpo.samplers.rollout import sample_trajectories
+from tests.helpers.distributed import leave_gloo
 from tests.helpers.pipelines import hunyuanvideo15_pipeline
 from tests.helpers.tensors import flat_grad
 
@@ -189,7 +190,7 @@ def _dist_worker(rank: int, world: int, port: int, out_dir: str, pipe_dir: str) 
                 "selected": ro.selected, "rewards": ro.rewards, "group_ids": ro.group_ids, "idx": st.idx,
                 "noise": st.noise, "sharded": sum(type(p).__name__ == "DTensor" for p in tr.params),
                 "n_params": len(tr.params)}, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    leave_gloo()
 
 
 @pytest.mark.slow

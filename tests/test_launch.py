@@ -16,7 +16,7 @@ from diffgrpo import RunConfig, Trainer, distributed
 from diffgrpo.distributed import resolve_device, resolve_mode
 from diffgrpo.errors import ConfigError
 from diffgrpo.models import POLICIES
-from tests.helpers.distributed import free_port, subprocess_env, torchrun
+from tests.helpers.distributed import free_port, leave_gloo, subprocess_env, torchrun
 from tests.helpers.tiny import FAST_CLI, TINY
 
 
@@ -98,7 +98,7 @@ def _auto_worker(rank: int, world: int, port: int, out_dir: str) -> None:
                 "backend": dist.get_backend(), "grads": [p.grad.detach().clone() for p in tr.params],
                 "weights": [p.detach().clone() for p in tr.params], "reward": row["reward"]},
                os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    leave_gloo()
 
 
 def test_auto_under_torchrun_trains_as_ddp():

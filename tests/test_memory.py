@@ -16,7 +16,7 @@ from diffgrpo.metering import MemoryMeter
 from diffgrpo.models.diffusers_adapter import DiffusersFlowPolicy, PolicyOptions
 from diffgrpo.models.tiny import build_tiny_policy
 from diffgrpo.run.checkpoint import latest_complete, load_checkpoint
-from tests.helpers.distributed import free_port
+from tests.helpers.distributed import free_port, leave_gloo
 from tests.helpers.pipelines import (
     LATENTS,
     PROMPTS,
@@ -263,7 +263,7 @@ def _fsdp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
                      "grad_dtypes": sorted({str(p.grad.dtype) for p in tr.params}),
                      "shard_devices": sorted({p.to_local().device.type for p in tr.params})}
     torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    leave_gloo()
 
 
 @pytest.mark.slow  # two torchrun launches; FSDP2 equality itself runs by default in test_distributed

@@ -12,7 +12,7 @@ import torch
 
 from diffgrpo import RunConfig, Trainer
 from diffgrpo.models.pipelines.qwenimage21 import grid_shift
-from tests.helpers.distributed import ROOT, free_port, join_gloo
+from tests.helpers.distributed import ROOT, free_port, join_gloo, leave_gloo
 from tests.helpers.pipelines import qwen3vl_image_only_processor, qwenimage21_pipeline
 from tests.helpers.tensors import flat_grad, rel_err
 
@@ -67,8 +67,6 @@ def _config(setup: str, pipe_dir, out: str, *extra: str) -> RunConfig:
 def _dist_worker(rank: int, world: int, port: int, out_dir: str, pipe_dirs: dict) -> None:
     import os
 
-    import torch.distributed as dist
-
     from diffgrpo import distributed
 
     join_gloo(rank, world, port)
@@ -90,7 +88,7 @@ def _dist_worker(rank: int, world: int, port: int, out_dir: str, pipe_dirs: dict
                         "n_params": len(tr.params), "cfg": tr.policy.uses_cfg,
                         "lora": sorted({"lora_" in n for n in tr.policy.named_trainable_parameters()})},
                        os.path.join(out_dir, f"{setup}-{mode}-rank{rank}.pt"))
-    dist.destroy_process_group()
+    leave_gloo()
 
 
 @pytest.fixture(scope="module")

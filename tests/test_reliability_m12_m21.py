@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 from diffgrpo import guards, yamlio
 from diffgrpo.config import RunConfig
 from diffgrpo.errors import ConfigError, TrainingError
-from tests.helpers.distributed import free_port, join_gloo, subprocess_env
+from tests.helpers.distributed import free_port, join_gloo, leave_gloo, subprocess_env
 
 P = guards.PREFIX
 TH = guards.Thresholds()
@@ -224,7 +224,6 @@ class _Trainer:
 
 
 def _late_signal_worker(rank: int, port: int, out: str) -> None:
-    import torch.distributed as dist
 
     from diffgrpo import distributed
     from diffgrpo.run import job as job_mod
@@ -249,7 +248,7 @@ def _late_signal_worker(rank: int, port: int, out: str) -> None:
     result = job._loop(run, True, job_mod._NullWriter())
     Path(out, f"rank{rank}.json").write_text(json.dumps({"saves": tr.saves, "stopped": tr.iteration,
                                                          "interrupted": result.get("interrupted")}))
-    dist.destroy_process_group()
+    leave_gloo()
 
 
 def test_a_signal_after_the_stop_agreement_waits_for_the_next_one(tmp_path):

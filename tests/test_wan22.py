@@ -21,6 +21,7 @@ from diffgrpo.models.diffusers_adapter import (
 from diffgrpo.models.pipelines import wan
 from diffgrpo.models.pipelines.wan import WanExperts
 from diffgrpo.samplers.rollout import sample_trajectories
+from tests.helpers.distributed import leave_gloo
 from tests.helpers.pipelines import PROMPTS, t5_tokenizer
 from tests.helpers.tensors import flat_grad, rel_err
 
@@ -305,7 +306,7 @@ def _wan_dist_worker(rank: int, world: int, port: int, out_dir: str, pipe_dir: s
                     "noise": st.noise, "sharded": sharded, "n_params": len(tr.params),
                     "experts": sorted({n.split(".")[0] for n in tr.policy.named_trainable_parameters()})},
                    os.path.join(out_dir, f"{mode}-rank{rank}.pt"))
-    dist.destroy_process_group()
+    leave_gloo()
 
 
 @pytest.fixture(scope="module")

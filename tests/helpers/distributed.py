@@ -35,6 +35,17 @@ def join_gloo(rank: int, world: int, port: int) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
 
 
+def leave_gloo() -> None:
+    """A spawned rank's end once its results are written: a barrier (no collective in flight on either rank), the
+    group destroyed, and the process ended without the interpreter's teardown, where gloo's threads can abort it
+    (SIGABRT after a complete run, seen now and then on a loaded machine)."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)
+
+
 def subprocess_env(**extra: str) -> dict:
     """The environment of a ``python -m ...`` child: one OpenMP thread, this checkout's src/ and tests importable."""
     root = str(ROOT)
