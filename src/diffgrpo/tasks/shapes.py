@@ -195,6 +195,13 @@ def placed_as(a: Shape, rel: str, b: Shape) -> bool:
     return along >= (a.size + b.size) / 2 + GAP and abs(across) <= 0.4 * along
 
 
+def relations_hold(objs: list[Shape], meta: dict) -> bool:
+    """Every position entry's object in its relation to its reference's (position records hold one object per
+    entry, so entry i is object i)."""
+    return all(placed_as(objs[i], r["position"][0], objs[int(r["position"][1])])
+               for i, r in enumerate(meta["include"]) if "position" in r)
+
+
 def _wanted(meta: dict, rng: np.random.Generator) -> list[tuple[str, str]]:
     """(shape, colour) of every object a record asks for, in include order; unnamed colours drawn at random."""
     names = list(COLORS)
@@ -216,10 +223,7 @@ def _try_layout(wanted: list[tuple[str, str]], meta: dict, rng: np.random.Genera
                 break
         else:
             return None
-    for i, r in enumerate(meta["include"]):
-        if "position" in r and not placed_as(objs[i], r["position"][0], objs[int(r["position"][1])]):
-            return None  # position records hold one object per entry, so entry i is object i
-    return tuple(objs)
+    return tuple(objs) if relations_hold(objs, meta) else None
 
 
 def _try_grid(wanted: list[tuple[str, str]], meta: dict, rng: np.random.Generator, image_size: int
@@ -231,10 +235,7 @@ def _try_grid(wanted: list[tuple[str, str]], meta: dict, rng: np.random.Generato
         j = (cell - size) / 2 - 0.5  # jitter that keeps the object inside its cell
         x, y = (c % 2 + 0.5) * cell + rng.uniform(-j, j), (c // 2 + 0.5) * cell + rng.uniform(-j, j)
         objs.append(Shape(kind, color, float(x), float(y), size))
-    for i, r in enumerate(meta["include"]):
-        if "position" in r and not placed_as(objs[i], r["position"][0], objs[int(r["position"][1])]):
-            return None
-    return tuple(objs)
+    return tuple(objs) if relations_hold(objs, meta) else None
 
 
 def layout(meta: dict, rng: np.random.Generator, image_size: int = IMAGE_SIZE, grid: bool = False) -> Scene:
