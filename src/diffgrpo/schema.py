@@ -66,7 +66,7 @@ class ModelConfig:
     pretrained: str = _f("", path=True, doc="diffusers: local pipeline directory or hub id")
     pipeline: str = _f("auto", choices=("auto", "sd3", "flux", "wan", "qwenimage", "zimage", "flux2", "flux2_klein",
                                         "qwenimage_edit", "qwenimage_edit_plus", "flux_kontext", "qwenimage21",
-                                        "hunyuanvideo15"),
+                                        "hunyuanvideo15", "ltx2"),
                        doc="diffusers: the pipeline's architecture (a row of models.pipelines.PIPELINES); auto = from "
                            "the pipeline and transformer classes")
     dtype: str = _f("float32", choices=("float32", "bfloat16", "float16"), doc="diffusers: weight dtype of the pipeline")

@@ -6,8 +6,9 @@ Qwen-Image) with a stub text encoding and a stub decoder for adapter-level tests
 pairs: ``QwenImageEditPipeline`` / ``QwenImageEditPlusPipeline`` (a tiny Qwen2.5-VL text encoder with its vision
 tower, a Qwen2-VL processor over a character-level tokenizer with the chat's special tokens, the Qwen-Image VAE and
 transformer) and ``FluxKontextPipeline`` (CLIP + T5, a KL VAE, the FLUX transformer). Text-to-image and video of
-the newer pipelines: ``QwenImage21Pipeline`` (a Qwen3-VL text encoder, the 2.1 VAE and block-causal transformer) and
-``HunyuanVideo15Pipeline`` (Qwen2.5-VL text and ByT5 glyph encoders, the 1.5 VAE and transformer, its CFG guider).
+the newer pipelines: ``QwenImage21Pipeline`` (a Qwen3-VL text encoder, the 2.1 VAE and block-causal transformer),
+``HunyuanVideo15Pipeline`` (Qwen2.5-VL text and ByT5 glyph encoders, the 1.5 VAE and transformer, its CFG guider) and
+``LTX2Pipeline`` (a Gemma 3 text encoder and connectors, the video and audio VAEs, the vocoder, the transformer).
 
 Without torchvision (this project's CPU test machines) transformers cannot build Qwen2-VL's video processor, which
 ``Qwen2VLProcessor`` requires; :func:`image_only_processor` lets the processor hold its image processor and
@@ -400,3 +401,64 @@ def hunyuanvideo15_pipeline(guidance_scale: float = 6.0):
     return _eval(HunyuanVideo15Pipeline(
         text_encoder=text, tokenizer=tok, transformer=tr, vae=vae, scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0),
         text_encoder_2=glyph, tokenizer_2=ByT5Tokenizer(), guider=ClassifierFreeGuidance(guidance_scale=guidance_scale)))
+
+
+# ------------------------------------------------------------------------------------------- LTX-2
+
+
+def ltx2_pipeline():
+    """A tiny LTX2Pipeline of seeded random weights: a two-layer Gemma 3 text encoder over a character tokenizer,
+    one-layer connectors, a one-level video VAE (2× in space and time) and audio VAE with non-trivial latent
+    statistics, a small vocoder, a two-block transformer (4 video and 4 audio token channels), a scheduler with
+    dynamic shifting (mu from the video token count)."""
+    from diffusers import (
+        AutoencoderKLLTX2Audio,
+        AutoencoderKLLTX2Video,
+        FlowMatchEulerDiscreteScheduler,
+        LTX2Pipeline,
+        LTX2VideoTransformer3DModel,
+    )
+    from diffusers.pipelines.ltx2 import LTX2TextConnectors
+    from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    torch.manual_seed(0)
+    tok, vocab = _qwen_tokenizer()
+    text = Gemma3ForConditionalGeneration(Gemma3Config(
+        text_config={"vocab_size": len(vocab), "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
+                     "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8, "sliding_window": 8},
+        vision_config={"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+                       "image_size": 28, "patch_size": 14},
+        mm_tokens_per_image=4, image_token_index=vocab["<|image_pad|>"], boi_token_index=vocab["<|vision_start|>"],
+        eoi_token_index=vocab["<|vision_end|>"]))
+    tr = LTX2VideoTransformer3DModel(
+        in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=8, cross_attention_dim=16,
+        audio_in_channels=4, audio_out_channels=4, audio_num_attention_heads=2, audio_attention_head_dim=4,
+        audio_cross_attention_dim=8, num_layers=2, caption_channels=16, rope_double_precision=False, rope_type="split")
+    connectors = LTX2TextConnectors(
+        caption_channels=16, text_proj_in_factor=3, video_connector_num_attention_heads=4,
+        video_connector_attention_head_dim=4, video_connector_num_layers=1, video_connector_num_learnable_registers=None,
+        audio_connector_num_attention_heads=4, audio_connector_attention_head_dim=4, audio_connector_num_layers=1,
+        audio_connector_num_learnable_registers=None, connector_rope_base_seq_len=32, rope_double_precision=False,
+        rope_type="split")
+    vae = AutoencoderKLLTX2Video(
+        latent_channels=4, block_out_channels=(8,), decoder_block_out_channels=(8,), layers_per_block=(1,),
+        decoder_layers_per_block=(1, 1), spatio_temporal_scaling=(True,), decoder_spatio_temporal_scaling=(True,),
+        decoder_inject_noise=(False, False), downsample_type=("spatial",), upsample_residual=(False,),
+        upsample_factor=(1,), patch_size=1, patch_size_t=1, decoder_causal=False, scaling_factor=0.9)
+    vae.use_framewise_encoding = vae.use_framewise_decoding = False
+    audio_vae = AutoencoderKLLTX2Audio(base_channels=4, output_channels=2, ch_mult=(1,), num_res_blocks=1,
+                                       in_channels=2, resolution=32, latent_channels=2, mel_bins=8)
+    with torch.no_grad():  # latent statistics that are not the identity, so the (de)normalisation is exercised
+        vae.latents_mean.copy_(torch.tensor([0.1, -0.2, 0.0, 0.3]))
+        vae.latents_std.copy_(torch.tensor([1.5, 2.0, 1.0, 0.8]))
+        audio_vae.latents_mean.copy_(torch.tensor([0.2, 0.0, -0.1, 0.1]))
+        audio_vae.latents_std.copy_(torch.tensor([1.2, 0.9, 1.1, 2.0]))
+    vocoder = LTX2Vocoder(in_channels=16, hidden_channels=32, out_channels=2, upsample_kernel_sizes=[4, 4],
+                          upsample_factors=[2, 2], resnet_kernel_sizes=[3], resnet_dilations=[[1, 3, 5]],
+                          output_sampling_rate=16000)
+    sched = FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, base_shift=0.95, max_shift=2.05,
+                                            base_image_seq_len=256, max_image_seq_len=1024,
+                                            time_shift_type="exponential")
+    return _eval(LTX2Pipeline(scheduler=sched, vae=vae, audio_vae=audio_vae, text_encoder=text, tokenizer=tok,
+                              connectors=connectors, transformer=tr, vocoder=vocoder))

@@ -110,8 +110,12 @@ def pipeline_encoder(row: PipelineSpec, pipe, max_sequence_length: int, side: in
     return torch.no_grad()(lambda prompts: row.encode(pipe, prompts, max_sequence_length))
 
 
-def pipeline_decoder(row: PipelineSpec, vae, batch: int) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``z (B, *latent_shape) -> pixels in [0, 1]``, ``batch`` latents per VAE call."""
+def pipeline_decoder(row: PipelineSpec, vae, batch: int,
+                     layout: Mapping | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``z (B, *latent_shape) -> pixels in [0, 1]``, ``batch`` latents per VAE call (a row with a ``layout``:
+    ``row.decode(vae, z, layout)``)."""
+    if row.layout is not None:
+        return lambda z: torch.cat([row.decode(vae, c, layout) for c in z.split(batch)])
     return lambda z: torch.cat([row.decode(vae, c) for c in z.split(batch)])
 
 
@@ -140,13 +144,14 @@ class DiffusersFlowPolicy:
     (``pipelines.wan.experts``). ``row``: the table row (or its key; "auto": detected from the transformer).
     ``encoder(prompts) -> cond`` (batched text conditioning) and ``decoder(z) -> images in [0, 1]`` are given
     explicitly, or taken from ``pipeline`` (its ``encode_prompt`` and VAE through the row). ``latent_shape`` is
-    (C, H, W) or (C, F, H, W) in the rollout's (unpacked) layout.
+    (C, H, W) or (C, F, H, W) in the rollout's (unpacked) layout; ``layout``: the geometry of a row with
+    ``row.layout`` (``row.layout(pipe, resolution, num_frames)``; LTX-2's flat paired state).
     """
 
     def __init__(self, transformer: nn.Module, row: PipelineSpec | str = "auto",
                  options: PolicyOptions = PolicyOptions(), *, latent_shape: tuple[int, ...], pipeline=None,
                  encoder: Callable | None = None, decoder: Callable | None = None,
-                 text_encoders: list[nn.Module] | None = None):
+                 text_encoders: list[nn.Module] | None = None, layout: Mapping | None = None):
         self.components, self.trained_components = _components(transformer, options.train_experts)
         self.row = resolve_row(row, self.components["transformer"])
         self.options = options
@@ -155,6 +160,9 @@ class DiffusersFlowPolicy:
         self.pipeline_config: Mapping = getattr(pipeline, "config", None) or {}
         self.transformer = transformer.to(self.device)
         self.latent_shape = tuple(int(s) for s in latent_shape)
+        if self.row.layout is not None and not layout:
+            raise ValueError(f"pipeline {self.row.name!r} needs its layout (row.layout(pipe, resolution, num_frames))")
+        self.layout: Mapping = layout or {}
         self.guidance_scale = float(options.guidance_scale)  # mutable: engines run CFG-free forwards at 1
         self.guidance_scale_2 = None if options.guidance_scale_2 is None else float(options.guidance_scale_2)
         self.negative_prompt = options.negative_prompt
@@ -166,7 +174,7 @@ class DiffusersFlowPolicy:
             side = self.latent_shape[-1] * getattr(pipeline, "vae_scale_factor", 8)  # an editing row's sources
             self._encoder = pipeline_encoder(self.row, pipeline, self.max_sequence_length, side)
         if decoder is None and getattr(pipeline, "vae", None) is not None:
-            self._decoder = pipeline_decoder(self.row, pipeline.vae, options.decode_batch_size)
+            self._decoder = pipeline_decoder(self.row, pipeline.vae, options.decode_batch_size, self.layout)
         if text_encoders is None:  # the pipeline's own; an explicit encoder function brings its modules itself
             text_encoders = [getattr(pipeline, n, None) for n in TEXT_ENCODER_NAMES] if pipeline is not None else []
         self.text_encoders = TextEncoderOffload(text_encoders, self.device, options.offload_text_encoders)
@@ -308,7 +316,7 @@ class DiffusersFlowPolicy:
             self.transformer.sync = distributed_info().world_size > 1
             if isinstance(self._ref, WanExperts):
                 self._ref.sync = self.transformer.sync
-        args = ForwardArgs((H, W), self.latent_shape, self.guidance_scale, self.pipeline_config)
+        args = ForwardArgs((H, W), self.latent_shape, self.guidance_scale, self.pipeline_config, self.layout)
         with torch.autocast(self.device.type, dtype=self.amp_dtype or torch.float32, enabled=self.amp_dtype is not None):
             out = row.forward(tr, h, sigma, c, args)
         out = out.float()
@@ -441,8 +449,9 @@ def build_diffusers_policy(cfg: RunConfig, *, progress: bool = True, log=print) 
         f"{'LoRA rank ' + str(m.lora_rank) if m.lora_rank else 'full fine-tune'})")
     transformer = experts(pipe.transformer, getattr(pipe, "transformer_2", None),
                           getattr(pipe, "config", {}).get("boundary_ratio"))
+    layout = row.layout(pipe, m.resolution, m.num_frames) if row.layout is not None else None
     return DiffusersFlowPolicy(transformer, row, PolicyOptions.from_model(m, device, needs_reference(cfg)),
-                               latent_shape=shape, pipeline=pipe)
+                               latent_shape=shape, pipeline=pipe, layout=layout)
 
 
 __all__ = ["DiffusersFlowPolicy", "PolicyOptions", "build_diffusers_policy", "cfg_combine", "detect_pipeline",

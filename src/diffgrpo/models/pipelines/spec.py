@@ -20,12 +20,14 @@ from ...errors import ConfigError
 @dataclass(frozen=True)
 class ForwardArgs:
     """What one transformer call needs beside the inputs: the latent grid (H, W) and the rollout's latent shape,
-    the guidance value (embedded by guidance-distilled transformers) and the pipeline's config (a mapping)."""
+    the guidance value (embedded by guidance-distilled transformers), the pipeline's config (a mapping) and the
+    row's ``layout`` (a row whose state is not one latent grid, e.g. LTX-2's paired video and audio)."""
 
     latent_hw: tuple[int, int]
     latent_shape: tuple[int, ...]
     guidance: float
     pipeline_config: Mapping = field(default_factory=dict)
+    layout: Mapping = field(default_factory=dict)
 
 
 def no_check(name: str, config: Mapping, m: ModelConfig, transformer: nn.Module | None) -> None:
@@ -44,7 +46,9 @@ class PipelineSpec:
     ``check(name, config, model_config, transformer)`` before loading (``config``: model_index.json, transformer
     None) and after (``pipe.config``, the loaded transformer). ``accepts(transformer)`` tells rows sharing a
     transformer class apart. ``edit``: an editing pipeline's encoder of (instruction, sources) pairs,
-    ``(pipe, pairs, max_sequence_length, side) -> cond``; None for text-only conditioning."""
+    ``(pipe, pairs, max_sequence_length, side) -> cond``; None for text-only conditioning. ``layout``:
+    ``(pipe, resolution, num_frames) -> mapping`` for a row whose state's geometry ``latent_shape`` does not
+    carry; the policy passes it in ``ForwardArgs.layout`` and as ``decode(vae, z, layout)``."""
 
     name: str
     transformer_class: str
@@ -65,6 +69,7 @@ class PipelineSpec:
     accepts: Callable[[nn.Module], bool] = any_transformer
     edit: Callable[..., dict] | None = None
     multi_source: bool = False  # an editing pipeline taking several sources per prompt
+    layout: Callable[..., Mapping] | None = None
 
     def matches(self, transformer: nn.Module) -> bool:
         """Whether ``transformer`` (its class or one of its bases) is this row's."""
