@@ -307,6 +307,10 @@ class DLLMConfig:
                      doc="base method: likelihood estimator + advantage baseline (+ objective: spg, wd1); trace_rl: "
                          "the sampler's own decoding steps (diffgrpo.dllm.trace_rl)")
     trace_shrink: int = _f(1, lo=1, doc="trace_rl: consecutive decoding steps scored by one forward (1 = exact)")
+    trace_value: bool = _f(False, doc="trace_rl: a value network gives per-step GAE advantages (dllm.trace_critic)")
+    trace_gamma: float = _f(1.0, lo=0.0, hi=1.0, doc="trace_value: discount over decoding steps (TraceRL: 1)")
+    trace_lambda: float = _f(1.0, lo=0.0, hi=1.0, doc="trace_value: GAE λ over decoding steps (TraceRL: 1)")
+    trace_value_lr: float = _f(0.0, lo=0.0, doc="trace_value: the value network's AdamW lr; 0 = 5 × train.lr (TraceRL's)")
     method_defaults: bool = _f(True, doc="use the method's advantage baseline/std (else the advantage section)")
     clip_range: float = _f(0.2, lo=0.0, doc="PPO clip ε on per-token ratios (d1 and TRL use 0.2)")
     gen_length: int = _f(0, lo=0, doc="completion tokens; 0 = the task's default (tiny_mlm: at least the longest "

@@ -29,6 +29,7 @@ from ..config import RunConfig
 from ..errors import ConfigError
 from ..family import DEFAULT_SAMPLES, Samples, Sync
 from ..loss_weights import apply, grpo_loss_weights
+from ..metering import engine_run
 from ..models.block_cache import BlockKVCache
 from ..models.hf_masked_lm import shard_blocks
 from ..models.kv_cache import KVCache
@@ -41,6 +42,7 @@ from ..types import EngineStats, Rollout, TokenTrajectory
 from . import credit, decoding, rules
 from .grpo import METHODS, TokenContext, TokenGRPO
 from .likelihood import completion_mask
+from .trace_critic import TraceCritic
 
 SAMPLER_RECORDS = ("commit_step", "confidence", "entropy", "margin", "block_rank", "order", "step_log_prob")
 
@@ -90,6 +92,9 @@ class DLLMFamily:
         self.ctx = TokenContext(policy=policy, clip_range=self.d.clip_range, beta=cfg.loss.beta,
                                 micro_batch_size=cfg.engine.micro_batch_size)
         self.method = TokenGRPO(self.d, self.daca, self.ctx, generator=gen_masks)
+        self.critic = TraceCritic(policy, self.d, lr=self.d.trace_value_lr or 5 * cfg.train.lr,
+                                  max_grad_norm=cfg.train.max_grad_norm,
+                                  micro_batch_size=cfg.engine.micro_batch_size) if self.d.trace_value else None
         self.guards = guards.EvalGuards.for_text(cfg, log=lambda *a: self.log(*a))  # eval/guard/*
         # reward.weights: rewards added to the task's verifier, whose own weight is reward.weights.task (default 1)
         extra = dict(cfg.reward.weights) if rules.extra_rewards(cfg) else {}
@@ -106,6 +111,9 @@ class DLLMFamily:
         if world.world_size > 1 and cfg.dist.mode == "fsdp2" and cfg.model.name != "hf_masked_lm":
             raise ConfigError(f"dist.mode=fsdp2 for masked diffusion LMs shards the blocks of model.name=hf_masked_lm; "
                               f"the built-in {cfg.model.name} trains data parallel with dist.mode=ddp")
+        if world.world_size > 1 and cfg.dllm.trace_value:
+            raise ConfigError(f"dllm.trace_value: value on trains its value network in one process; got "
+                              f"{world.world_size} ranks")
 
     def network(self) -> torch.nn.Module:
         return self.policy.model
@@ -117,7 +125,25 @@ class DLLMFamily:
         return self.rollout(), None
 
     def backward(self, rollout: Rollout, epoch: int) -> EngineStats:
-        return self.method.backward(rollout, epoch)
+        stats = self.method.backward(rollout, epoch)
+        if self.critic is not None:  # dllm.trace_value: one value step per policy update, metered with it
+            with engine_run(self.ctx, "dllm/trace_value") as vs:
+                metrics = self.critic.update(rollout, vs)
+            stats.merge(vs)
+            stats.metrics.update(metrics)
+        return stats
+
+    def extra_state(self) -> dict[str, torch.Tensor] | None:
+        """Tensors the checkpoint keeps beside the policy's (``family.safetensors``): the value network's."""
+        return None if self.critic is None else self.critic.state()
+
+    def load_extra_state(self, state: dict[str, torch.Tensor] | None) -> None:
+        if self.critic is None:
+            return
+        if state is None:
+            raise ConfigError("dllm.trace_value: the checkpoint holds no value network (written with "
+                              "dllm.trace_value=off); resume with dllm.trace_value=off")
+        self.critic.load(state)
 
     def rng_state(self) -> dict:
         return {"prompts": self.gen_prompts.get_state(), "sample": self.gen_sample.get_state(),
@@ -224,6 +250,8 @@ class DLLMFamily:
                      selected=planned, rewards=rewards, reward_components=scored,  # rewards/task/*: the verifier
                      metadata=[{"completion": t} for t in texts], timings={"sample": t_sample, "reward": t_reward})
         apply(ro, w)
+        if self.critic is not None:  # dllm.trace_value: V_old, returns and per-token advantages (trace_critic)
+            self.critic.attach(ro)
         ro.timings["rollout"] = time.perf_counter() - t0
         return ro
 

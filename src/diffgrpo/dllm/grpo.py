@@ -100,11 +100,12 @@ def k3_kl(log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tensor:
 
 def grpo_token_loss(log_prob, old_log_prob, advantages, clip_range, *, ref_log_prob=None, beta=0.0,
                     token_weights=None):
-    """Per-token GRPO loss. log_prob/old/ref (n, L), advantages (n,), token_weights (n, L) or None.
+    """Per-token GRPO loss. log_prob/old/ref (n, L), advantages (n,) or per token (n, L), token_weights (n, L) or
+    None.
 
     → (loss (n, L), terms {"ratio", "clipped", "kl"} each (n, L) detached)."""
     n, L = log_prob.shape
-    adv = advantages.unsqueeze(1).expand(n, L).reshape(-1)
+    adv = (advantages if advantages.dim() == 2 else advantages.unsqueeze(1).expand(n, L)).reshape(-1)
     pg, ratio, clipped = ppo_clip_loss(log_prob.reshape(-1), old_log_prob.reshape(-1), adv, clip_range)
     pg = pg.view(n, L)
     if token_weights is not None:
@@ -216,7 +217,8 @@ class TokenGRPO:
         ids, masks, mw = tj.sequences[idx], tj.masks[idx][:, sl], tj.mask_weights[idx][:, sl]
         ref = None if tj.ref_log_probs is None else tj.ref_log_probs[idx]
         tw = None if tj.token_weights is None else tj.token_weights[idx]
-        adv, ctx, obj = ro.advantages[idx], self.ctx, self.method["objective"]
+        adv = tj.records["value_advantage"][idx] if "value_advantage" in tj.records else ro.advantages[idx]
+        ctx, obj = self.ctx, self.method["objective"]  # per-token advantages: dllm.trace_value (trace_critic)
         if obj == "grpo":
             lp = self.log_probs(ids, masks, mw)  # (n, L) with grad
             return grpo_token_loss(lp, tj.log_probs[idx], adv, ctx.clip_range, ref_log_prob=ref, beta=ctx.beta,

@@ -195,6 +195,25 @@ def _check_model_dir(path: Path, d) -> None:
                               "or use a tokenizer with a chat template (dllm.chat_template=auto)")
 
 
+def _check_trace_value(cfg: RunConfig) -> None:
+    """dllm.trace_value=on: TraceRL's value network is a float32 copy of the built-in block model's trunk, trained
+    in one process beside trace_rl's policy gradient (dllm.trace_critic)."""
+    d, where = cfg.dllm, "dllm.trace_value: value on"
+    if d.method != "trace_rl":
+        raise ConfigError(f"{where} needs dllm.method=trace_rl (advantages per decoding step); got {d.method!r}")
+    if cfg.model.name != "tiny_block":
+        raise ConfigError(f"{where} needs model.name=tiny_block (its value network copies the built-in block model's "
+                          f"trunk); got {cfg.model.name!r}")
+    if d.lora_rank:
+        raise ConfigError(f"{where} needs dllm.lora_rank=0 (the value network copies the full trunk); got {d.lora_rank}")
+    if cfg.train.checkpoint_format == "dcp":
+        raise ConfigError(f"{where} checkpoints its value network in safetensors files; train.checkpoint_format must "
+                          "be 'auto' or 'files', got 'dcp'")
+    if cfg.dist.mode in ("ddp", "fsdp2"):
+        raise ConfigError(f"{where} trains its value network in one process; dist.mode must be 'auto' or 'none', "
+                          f"got {cfg.dist.mode!r}")
+
+
 def _validate_dllm_methods(cfg: RunConfig) -> None:
     """The base methods' own rules: wd1 keeps groups on one rank; SPG has no KL term and no SML plug-in, its
     masking block divides the completion and t_min <= t_max."""
@@ -202,6 +221,8 @@ def _validate_dllm_methods(cfg: RunConfig) -> None:
     if d.method == "wd1" and cfg.dist.group_layout == "spread" and cfg.dist.mode != "none":
         raise ConfigError("dist.group_layout: value 'spread' is not allowed with dllm.method=wd1 (its group softmax "
                           "needs each group's samples on one rank); must be 'local'")
+    if d.trace_value:
+        _check_trace_value(cfg)
     if d.method != "spg":
         return
     if cfg.loss.beta != 0:

@@ -17,8 +17,8 @@ context; on a bidirectional masked LM the full masked sequence is the sampler's 
 ``dllm.kv_cache`` prefix or dual the sampler saw approximate logits instead).
 
 Differences from the released code (Gen-Verse/dLLM-RL): its value model (a second network scoring the trajectory's
-states for per-step advantages, optional there) is not included: the advantage is the sequence's group-normalised
-reward for every step; it divides each micro-batch's summed token terms by (rows · L), one row per round of
+states for per-step advantages, optional there) is ``dllm.trace_value=on`` (:mod:`.trace_critic`, :mod:`.trace_value`);
+off, the advantage is the sequence's group-normalised reward for every step; it divides each micro-batch's summed token terms by (rows · L), one row per round of
 decoding steps, here ``loss.aggregation`` (``sum`` / (rows · L) reproduces it); it clamps ℓ − ℓ_old to ±10 before
 the ratio; its β term is k3 against ℓ_old, here against the reference; with k > 1 it groups k distinct steps of each
 block, here k consecutive global steps (the same when every block takes a multiple of k steps).

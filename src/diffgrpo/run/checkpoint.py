@@ -3,7 +3,7 @@
 Layout under ``<run_dir>/checkpoints/``:
   iter_000012/            one directory per checkpoint, written to a temporary directory and renamed into place
     trainable.safetensors policy's trainable weights
-    ema.safetensors       EMA of the trainable weights (when enabled)
+    ema.safetensors       EMA of the trainable weights (when enabled); reference, family.safetensors alike
     optimizer.pt          optimizer state (tensors and plain containers only: loads with weights_only=True)
     rng.pt                RNG states of every generator in use (same)
     lora/                 LoRA runs: the adapter in diffusers format (written by the policy; load_lora_weights)
@@ -67,6 +67,7 @@ class RunState:
     sharded: Path | None = None
     trainer_state: dict | None = None
     reference: dict[str, torch.Tensor] | None = None  # GARDO's adaptive KL reference (diversity.gardo_ref_every)
+    family: dict[str, torch.Tensor] | None = None  # the family's own tensors (family.extra_state: a value network)
 
 
 def sha256(path: Path) -> str:
@@ -80,9 +81,8 @@ def sha256(path: Path) -> str:
 
 def save_checkpoint(run_dir: Path, iteration: int, *, trainable: dict[str, torch.Tensor], optimizer: dict,
                     rng: dict[str, torch.Tensor], config: dict, ema: dict[str, torch.Tensor] | None = None,
-                    extra: dict | None = None, keep_last: int = 2,
-                    write_files: Callable[[Path], None] | None = None,
-                    reference: dict[str, torch.Tensor] | None = None) -> Path:
+                    extra: dict | None = None, keep_last: int = 2, write_files: Callable[[Path], None] | None = None,
+                    reference: dict[str, torch.Tensor] | None = None, family: dict | None = None) -> Path:
     """Write checkpoint ``iteration`` atomically, update the manifest, prune to the newest ``keep_last``.
     ``write_files(directory)`` adds files of its own (e.g. the policy's ``lora/``) to the checkpoint before it is
     checksummed and renamed into place."""
@@ -92,11 +92,9 @@ def save_checkpoint(run_dir: Path, iteration: int, *, trainable: dict[str, torch
     final = root / f"iter_{iteration:06d}"
     tmp = temp_dir(f".tmp_iter_{iteration:06d}.", root)
     try:
-        save_file({k: v.detach().contiguous().cpu() for k, v in trainable.items()}, str(tmp / "trainable.safetensors"))
-        if ema is not None:
-            save_file({k: v.detach().contiguous().cpu() for k, v in ema.items()}, str(tmp / "ema.safetensors"))
-        if reference is not None:
-            save_file({k: v.detach().contiguous().cpu() for k, v in reference.items()}, str(tmp / "reference.safetensors"))
+        for name, part in (("trainable", trainable), ("ema", ema), ("reference", reference), ("family", family)):
+            if part is not None:  # the EMA, GARDO's reference, the family's tensors: when the run keeps them
+                save_file({k: v.detach().contiguous().cpu() for k, v in part.items()}, str(tmp / f"{name}.safetensors"))
         torch.save(optimizer, tmp / "optimizer.pt")
         torch.save(rng, tmp / "rng.pt")
         if write_files is not None:
@@ -244,7 +242,7 @@ def load_checkpoint(ckpt: Path) -> RunState:
         return RunState(**common, sharded=ckpt / "dcp",
                         trainer_state=json.loads((ckpt / "trainer.json").read_text()))
     optional = {k: load_file(str(ckpt / f"{k}.safetensors")) if (ckpt / f"{k}.safetensors").is_file() else None
-                for k in ("ema", "reference")}  # the EMA, GARDO's adaptive reference: when the run keeps them
+                for k in ("ema", "reference", "family")}  # the EMA, GARDO's reference, the family's: when kept
     return RunState(**common, trainable=load_file(str(ckpt / "trainable.safetensors")), **optional,
                     optimizer=torch.load(ckpt / "optimizer.pt", weights_only=True))
 
@@ -276,7 +274,8 @@ def capture(trainer) -> RunState:
         "trainable": dict(trainer.policy.state_dict()),
         "optimizer": {**trainer.optimizer.state_dict(), "lr_scheduler": trainer.scheduler.state_dict()},
         "ema": trainer.ema.state_dict() if trainer.ema is not None else None, "rng": rng})
-    return RunState(iteration=trainer.iteration, extra=extra, config=trainer.cfg.to_dict(), reference=ref, **full)
+    return RunState(iteration=trainer.iteration, extra=extra, config=trainer.cfg.to_dict(), reference=ref, **full,
+                    family=getattr(trainer.family, "extra_state", lambda: None)())
 
 
 def save(trainer, run_dir: Path) -> Path:
@@ -289,7 +288,7 @@ def save(trainer, run_dir: Path) -> Path:
     return save_checkpoint(run_dir, st.iteration, trainable=st.trainable, optimizer=st.optimizer, rng=st.rng,
                            config=st.config, ema=st.ema, extra=st.extra, keep_last=trainer.cfg.train.keep_checkpoints,
                            write_files=lambda d: trainer.policy.save_checkpoint_files(d, st.trainable),
-                           reference=st.reference)
+                           reference=st.reference, family=st.family)
 
 
 def _save_sharded(trainer, run_dir: Path) -> Path:
@@ -347,6 +346,7 @@ def restore(trainer, st: RunState) -> None:
     trainer.bad_updates = int(st.extra.get("bad_updates", 0))
     if trainer.grad_scaler is not None and "grad_scaler" in st.extra:
         trainer.grad_scaler.load_state_dict(st.extra["grad_scaler"])
+    getattr(trainer.family, "load_extra_state", lambda state: None)(st.family)  # e.g. a value network
     if getattr(trainer, "adaptive_ref", None) is not None and st.reference is not None:
         trainer.adaptive_ref.load(trainer.policy, st.reference, st.extra.get("reference", {}))
 
