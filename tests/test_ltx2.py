@@ -153,7 +153,6 @@ def test_a_policy_of_the_row_needs_its_layout(ltx_dir):
         DiffusersFlowPolicy(pipe.transformer, latent_shape=ltx2.latent_shape(pipe, RES, FRAMES), pipeline=pipe)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("lora", [4, 0], ids=["lora", "full"])
 def test_cli_run_exports_what_diffusers_reloads_and_samples(ltx_dir, tmp_path, lora):
     """Train (CFG) → export → ``load_lora_weights`` / ``from_pretrained`` samples the trained latents."""
