@@ -1,8 +1,9 @@
 """The built-in block-diffusion LM (``model.name=tiny_block``) under each objective at EQUAL GRAD-FORWARDS, and the
 cost of its exact block cache against the masked LM's approximate cache.
 
-Training: objective ∈ {trace_rl, diffu_grpo, coupled_grpo, random_mask} × ``--seeds`` seeds on ``--task``, each run
-from the same cached pretrained base. The objectives spend different numbers of sequence-forwards with grad per
+Training: objective ∈ {trace_rl, diffu_grpo, coupled_grpo, random_mask, trace_rl+value (``dllm.trace_value=on``:
+its value network's forwards count in the budget)} × ``--seeds`` seeds on ``--task``, each run from the same cached
+pretrained base (``--objectives`` reruns some and keeps the others' rows of ``<out>/block_study.json``). The objectives spend different numbers of sequence-forwards with grad per
 iteration (trace_rl one per decoding step, the block estimators one per block and mask sample), so each run gets the
 same budget ``--budget`` of grad-forwards (as the policy counts them): one calibration iteration per objective
 measures its grad-forwards per iteration c, and the run trains round(budget / c) iterations (at least 1). Scored:
@@ -27,7 +28,8 @@ import sys
 from pathlib import Path
 
 OBJECTIVES = {"trace_rl": ["dllm.method=trace_rl"], "diffu_grpo": ["dllm.method=diffu_grpo"],
-              "coupled_grpo": ["dllm.method=coupled_grpo"], "random_mask": ["dllm.method=random_mask"]}
+              "coupled_grpo": ["dllm.method=coupled_grpo"], "random_mask": ["dllm.method=random_mask"],
+              "trace_rl+value": ["dllm.method=trace_rl", "dllm.trace_value=on"]}
 CACHES = {"tiny_block exact": ["model.name=tiny_block"],
           "tiny_mlm none": ["model.name=tiny_mlm", "dllm.kv_cache=none", "dllm.block_length=4"],
           "tiny_mlm prefix": ["model.name=tiny_mlm", "dllm.kv_cache=prefix", "dllm.block_length=4"],
@@ -96,12 +98,17 @@ def main() -> None:
     ap.add_argument("--eval-size", type=int, default=128)
     ap.add_argument("--pretrain-steps", type=int, default=3000)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/block_dllm"))
+    ap.add_argument("--objectives", nargs="+", default=list(OBJECTIVES), choices=list(OBJECTIVES),
+                    help="objectives to (re)run; the others' rows are kept from <out>/block_study.json")
     ap.add_argument("overrides", nargs="*", help="config overrides for every run")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    per_iter = {obj: grad_forwards_per_iteration(args, obj) for obj in OBJECTIVES}
-    train = [train_cell(args, obj, seed, max(1, round(args.budget / per_iter[obj])))
-             for obj in OBJECTIVES for seed in args.seeds]
+    old = json.loads((args.out / "block_study.json").read_text()) if (args.out / "block_study.json").is_file() else {}
+    per_iter = {k: v for k, v in old.get("grad_forwards_per_iteration", {}).items() if k not in args.objectives}
+    per_iter.update({obj: grad_forwards_per_iteration(args, obj) for obj in args.objectives})
+    train = [r for r in old.get("train", []) if r["objective"] not in args.objectives]
+    train += [train_cell(args, obj, seed, max(1, round(args.budget / per_iter[obj])))
+              for obj in args.objectives for seed in args.seeds]
     cost = [cost_cell(args, name) for name in CACHES]
     (args.out / "block_study.json").write_text(json.dumps({"grad_forwards_per_iteration": per_iter, "train": train,
                                                            "cost": cost, "args": vars(args)}, indent=2, default=str))
