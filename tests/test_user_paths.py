@@ -1,6 +1,7 @@
 """The user-path matrix: launch {one process, torchrun 2 ranks DDP, torchrun 2 ranks FSDP2} × model {built-in, a tiny
 StableDiffusion3Pipeline directory, a tiny Wan pipeline directory, the built-in masked LM, a tiny remote-code
-LLaDA-style model, the built-in block-diffusion LM, a tiny Qwen-Image 2.1 pipeline directory, the shipped Qwen-Image
+LLaDA-style model, the built-in block-diffusion LM, a tiny remote-code block-diffusion LM in the layout of the
+released SDAR / TraDo checkpoints, a tiny Qwen-Image 2.1 pipeline directory, the shipped Qwen-Image
 2.1 Turbo config on a tiny Turbo-style pipeline directory} × {full fine-tune, LoRA}, each cell through the command line to the very end:
 
     train with a checkpoint every iteration → SIGTERM once the first checkpoint exists (the run finishes its
@@ -41,7 +42,10 @@ from tests.helpers.pipelines import (
 from tests.helpers.remote_models import build_remote_model
 
 LAUNCHES = ("one", "ddp", "fsdp2")
-MODELS = ("builtin", "sd3", "wan", "mlm", "llada", "block", "qwenimage21", "qwenimage21turbo")
+MODELS = ("builtin", "sd3", "wan", "mlm", "llada", "block", "remote_block", "qwenimage21", "qwenimage21turbo")
+REMOTE_CODE = ("llada", "remote_block")  # hf_masked_lm with dllm.trust_remote_code=true
+# a reward that differs inside a group of a random model (its task accuracy is 0): the updates are not zero
+SPREAD_REWARD = "reward.weights={task: 1.0, tests.helpers.rewards:brevity: 1.0}"
 DIFFUSERS = ("sd3", "wan", "qwenimage21", "qwenimage21turbo")  # pipeline directories: export --merge, reload
 QWEN21 = ("qwenimage21", "qwenimage21turbo")  # loaded with the Qwen3-VL processor without torchvision
 TURBO_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "qwenimage21_turbo_pickscore.yaml"
@@ -112,6 +116,27 @@ def llada_dir(tmp_path_factory):
     return model, data
 
 
+def _gsm8k_file(path: Path) -> Path:
+    path.write_text("".join(json.dumps({"question": f"{a}+{a + 1}=?", "answer": f"#### {2 * a + 1}"}) + "\n"
+                            for a in range(1, 9)))
+    return path
+
+
+@pytest.fixture(scope="module")
+def remote_block_dir(tmp_path_factory):
+    """A tiny block-diffusion LM (block 4) as the released SDAR / TraDo checkpoints ship it: its own code behind
+    ``auto_map``, loaded through ``AutoModelForCausalLM`` with ``trust_remote_code``; and a gsm8k-style data file."""
+    from diffgrpo.models.remote_block import write_block_model
+    from tests.helpers.remote_models import char_tokenizer
+
+    root = tmp_path_factory.mktemp("tiny-remote-block")
+    tok = char_tokenizer(mask_token=True)
+    model = write_block_model(root / "model", tokenizer=tok, seed=0, vocab_size=len(tok), block_size=4,
+                              initializer_range=0.3, mask_token_id=tok.mask_token_id, pad_token_id=tok.pad_token_id,
+                              eos_token_id=tok.eos_token_id)
+    return model, _gsm8k_file(root / "gsm8k.jsonl")
+
+
 def _model_args(model: str, lora: bool, request) -> list[str]:
     if model == "builtin":
         args = ["train.task=digits", "model.image_size=8", "model.num_layers=2", "model.num_heads=2",
@@ -146,12 +171,13 @@ def _model_args(model: str, lora: bool, request) -> list[str]:
     elif model == "block":
         args = ["model.name=tiny_block", "dllm.eval_size=4", "pretrain.steps=20"]
     else:
-        d, data = request.getfixturevalue("llada_dir")
-        args = ["model.name=hf_masked_lm", f"dllm.model_path={d}", "dllm.trust_remote_code=true",
-                f"dllm.mask_token_id={LLADA_MASK}", "dllm.task=gsm8k", f"dllm.data_file={data}",
-                "dllm.prompt_field=question", "dllm.prompt_length=16", "dllm.gen_length=8", "dllm.diffusion_steps=8",
-                "dllm.eval_size=4"]
-    lora_key = "dllm.lora_rank" if model in ("mlm", "llada", "block") else "model.lora_rank"
+        d, data = request.getfixturevalue(f"{model}_dir")
+        mask = [f"dllm.mask_token_id={LLADA_MASK}"] if model == "llada" else []  # the block model's tokenizer names it
+        args = ["model.name=hf_masked_lm", f"dllm.model_path={d}", "dllm.trust_remote_code=true", *mask,
+                "dllm.task=gsm8k", f"dllm.data_file={data}", "dllm.prompt_field=question", "dllm.prompt_length=16",
+                "dllm.gen_length=8", "dllm.diffusion_steps=8", "dllm.eval_size=4",
+                *([SPREAD_REWARD] if model == "remote_block" else [])]
+    lora_key = "dllm.lora_rank" if model in ("mlm", "llada", "block", "remote_block") else "model.lora_rank"
     batch = ["train.prompts_per_batch=4", "train.group_size=2"] if model in QWEN21 else []
     return [*args, *COMMON, *batch, *([f"{lora_key}=4"] if lora else [])]
 
@@ -284,6 +310,9 @@ def _reload_and_sample(model: str, lora: bool, run: Path, exp: Path, merged: Pat
         again = full(PROMPTS[:1], generator=torch.Generator().manual_seed(0), **kw)
         assert torch.isfinite(torch.as_tensor(again.frames if model == "wan" else again.images)).all()
         return
+    if model == "remote_block":
+        _reload_remote_block(lora, run, exp, weights, request, tmp)
+        return
     from transformers import AutoModel
 
     d, _ = request.getfixturevalue("llada_dir")
@@ -298,6 +327,33 @@ def _reload_and_sample(model: str, lora: bool, run: Path, exp: Path, merged: Pat
         _assert_same({k: v for k, v in net.state_dict().items() if k in weights}, weights)
     out = net(input_ids=torch.tensor([[5, 6, 7, LLADA_MASK]]))
     assert torch.isfinite(out.logits if hasattr(out, "logits") else out[0]).all()
+
+
+def _reload_remote_block(lora: bool, run: Path, exp: Path, weights: dict, request, tmp: Path) -> None:
+    """The export reloads as the released block models load (``AutoModelForCausalLM``, its own code; a LoRA as a
+    peft adapter on the base directory) and equals the run's weights; a forward under the model's own block mask
+    is finite; ``diffgrpo sample`` decodes from the run directory block by block with the exact cache."""
+    from transformers import AutoModelForCausalLM
+
+    d, _ = request.getfixturevalue("remote_block_dir")
+    if lora:
+        from peft import PeftModel
+
+        net = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(d), trust_remote_code=True), str(exp))
+        _assert_same(load_file(str(exp / "adapter_model.safetensors")), weights)
+        assert any(float(v.abs().max()) > 0 for k, v in weights.items() if "lora_B" in k)  # trained: B moved off 0
+    else:
+        assert {"modeling_blockdlm.py", "configuration_blockdlm.py"} <= {p.name for p in exp.iterdir()}
+        net = AutoModelForCausalLM.from_pretrained(str(exp), trust_remote_code=True)
+        assert type(net).__name__ == "BlockDLMForCausalLM" and net.config.block_size == 4
+        _assert_same(net.state_dict(), weights)
+        start = AutoModelForCausalLM.from_pretrained(str(d), trust_remote_code=True).state_dict()
+        assert any(not torch.equal(start[k], v) for k, v in weights.items())  # trained: not the initial weights
+    assert torch.isfinite(net(input_ids=torch.tensor([[8, 9, 10, 11, 2, 2, 2, 2]])).logits).all()
+    out = tmp / "s.jsonl"
+    assert main(["sample", "--weights", str(run), "--num", "1", "--out", str(out), "--prompt", "1+2=?",
+                 "dllm.trust_remote_code=true"]) == 0
+    assert out.is_file() and out.stat().st_size > 0
 
 
 # ------------------------------------------------------------------------------------------ the cells
@@ -320,13 +376,14 @@ def _cell(launch: str, model: str, kind: str, request, tmp_path: Path) -> None:
         assert rc == 143 and "Traceback" not in text, text[-3000:]
     else:
         assert "[rank0]: Traceback" not in text and "[rank1]: Traceback" not in text, text[-4000:]
-    code = ["dllm.trust_remote_code=true"] if model == "llada" else []  # code keys are never taken from a run dir
+    code = ["dllm.trust_remote_code=true"] if model in REMOTE_CODE else []  # code keys are never taken from a run dir
+    code += [SPREAD_REWARD] if model == "remote_block" else []
     rc, text = _run([*prefix, "train", "--resume", str(run), *dist_args, *code])
     assert rc == 0, text[-4000:]
     assert "resumed from" in text
     exported_name = {"builtin": "lora" if lora else "transformer", "sd3": "lora" if lora else "transformer",
                      "wan": "lora" if lora else "transformer", "mlm": "lora" if lora else "model", "llada": "lora" if lora else "model",
-                     "block": "lora" if lora else "model", "qwenimage21": "lora" if lora else "transformer",
+                     "remote_block": "lora" if lora else "model", "block": "lora" if lora else "model", "qwenimage21": "lora" if lora else "transformer",
                      "qwenimage21turbo": "lora" if lora else "transformer"}
     for name in ("config.yaml", "metrics.jsonl", "summary.json", "weights.safetensors", ".diffgrpo-run",
                  exported_name[model]):
