@@ -383,7 +383,8 @@ def _cell(launch: str, model: str, kind: str, request, tmp_path: Path) -> None:
     assert "resumed from" in text
     exported_name = {"builtin": "lora" if lora else "transformer", "sd3": "lora" if lora else "transformer",
                      "wan": "lora" if lora else "transformer", "mlm": "lora" if lora else "model", "llada": "lora" if lora else "model",
-                     "remote_block": "lora" if lora else "model", "block": "lora" if lora else "model", "qwenimage21": "lora" if lora else "transformer",
+                     "remote_block": "lora" if lora else "model",
+                     "block": "lora" if lora else "model", "qwenimage21": "lora" if lora else "transformer",
                      "qwenimage21turbo": "lora" if lora else "transformer"}
     for name in ("config.yaml", "metrics.jsonl", "summary.json", "weights.safetensors", ".diffgrpo-run",
                  exported_name[model]):
@@ -420,3 +421,16 @@ def test_a_key_that_does_not_apply_is_refused_in_one_line_before_anything_loads(
     assert rc == 2 and text.strip().splitlines() == [text.strip()], text
     assert text.startswith("error: model.lora_rank: does not apply to model.name=tiny_mlm")
     assert not run.exists()
+
+
+@pytest.mark.parametrize("lora", [0, 4])
+def test_fsdp2_shards_each_decoder_layer_of_the_remote_block_model(remote_block_dir, lora):
+    """What the FSDP2 cells shard one by one below the root: the block model's decoder layers (``model.layers``),
+    under a peft wrapper too; a run that sharded only the root would still pass the cells."""
+    from diffgrpo.models.hf_masked_lm import load_hf_masked_lm, transformer_blocks
+
+    pol = load_hf_masked_lm(str(remote_block_dir[0]), trust_remote_code=True, lora_rank=lora)
+    base = pol.model.get_base_model() if lora else pol.model
+    layers = list(base.model.layers)
+    assert len(layers) == 2 and all(type(m).__name__ == "BlockDLMDecoderLayer" for m in layers)
+    assert [id(m) for m in transformer_blocks(pol.model)] == [id(m) for m in layers]
