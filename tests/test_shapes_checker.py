@@ -37,9 +37,14 @@ def test_checker_prompt_split_holds_out_unseen_combinations_in_every_category():
     assert not {r["prompt"] for r in train} & {r["prompt"] for r in test}
     assert len(train) + len(test) == len(shapes.all_prompts()) == len({r["prompt"] for r in shapes.all_prompts()})
     bound = lambda recs: {(e.get("color"), e["class"]) for r in recs for e in r["include"] if "color" in e}  # noqa: E731
-    assert not bound(train) & shapes.HELD_OUT_PAIRS and shapes.HELD_OUT_PAIRS <= bound(test)
-    for tag in ("colors", "color_attr", "position"):  # every held-out prompt binds a pair no train prompt binds
-        assert all(bound([r]) - bound(train) for r in test if r["tag"] == tag)
+    tagged = lambda recs, tag: [r for r in recs if r["tag"] == tag]  # noqa: E731
+    # "a red triangle" alone is never trained on; RL meets a held-out pair only beside another object
+    assert not bound(tagged(train, "colors")) & shapes.HELD_OUT_PAIRS
+    assert shapes.HELD_OUT_PAIRS <= bound(tagged(test, "colors"))
+    for tag in ("color_attr", "position"):  # every held-out prompt binds a held-out pair; each pair in both splits
+        assert all(bound([r]) & shapes.HELD_OUT_PAIRS for r in tagged(test, tag))
+        for pair in shapes.HELD_OUT_PAIRS:
+            assert pair in bound(tagged(train, tag)) and pair in bound(tagged(test, tag))
     counted = lambda recs: {(r["include"][0]["count"], r["include"][0]["class"]) for r in recs  # noqa: E731
                             if r["tag"] == "counting"}
     assert not counted(train) & counted(test)

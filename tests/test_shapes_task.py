@@ -87,9 +87,34 @@ def test_guard_features_are_none_for_shapes_and_digits_for_digits():
 @pytest.mark.parametrize("split", ["train", "test"])
 def test_the_shipped_prompt_set_is_the_task_split_with_its_constraints(split):
     records = load_prompts(f"builtin:shapes/{split}")
-    assert records == shapes.prompts(split)
+    assert records == shapes.prompt_set(split)
     assert all(r["include"] and r["tag"] in shapes.CATEGORIES for r in records)
     assert all(shapes.is_held_out(r) == (split == "test") for r in records)
+
+
+@pytest.mark.parametrize("split", ["train", "test"])
+def test_the_shipped_sets_weigh_every_category_the_same(split):
+    records = shapes.prompt_set(split)
+    counts = {t: sum(r["tag"] == t for r in records) for t in shapes.CATEGORIES}
+    assert len(set(counts.values())) == 1, counts
+    distinct = {r["prompt"] for r in records}
+    if split == "train":  # every train prompt is listed
+        assert distinct == {r["prompt"] for r in shapes.prompts("train")}
+    else:
+        assert counts["position"] == shapes.EVAL_ROWS and distinct <= {r["prompt"] for r in shapes.prompts("test")}
+        relations = {r["include"][1]["position"][0] for r in records if r["tag"] == "position"}
+        assert relations == set(shapes.RELATIONS)
+
+
+def test_a_repeated_evaluation_prompt_gets_fresh_seeds():
+    from diffgrpo.data_sources import listing_counts
+    assert listing_counts(["a", "b", "a", "a", "c", "b"]) == [0, 0, 1, 2, 0, 1]
+    cfg = RunConfig.from_overrides(["train.task=shapes", "eval.seeds_per_prompt=2"])
+    from diffgrpo.flow.family import FlowFamily
+    prompts, seeds, _ = FlowFamily.eval_prompts(type("F", (), {"cfg": cfg})())
+    pairs = list(zip(prompts, seeds))
+    assert len(set(pairs)) == len(pairs)  # no sample drawn twice
+    assert seeds[:2] == [cfg.eval.seed, cfg.eval.seed + 1]
 
 
 def test_a_prompt_without_metadata_gets_the_constraints_its_text_states():
@@ -111,13 +136,16 @@ def test_the_shapes_model_predicts_rgb_velocities_from_the_prompt():
     assert (ids[0] > 2).sum() == 8 and (ids[1] == tiny_shapes.VOCAB.index("<unk>")).sum() == 2
 
 
-def test_the_pretraining_pool_holds_train_scenes_and_their_mirrors():
+def test_the_pretraining_pool_holds_scenes_of_every_prompt_and_their_mirrors():
     images, prompts = tiny_shapes.scene_pool(16, 32, seed=0)
     assert images.shape == (32, 3, 32, 32) and images.min() >= -1 and images.max() <= 1
     assert torch.equal(images[16:], images[:16].flip(-1))
+    grammar = {r["prompt"] for r in shapes.all_prompts()}
+    assert set(prompts) <= grammar
+    _, many = tiny_shapes.scene_pool(600, 32, seed=0)  # held-out combinations are pretrained on, as a base model's
+    assert {shapes.parse(p)["tag"] for p in many if shapes.is_held_out(shapes.parse(p))} == set(shapes.CATEGORIES)
     for p, q in zip(prompts[:16], prompts[16:]):
         a, b = shapes.parse(p), shapes.parse(q)
-        assert not shapes.is_held_out(a) and not shapes.is_held_out(b)
         if a["tag"] != "position" or a["include"][1]["position"][0] in ("above", "below"):
             assert p == q
         else:

@@ -204,6 +204,17 @@ def check_prompts(spec: str, *, key: str, column: str = "prompt", purpose: str =
     load_prompts(spec, key=key, column=column)
 
 
+def listing_counts(prompts: list[str]) -> list[int]:
+    """For each prompt, how many times it was listed before it (0 at its first listing): a set that repeats prompts
+    to weigh its categories equally gives each repeat its own evaluation seeds."""
+    seen: dict[str, int] = {}
+    out = []
+    for p in prompts:
+        out.append(seen.get(p, 0))
+        seen[p] = out[-1] + 1
+    return out
+
+
 def load_prompts(spec: str, *, key: str = "train.prompts_file", column: str = "prompt") -> list[dict]:
     """The prompt records ``[{"prompt": str, **metadata}]`` of ``spec`` (see the module doc); ``key`` names the
     config key in errors. Raises ConfigError for a missing, unreadable, malformed or empty source. ``column`` names
@@ -280,5 +291,5 @@ class EpochSampler:
         self._order = self._permutation(self.epoch)
 
 
-__all__ = ["EpochSampler", "READS_DATA", "builtin_sets", "check_prompts", "load_prompts", "prompt_metadata",
+__all__ = ["EpochSampler", "READS_DATA", "builtin_sets", "check_prompts", "listing_counts", "load_prompts", "prompt_metadata",
            "read_utf8", "reads_data", "resolve_builtin", "split_hf_spec"]

@@ -28,7 +28,7 @@ import torch
 from .. import distributed, diversity, guards, sources
 from ..config import RunConfig
 from ..data import default_prompts, digit_prompt, prompt_digit, task_metadata
-from ..data_sources import EpochSampler, load_prompts, prompt_metadata
+from ..data_sources import EpochSampler, listing_counts, load_prompts, prompt_metadata
 from ..engines import build_engine, select_steps
 from ..engines.base import EngineContext
 from ..errors import ConfigError
@@ -322,12 +322,15 @@ class FlowFamily:
 
     # ------------------------------------------------------------------ evaluation
     def eval_prompts(self) -> tuple[list[str], list[int], list[dict]]:
-        """Every evaluation prompt ``eval.seeds_per_prompt`` times → (prompts, seeds, metadata)."""
+        """Every evaluation prompt ``eval.seeds_per_prompt`` times → (prompts, seeds, metadata). A prompt listed k
+        times (a set that weighs its categories equally) gets seeds e.seed + (k·n … k·n + n − 1) at its k-th listing
+        (n = seeds_per_prompt), so a repeat adds fresh samples; a set without repeats uses e.seed + (0 … n − 1)."""
         e = self.cfg.eval
         records = (load_prompts(e.prompts_file, key="eval.prompts_file", column=self.cfg.train.prompt_column)
                    if e.prompts_file else [{"prompt": digit_prompt(d)} for d in range(10)])
         recs = [r for r in records for _ in range(e.seeds_per_prompt)]
-        seeds = [e.seed + j for _ in records for j in range(e.seeds_per_prompt)]
+        seeds = [e.seed + k * e.seeds_per_prompt + j for k in listing_counts([r["prompt"] for r in records])
+                 for j in range(e.seeds_per_prompt)]
         return [r["prompt"] for r in recs], seeds, [prompt_metadata(r, prompt_digit(r["prompt"])) for r in recs]
 
     @torch.no_grad()

@@ -15,11 +15,13 @@ leaves it in the samples, while x̂₀ is a smooth image. The policy calls the t
 row with this forward), so every engine sees velocities as from any SD3 model; an exported transformer predicts
 x̂₀ (its model card says so). Pretraining minimises the clean-image error, the rectified-flow loss weighted by σ²,
     L = E ||x̂₀((1−σ)x₀ + σε, σ, c) − x₀||²,  σ ~ logit-normal(0, 1),
-on scenes rendered for the **train** prompts only (categories drawn uniformly, then a prompt of the category, then
+on scenes rendered for **every** prompt of the grammar, held-out combinations included, as a text-to-image model
+has seen red triangles before anyone fine-tunes it (categories drawn uniformly, then a prompt of the category, then
 a layout with one object per cell of a 2 × 2 grid, jittered — ``shapes.layout(grid=True)``; RL may move objects
 anywhere, the checker reads any layout; a pool of ``POOL`` scenes, fewer for a short run, rendered once, each also mirrored left ↔ right
 with its relation swapped), the prompt dropped to the null prompt with probability ``cond_dropout`` so
-classifier-free guidance works. The held-out prompts (unseen colour–shape bindings, counts and pairs) are never rendered for it. Weights are
+classifier-free guidance works. RL trains on the train prompts only: the held-out prompts (colour–shape bindings,
+counts and pairs RL never sees) measure whether what RL teaches carries over to prompts it did not train on. Weights are
 cached like the digits model's (``tiny-shapes-<recipe hash>`` under the cache root, written atomically).
 """
 from __future__ import annotations
@@ -49,7 +51,7 @@ MAX_TOKENS = 10  # <bos> + the longest prompt ("a red circle left of a blue squa
 CHANNELS = 3
 POOL = 6144  # scenes rendered once for pretraining (doubled by the mirror)
 MIRROR = {"left of": "right of", "right of": "left of"}
-RECIPE_VERSION = 2
+RECIPE_VERSION = 3
 SIGMA_FLOOR = 0.02  # v = (x − x̂₀) / max(σ, SIGMA_FLOOR): samplers never call the model below their last σ > 0
 
 
@@ -122,11 +124,11 @@ def mirror(meta: dict) -> dict:
 
 
 def scene_pool(n: int, image_size: int, seed: int) -> tuple[torch.Tensor, list[str]]:
-    """``n`` scenes of the train prompts and their mirrors → (images (2n, 3, S, S) in [−1, 1], prompts (2n,)):
+    """``n`` scenes of the grammar's prompts and their mirrors → (images (2n, 3, S, S) in [−1, 1], prompts (2n,)):
     a category uniformly, a prompt of it uniformly, a random 2 × 2 grid layout."""
     rng = np.random.default_rng(seed)
     by_tag: dict[str, list[dict]] = {}
-    for r in task.prompts("train"):
+    for r in task.all_prompts():
         by_tag.setdefault(r["tag"], []).append(r)
     tags = sorted(by_tag)
     metas = [by_tag[t][rng.integers(len(by_tag[t]))] for t in (tags[i] for i in rng.integers(len(tags), size=n))]
@@ -142,7 +144,7 @@ def _schedule(opt, steps: int):
 
 
 def pretrain(mcfg: ModelConfig, pcfg: PretrainConfig, *, progress: bool = True, log=print) -> ShapesFlowNet:
-    """Rectified-flow pretraining on rendered train-prompt scenes; returns the trained network (CPU, eval mode)."""
+    """Rectified-flow pretraining on rendered scenes of every prompt; returns the trained network (CPU, eval mode)."""
     g = torch.Generator().manual_seed(pcfg.seed)
     torch.manual_seed(pcfg.seed)
     x_all, prompts = scene_pool(min(POOL, pcfg.steps * pcfg.batch_size), mcfg.image_size, pcfg.seed)

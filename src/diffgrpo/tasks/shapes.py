@@ -20,15 +20,18 @@ placed relative to ``include[index]`` (for "a red circle left of a blue square",
 square). A checker reads these constraints; it never re-parses the text (:func:`parse` is the inverse of
 :func:`describe`, for tests and user prompts).
 
-Split (deterministic): the held-out prompts (``test``) are combinations never trained on. In ``colors``,
-``color_attr`` and ``position`` a prompt is held out when it binds a held-out colour–shape pair
-(:data:`HELD_OUT_PAIRS`: red triangle, green square, blue circle), so no training prompt ever puts those
-colours on those shapes; in ``counting`` the diagonal (two squares, three triangles, four circles) is held out,
-in ``two_object`` the circle–triangle pair (both orders), in ``single_object`` the triangle. Every category has
-prompts in both splits; every colour, shape, count and relation appears in training.
+Split (deterministic): the held-out prompts (``test``) are combinations RL never trains on. In ``colors`` a
+prompt is held out when it names a held-out colour–shape pair (:data:`HELD_OUT_PAIRS`: red triangle, green
+square, blue circle), so "a red triangle" alone is never a training prompt; in ``color_attr`` and ``position``
+a prompt binding a held-out pair is held out for half of its pairings (a fixed draw on its text: RL meets the pair
+only beside other objects, and is tested on pairings and relations it never saw); in ``counting`` the diagonal
+(two squares, three triangles, four circles) is held out, in ``two_object`` the circle–triangle pair (both
+orders), in ``single_object`` the triangle. Every category has prompts in both splits; every colour, shape, count
+and relation appears in training.
 """
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass
 
@@ -50,6 +53,7 @@ IMAGE_SIZE = 32
 GAP = 2.0  # pixels between the bounding boxes of two objects
 GRID_SIZES = (0.28, 0.40)  # object sides in a 2 × 2 grid layout, as fractions of the image side
 SUPERSAMPLE = 4
+EVAL_ROWS = 12  # held-out rows per category in the shipped test set (× eval.seeds_per_prompt samples)
 
 
 @dataclass(frozen=True)
@@ -139,7 +143,11 @@ def is_held_out(meta: dict) -> bool:
         return frozenset(r["class"] for r in inc) in HELD_OUT_SHAPE_SETS
     if tag == "counting":
         return (inc[0]["count"], inc[0]["class"]) in HELD_OUT_COUNTS
-    return any((r.get("color"), r["class"]) in HELD_OUT_PAIRS for r in inc)
+    binds = any((r.get("color"), r["class"]) in HELD_OUT_PAIRS for r in inc)
+    if tag == "colors":
+        return binds
+    # color_attr, position: half of the pairings of a held-out pair (a fixed draw on the prompt's text)
+    return binds and hashlib.sha256(describe(meta).encode()).digest()[0] % 2 == 0
 
 
 def prompts(split: str = "train", tags: tuple[str, ...] = CATEGORIES) -> list[dict]:
@@ -147,6 +155,32 @@ def prompts(split: str = "train", tags: tuple[str, ...] = CATEGORIES) -> list[di
     if split not in ("train", "test"):
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
     return [r for r in all_prompts() if r["tag"] in tags and is_held_out(r) == (split == "test")]
+
+
+def prompt_set(split: str = "train") -> list[dict]:
+    """The shipped prompt set of ``split``, each GenEval category weighing the same (GenEval's overall score is the
+    mean of its categories): ``train`` lists every category's train prompts cycled to the largest category's count,
+    so a batch draws each category equally often; ``test`` lists :data:`EVAL_ROWS` rows per category: a category
+    with fewer held-out prompts repeats them (the evaluation gives a repeat fresh seeds), one with more keeps
+    :data:`EVAL_ROWS` of them drawn with a fixed seed."""
+    by_tag = {t: prompts(split, (t,)) for t in CATEGORIES}
+    if split == "train":
+        n = max(len(v) for v in by_tag.values())
+        return [v[i % len(v)] for v in by_tag.values() for i in range(n)]
+    rng = np.random.default_rng(0)
+    return [r for v in by_tag.values() for r in _spread(v, rng)]
+
+
+def _spread(records: list[dict], rng: np.random.Generator) -> list[dict]:
+    """:data:`EVAL_ROWS` rows of one category: its records cycled when fewer, else drawn (fixed seed) round-robin
+    over the relations, so a position set holds every relation."""
+    if len(records) <= EVAL_ROWS:
+        return [records[i % len(records)] for i in range(EVAL_ROWS)]
+    groups: dict[str, list[dict]] = {}
+    for r in records:
+        groups.setdefault(r["include"][-1].get("position", [""])[0], []).append(r)
+    drawn = [[g[i] for i in rng.permutation(len(g))] for g in groups.values()]
+    return [g[j] for j in range(max(map(len, drawn))) for g in drawn if j < len(g)][:EVAL_ROWS]
 
 
 _NOUN = rf"an? (?:({'|'.join(COLORS)}) )?({'|'.join(SHAPES)})"
