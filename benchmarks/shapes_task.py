@@ -99,7 +99,7 @@ def main() -> None:
                 shutil.copy(run_dir / "samples_start_end.png", a.out / "samples_start_end.png")
                 run_dir = a.out / "runs" / "digits_seed0"
                 shutil.rmtree(run_dir, ignore_errors=True)
-                wall, printed = run(run_dir, Path(digits_cache), [])  # the default job
+                wall, printed = run(run_dir, Path(digits_cache), ["train.task=digits"])
                 result["digits"] = {"wall_s": wall, "pretrained": any("pretraining it" in x for x in printed),
                                     "end_lines": end_lines(printed)}
     command = "OMP_NUM_THREADS=1 python benchmarks/shapes_task.py --out " + " ".join([str(a.out), *a.overrides])
