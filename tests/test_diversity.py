@@ -83,7 +83,8 @@ def test_compose_and_parse():
 @pytest.mark.parametrize("overrides, words", [
     (["diversity.method=nope"], "unknown method"),
     (["diversity.method=gardo", "eval.guard_features=none"], "feature space"),
-    (["train.task=shapes", "diversity.method=gardo"], r"^diversity\.method: needs a feature space .*eval\.guard_features=auto gives none "
+    (["model.name=diffusers", "model.pretrained=org/model", "reward.weights={jpeg_incompressibility: 1.0}",
+      "diversity.method=gardo"], r"^diversity\.method: needs a feature space .*eval\.guard_features=auto gives none "
                                  r"here \(use clip, a module:function, or digits with train\.task=digits\)$"),
     (["train.task=digits", "diversity.method=gardo", "dist.group_layout=spread"], "spread"),
     (["train.task=digits", "diversity.method=drift", "advantage.per_reward_norm=true",

@@ -6,6 +6,8 @@
   clip_reward(cfg)          the run's first CLIP-class reward, or None
   feature_kind(cfg)         ``eval.guard_features`` resolved (``auto``: digits for the built-in model, else clip when
                             a CLIP-class reward is configured, else none)
+  diversity_space(cfg)      the diversity objectives' space: feature_kind, or ``detections`` (the shapes checker's
+                            detection vectors, :mod:`rewards.shapes_features`) on the shapes tasks where it is none
   plugin(spec, key)         a registry reward or an importable ``module:function`` named by a config key
 """
 from __future__ import annotations
@@ -21,6 +23,7 @@ from .rewards import REWARDS, clip_models
 CLIP_REWARDS = {"pickscore": (clip_models.PICKSCORE_MODEL, clip_models.PICKSCORE_PROCESSOR),
                 "clip_score": (clip_models.CLIP_L14, ""), "aesthetic": (clip_models.CLIP_L14, "")}
 FEATURES = ("auto", "digits", "clip", "none")
+DETECTION_TASKS = ("shapes", "shapes_video")  # the built-in model's tasks scored by the shapes checker
 
 
 @torch.no_grad()
@@ -51,6 +54,15 @@ def feature_kind(cfg) -> str:
     return "clip" if clip_reward(cfg) is not None else "none"
 
 
+def diversity_space(cfg) -> str:
+    """The feature space the diversity objectives measure samples in: :func:`feature_kind` when the guards have
+    one, else ``detections`` for the built-in model's shapes tasks (the guards' own space stays none), else none."""
+    kind = feature_kind(cfg)
+    if kind == "none" and cfg.model.name == "tiny" and cfg.train.task in DETECTION_TASKS:
+        return "detections"
+    return kind
+
+
 def plugin(spec: str, key: str) -> Callable:
     """A registry reward or an importable ``module:function`` named by config key ``key`` (ConfigError otherwise)."""
     if spec in REWARDS:
@@ -63,4 +75,5 @@ def plugin(spec: str, key: str) -> Callable:
     return fn
 
 
-__all__ = ["CLIP_REWARDS", "FEATURES", "clip_features", "clip_reward", "feature_kind", "plugin"]
+__all__ = ["CLIP_REWARDS", "FEATURES", "clip_features", "clip_reward", "diversity_space", "feature_kind",
+           "plugin"]

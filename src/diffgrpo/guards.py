@@ -59,8 +59,8 @@ from .data import digits_split
 from .errors import ConfigError, TrainingError
 from .feature_stats import Moments, frechet_distance, gaussian_from_sums, gaussian_stats, kid
 from .fileio import atomic_write
-from .guard_features import CLIP_REWARDS, FEATURES, clip_features, clip_reward, feature_kind, plugin
-from .rewards import TEXT_REWARDS, compute_rewards, make_rewards, shapes_diversity, time_limited
+from .guard_features import CLIP_REWARDS, FEATURES, clip_features, clip_reward, diversity_space, feature_kind, plugin
+from .rewards import TEXT_REWARDS, compute_rewards, make_rewards, shapes_diversity, shapes_features, time_limited
 from .rewards import image as image_rewards
 
 PREFIX = "eval/guard/"
@@ -363,6 +363,14 @@ def image_feature_fn(cfg, device) -> Callable | None:
     return plugin(kind, "eval.guard_features")  # module:function, images → (B, D)
 
 
+def diversity_feature_fn(cfg, device) -> Callable | None:
+    """The diversity objectives' features (:func:`diversity_space`): the shapes checker's detection vectors
+    (:func:`rewards.shapes_features.detection_features`) where that space is ``detections``, else the guards'."""
+    if diversity_space(cfg) == "detections":
+        return shapes_features.detection_features
+    return image_feature_fn(cfg, device)
+
+
 # ---------------------------------------------------------------------- the policy
 class Watch:
     """``train.on_hacking`` and ``train.keep_best`` over a run's evaluations (called on every rank, the same rows)."""
@@ -476,6 +484,6 @@ def check_config(cfg, family: str) -> dict[str, float]:
 
 
 __all__ = ["PREFIX", "BASE_FILE", "BEST_DIR", "Thresholds", "tripped", "improves", "text_features", "Base",
-           "EvalGuards", "Evaluation", "Watch", "check_config", "image_feature_fn", "clip_features", "feature_kind",
+           "EvalGuards", "Evaluation", "Watch", "check_config", "image_feature_fn", "diversity_feature_fn", "diversity_space", "clip_features", "feature_kind",
            "plugin", "penultimate_features", "reference_stats", "reference_features", "thresholds", "DISTANCES", "digit_features", "guards_apply", "GuardStats",
            "SHAPES_REWARDS"]

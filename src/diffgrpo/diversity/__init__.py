@@ -3,6 +3,10 @@ that train, or the advantages themselves — never the engine — so they work w
 
 ``DIVERSITY`` maps each ``diversity.method`` name to its ``objective(knobs, feats (B, D), rewards (B,),
 group_ids (B,)) -> Part``; several compose with :func:`compose`.
+
+The features are the guards' feature space (``eval.guard_features``; :func:`guards.diversity_feature_fn`); on the
+shapes tasks, where the guards have none, the objectives measure samples in the shapes checker's detection space
+(per (shape, colour) label: count, mean position and size; :mod:`diffgrpo.rewards.shapes_features`).
 """
 from __future__ import annotations
 

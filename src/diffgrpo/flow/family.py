@@ -85,7 +85,7 @@ class FlowFamily:
         self.plans_made = 0  # training batches planned (the sliding SDE window's clock)
         # diversity objectives: their parts act on the rewards, trained samples and advantages of ``weigh``
         self.diversity = diversity.parse_methods(cfg.diversity.method, diversity.METHODS)
-        self.features = guards.image_feature_fn(cfg, self.device) if self.diversity else None
+        self.features = guards.diversity_feature_fn(cfg, self.device) if self.diversity else None
 
     # ------------------------------------------------------------------ the family protocol
     check_config = staticmethod(rules.check)  # the family's rules (rules.py), run by validation.validate
@@ -313,7 +313,8 @@ class FlowFamily:
     @torch.no_grad()
     def diversity_part(self, ro: Rollout) -> diversity.Part | None:
         """The composed part of ``diversity.method`` for a scored rollout (None when off): each objective on the
-        samples' features in the guards' feature space (one feature pass over the decoded samples)."""
+        samples' features in the guards' feature space, or the checker's detections on the shapes tasks (one
+        feature pass over the decoded samples)."""
         if not self.diversity:
             return None
         feats = self.features(ro.traj.images).float()  # (B, D)

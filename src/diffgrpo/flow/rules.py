@@ -27,7 +27,8 @@ def check(cfg: RunConfig, purpose: str = "train") -> None:
 
 
 def check_diversity(cfg: RunConfig) -> None:
-    """``diversity.method``: known names, a feature space to measure samples in, whole groups on each rank."""
+    """``diversity.method``: known names, a feature space to measure samples in (the guards', or the shapes
+    checker's detections on the shapes tasks), whole groups on each rank."""
     try:
         methods = diversity.parse_methods(cfg.diversity.method, diversity.METHODS)
     except ValueError as e:
@@ -40,7 +41,7 @@ def check_diversity(cfg: RunConfig) -> None:
                           "model.lora_rank > 0 (the reference is the adapter disabled) or dist.mode=fsdp2")
     if not methods:
         return
-    if guards.feature_kind(cfg) == "none":
+    if guards.diversity_space(cfg) == "none":  # the shapes tasks: the checker's detections
         raise ConfigError(f"diversity.method: needs a feature space for the samples; eval.guard_features="
                           f"{cfg.eval.guard_features} gives none here (use clip, a module:function, or digits with "
                           "train.task=digits)")
