@@ -1,8 +1,10 @@
-"""``diffgrpo train train.task=shapes`` beside the default (digits) job: the shapes job for three seeds, the first
-with first-time pretraining (an empty model cache), and ``diffgrpo train`` with its own first-time pretraining, run
-one after the other in one invocation so their wall times compare. Per run: wall time, the end lines, held-out GenEval correctness (``shapes_correct``) per category at
-the start (the base model) and at the end; written as table.md (with the command), results.json and the first
-seed's samples_start_end.png.
+"""The shapes task's RL recipe beside the default (digits) job: ``diffgrpo train train.task=shapes`` with
+:data:`RECIPE` (DiffusionNFT on strict correctness, 60 iterations, 8 evaluation seeds per row) for three seeds, the
+first with first-time pretraining (an empty model cache), and ``diffgrpo train train.task=digits`` (today's default
+job) with its own first-time pretraining, run one after the other in one invocation so their wall times compare.
+Per run: wall time, the end lines, held-out GenEval correctness (``shapes_correct``) per category at the start (the
+base model) and at the end; written as table.md (with the command), results.json and the first seed's
+samples_start_end.png.
 
     OMP_NUM_THREADS=1 python benchmarks/shapes_task.py --out benchmarks/results/shapes_task [key=value ...]
 """
@@ -20,6 +22,8 @@ import time
 from pathlib import Path
 
 from diffgrpo.tasks import shapes
+
+RECIPE = ["engine.name=nft", "train.num_iterations=60", "eval.seeds_per_prompt=8"]  # before the caller's overrides
 
 
 def run(out: Path, cache: Path, args: list[str]) -> tuple[float, list[str]]:
@@ -59,7 +63,7 @@ def write(out: Path, result: dict, command: str) -> None:
     (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
     shapes_runs, digits = result["shapes"], result["digits"]
     cats = list(shapes_runs[0]["start"])
-    lines = ["# train.task=shapes beside the default (digits) job", "", "```", command, "```", "",
+    lines = ["# train.task=shapes (" + " ".join(RECIPE) + ") beside the default (digits) job", "", "```", command, "```", "",
              "| held-out `shapes_correct` | " + " | ".join(f"seed {r['seed']} start → end" for r in shapes_runs)
              + " | mean start → end |", "|---|" + "---|" * (len(shapes_runs) + 1)]
     for c in cats:
@@ -90,7 +94,7 @@ def main() -> None:
         for i, seed in enumerate(a.seeds):
             run_dir = a.out / "runs" / f"shapes_seed{seed}"  # git keeps config.yaml and summary.json (.gitignore)
             shutil.rmtree(run_dir, ignore_errors=True)
-            wall, printed = run(run_dir, Path(shapes_cache), ["train.task=shapes", f"seed={seed}", *a.overrides])
+            wall, printed = run(run_dir, Path(shapes_cache), ["train.task=shapes", f"seed={seed}", *RECIPE, *a.overrides])
             tables = evals(run_dir)
             result["shapes"].append({"seed": seed, "wall_s": wall, "pretrained": any("pretraining it" in x for x in printed),
                                      "start": by_category(tables[0]), "end": by_category(tables[-1]),

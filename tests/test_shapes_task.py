@@ -37,12 +37,12 @@ def test_the_shapes_task_sets_its_defaults_and_keeps_what_a_config_sets():
     assert (cfg.model.image_size, cfg.model.patch_size, cfg.model.num_layers) == (32, 8, 3)
     assert (cfg.pretrain.steps, cfg.pretrain.lr, cfg.pretrain.batch_size) == (2400, 1e-3, 64)
     assert (cfg.train.prompts_file, cfg.eval.prompts_file) == ("builtin:shapes/train", "builtin:shapes/test")
-    assert cfg.reward.weights == {"shapes_score": 1.0, "shapes_correct": 0.0}
-    assert cfg.eval.guard_rewards == ["shapes_correct"]
+    assert cfg.reward.weights == {"shapes_correct": 1.0, "shapes_score": 0.0}
+    assert cfg.eval.guard_rewards == ["shapes_score"]  # strict correctness trained, partial credit held out
     again = RunConfig.from_overrides([], base=cfg)  # a saved config read back: unchanged
     assert again.to_dict() == cfg.to_dict()
-    own = RunConfig.from_overrides(["train.task=shapes", "reward.weights={shapes_correct: 1.0}", "model.patch_size=1"])
-    assert own.reward.weights == {"shapes_correct": 1.0} and own.eval.guard_rewards == []  # never a trained reward
+    own = RunConfig.from_overrides(["train.task=shapes", "reward.weights={shapes_score: 1.0}", "model.patch_size=1"])
+    assert own.reward.weights == {"shapes_score": 1.0} and own.eval.guard_rewards == ["shapes_correct"]  # never trained
     assert own.model.patch_size == 1
 
 
@@ -204,7 +204,7 @@ def test_the_evaluation_guards_report_detection_diversity_and_its_drop_trips():
     ev = g.begin()
     ev.add([0, 1, 2, 3], g.chunk(images, [rec["prompt"]] * 4, [rec] * 4))
     row = ev.result()
-    assert row["eval/guard/rewards/shapes_correct/mean"] == 1.0 and row["eval/guard/detection_diversity"] > 0
+    assert row["eval/guard/rewards/shapes_score/mean"] == 1.0 and row["eval/guard/detection_diversity"] > 0
     collapsed = {**row, "eval/guard/detection_diversity": 0.5 * row["eval/guard/detection_diversity"]}
     assert any("detection_diversity" in t for t in guards.tripped(row, collapsed, guards.Thresholds()))
     digits = guards.EvalGuards.for_flow(RunConfig.from_overrides(["train.task=digits"]), "cpu")
@@ -224,12 +224,12 @@ def test_train_task_shapes_trains_and_evaluates_through_the_command_line(tmp_pat
     assert len(evals) == 2
     for r in evals:
         for k in ("eval/rewards/shapes_correct/mean", "eval/rewards/shapes_score/mean",
-                  "eval/guard/rewards/shapes_correct/mean", "eval/guard/detection_diversity"):
+                  "eval/guard/rewards/shapes_score/mean", "eval/guard/detection_diversity"):
             assert np.isfinite(r[k]) and 0 <= r[k] <= 1, k
-        assert r["eval/rewards/shapes_correct/mean"] == r["eval/guard/rewards/shapes_correct/mean"]
+        assert r["eval/rewards/shapes_score/mean"] == r["eval/guard/rewards/shapes_score/mean"]
         assert "eval/fid" not in r  # the digit guards read digits only
     train = [r for r in rows if "reward" in r and "iteration" in r and "eval/reward" not in r]
-    assert train and all("rewards/shapes_score" in json.dumps(r) for r in train)
+    assert train and all("rewards/shapes_correct" in json.dumps(r) for r in train)
     assert (out / "samples_start_end.png").is_file()
 
 

@@ -33,8 +33,8 @@ TASK_DEFAULTS: dict[str, dict[str, Any]] = {
     "shapes": {"model.image_size": 32, "model.patch_size": 8, "model.num_layers": 3, "model.head_dim": 32,
                "pretrain.batch_size": 64, "pretrain.steps": 2400, "pretrain.lr": 1e-3,
                "train.prompts_file": "builtin:shapes/train", "eval.prompts_file": "builtin:shapes/test",
-               "reward.weights": {"shapes_correct": 1.0, "shapes_score": 0.0}, "eval.guard_rewards": ["shapes_correct"],
-               "engine.name": "nft", "train.num_iterations": 60, "eval.seeds_per_prompt": 8},
+               "reward.weights": {"shapes_correct": 1.0, "shapes_score": 0.0},
+               "eval.guard_rewards": ["shapes_correct", "shapes_score"]},  # the one not trained on stays
     "shapes_video": {"model.image_size": 32, "model.num_frames": 4, "model.patch_size": 8, "model.num_layers": 3,
                      "model.head_dim": 32, "pretrain.batch_size": 32, "train.prompts_file": "builtin:shapes_video/train",
                      "eval.prompts_file": "builtin:shapes_video/test", "eval.guard_rewards": ["shapes_video_correct"],
