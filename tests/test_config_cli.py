@@ -254,7 +254,7 @@ def test_print_config_check_data_says_what_it_checked(tmp_path, capsys):
     assert main(["print-config", "--check-data", "train.task=shapes", f"train.prompts_file={prompts}"]) == 0
     captured = capsys.readouterr()
     assert yaml.safe_load(captured.out)["train"]["prompts_file"] == str(prompts)  # stdout: the config
-    held_out = len(shapes.prompts("test"))  # the shapes task's evaluation prompts
+    held_out = len(shapes.prompt_set("test"))  # the shapes task's evaluation rows
     assert captured.err == (f"data checked: train.prompts_file {str(prompts)!r}: 2 prompts; eval.prompts_file "
                             f"'builtin:shapes/test': {held_out} prompts\n")
     assert main(["print-config", "--check-data", "train.task=digits"]) == 0
