@@ -39,7 +39,7 @@ def concentrated_subset(rewards: torch.Tensor, group_ids: torch.Tensor, fraction
         m = min(n, max(2, round(fraction * n)))
         if n == 0:
             continue
-        gap = (r[rows] - r[rows].median()).abs()
+        gap = (r[rows] - torch.quantile(r[rows], 0.5)).abs()  # the midpoint median (torch.median: the lower one)
         order = torch.sort(gap, stable=True).indices[:m]
         keep[rows[order]] = True
     return keep
