@@ -15,11 +15,21 @@ group's samples, and a regulariser concentrated on the early, high-noise steps.
 
 Cost: one feature extraction per training sample (the guards' feature space), O(n²·D) per group; no policy forward.
 
-Where it differs from the paper: the paper clusters with spectral clustering on semantic features and (by its
-abstract) allocates rewards by group size; its equations could not be read from this machine. Threshold single
-linkage is used here instead of spectral clustering: deterministic, no cluster count to choose, no eigensolver.
-The bonus is inverse to cluster size as the abstract states; its exact normalisation in the paper is not known here.
-The step weights' form (a power of σ, mean 1) is this module's choice for "concentrated on the early steps".
+Sources: the paper's abstract (arXiv 2512.21514v1; the stored page gives its opening only, so its section and
+equation numbers could not be read here): spectral clustering of the samples of one caption, exploratory rewards
+allocated by cluster size, and a structure-aware regulariser with stronger constraints on the early denoising
+steps. A third-party summary (papernotes, CVPR 2026) adds: the bonus is inversely proportional to cluster size and
+the regulariser a Wasserstein-type constraint on the early steps only, in place of a uniform KL. No released code
+was found (repository names "DiverseGRPO", "diverse-grpo"; code and issue search); by that summary only a project
+page is public. Where this differs:
+
+* Clustering: threshold single linkage on cosine distance (deterministic, no cluster count, no eigensolver) instead
+  of spectral clustering; the paper's affinity and cluster count are not known here.
+* Features: the run's guard features instead of the paper's semantic image features.
+* Bonus: λ/|C(i)| added to the reward before the group advantages; the paper's exact allocation and scale are not
+  known here.
+* Regulariser: the run's own KL term reweighted by σ_k^p (mean 1) over every step instead of a Wasserstein-type
+  constraint on the early steps only; a large p approaches early-only.
 """
 from __future__ import annotations
 

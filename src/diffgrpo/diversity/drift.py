@@ -2,9 +2,9 @@
 intra-group diversity.
 
 * **Reward-concentrated subset** (wired: a training subset). Of each group of n samples with finite rewards, the
-  m = max(2, round(ρ·n)) whose rewards lie closest to the group's median are kept (ρ = ``diversity.drift_subset``;
-  ties in the order of the samples); the others — the reward outliers at either end — leave the group statistics
-  and the loss. ρ = 1 keeps every sample.
+  m = max(2, round(ρ·n)) whose rewards lie closest to the group's median (for an even count the midpoint of the
+  middle pair) are kept (ρ = ``diversity.drift_subset``; ties in the order of the samples); the others — the
+  reward outliers at either end — leave the group statistics and the loss. ρ = 1 keeps every sample.
 * **Diversity shaping** (wired: a reward bonus). The group's potential is its mean pairwise cosine distance
   Φ(G) = mean_{i≠j} d_ij in a feature space; sample i's shaping term is its marginal contribution to it,
   s_i = λ·(Φ(G) − Φ(G∖{i})) (λ = ``diversity.drift_shaping``), added to its reward. A sample that makes the group
@@ -13,11 +13,17 @@ intra-group diversity.
 
 Cost: one feature extraction per training sample (the guards' feature space), O(n²·D) per group; no policy forward.
 
-Where it differs from the paper: its equations could not be read from this machine; this is the method as its
-abstract states it. The paper's potential-based shaping is over its own diversity measure; here the potential is
-the mean pairwise cosine distance and the shaping the leave-one-out difference of it. The paper's subset
-sampler may pick the subset differently (here: nearest the median). Its stochastic prompt variations (noise on the
-prompt embeddings) are left out: they change the sampler's conditioning, not the objective.
+Sources: the paper's abstract (arXiv 2601.12401v1; the stored page gives its opening only, so its section and
+equation numbers could not be read here): a reward-concentrated subset that filters out reward outliers, stochastic
+prompt variations, and potential-based shaping of intra-group diversity. A third-party summary (arxivlens) names
+the prompt variations as annealed noise on the prompt embeddings. No released code was found (repository names
+with "DRIFT" and the authors'; code search). Where this differs:
+
+* Subset: nearest the group's median, m = max(2, round(ρ·n)); the paper's selection rule is not known here.
+* Potential: the mean pairwise cosine distance in the run's guard features; the paper's diversity measure and
+  features are not known here. The shaping is the leave-one-out difference Φ(G) − Φ(G∖{i}) (a potential
+  difference with γ = 1), added to the reward before the group advantages.
+* Prompt variations: left out (they change the sampler's conditioning, not the objective).
 """
 from __future__ import annotations
 
@@ -28,7 +34,8 @@ from .part import Part
 
 
 def concentrated_subset(rewards: torch.Tensor, group_ids: torch.Tensor, fraction: float) -> torch.Tensor:
-    """Per group, the m = max(2, round(fraction·n)) finite rewards nearest the group's median (n: finite ones).
+    """Per group, the m = max(2, round(fraction·n)) finite rewards nearest the group's median (n: finite ones; the
+    midpoint of the middle pair for even n).
     rewards (B,), group_ids (B,) → (B,) bool (non-finite rewards: False)."""
     r = rewards.detach().float()
     keep = torch.zeros(len(r), dtype=torch.bool, device=r.device)

@@ -21,13 +21,28 @@ Cost: one feature extraction per training sample (the guards' feature space: the
 features for the built-in task, CLIP features for real models), O(n²·D) per group of n; no extra network forward
 of the policy, no backward.
 
-Where it differs from the paper: the paper's text beyond its abstract (section and equation numbers) could not be
-read from this machine, so this is the method as the abstract states it — regularisation gated to high-uncertainty
-samples, a reference periodically reset to the online policy, rewards amplified for samples both good and diverse.
-The paper measures diversity with DINO-style image features; here the run's guard features. The paper estimates
-uncertainty with auxiliary reward models (their disagreement); here no second reward model is assumed, and the
-proxy is |A_i| (:func:`uncertainty_gate` takes any per-sample uncertainty). The gate is hard (0/1) and its kept
-terms are not renormalised.
+Sources: the paper's abstract (its section and equation numbers could not be read from this machine: the stored
+arXiv page gives its opening only) and the released trainer, tinnerhrhe/GARDO@1cc77fb3
+(``flow_grpo/stat_tracking.py:PerPromptStatTracker.update``, ``type='gardo'``;
+``scripts/train_sd3_grpo_gardo.py:main`` and ``RiskCompensator``), re-derived in tests/test_diversity_reference.py.
+Where this differs from the released code:
+
+* Diversity features: DINOv3 ViT-L/16 (timm ``vit_large_patch16_dinov3``) there; the run's guard features here.
+  The distance d_i is the same (nearest other member's 1 − cos; max |Δ| 1e-7 on identical features).
+* Normaliser and strength: the release multiplies A_i ≥ 0 by d_i / mean_g(d) (mean over the whole group, so a
+  below-average-diversity good sample is damped); here by 1 + λ·d_i / max_g(d), which never damps. The release is
+  ``amplify(A, d/mean_g(d) − 1, 1)`` in this module's terms (tested to 9e-8).
+* Advantage: the release shapes the mean-centred reward r_i − r̄_g without any std division; here the map acts on
+  the run's advantages (``advantage.std_mode``).
+* A group of coincident samples: left unchanged here; the release's d/mean_g(d) is 0/0 there.
+* Gate's uncertainty: the release ranks the whole gathered batch by the trained reward and by two auxiliary reward
+  models (aesthetic, ImageReward; rank 1 = best) and takes u_i = rank_main − mean(rank_aux); it keeps the KL where
+  u_i > the (100 − 100·b)-th percentile of the u ≥ 0, b adapted each iteration (start 0.1, ×1.1 or ×0.9 when the mean
+  u leaves the range of the last 20, clipped to [0.02, 0.2]). Here no auxiliary reward is assumed: u = |A_i|, q
+  fixed (q ↔ 1 − b), and a sample exactly at the threshold is kept (≥ against the release's >).
+* Gated KL's scale: the release averages the KL over the gated samples of each micro-batch (its scale does not
+  shrink with the share kept); here gated-out samples weigh 0 in the loss's usual aggregation over samples, so the
+  KL term shrinks by about the share kept (loss.beta / (1 − q) restores the release's scale).
 """
 from __future__ import annotations
 

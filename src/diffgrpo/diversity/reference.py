@@ -11,10 +11,17 @@ Its state — the reference's trainable weights and the iteration of the last re
 Cost: one copy of the trainable weights per refresh (device to device), no forward; no extra memory beyond the
 frozen copy a full fine-tune with ``loss.beta > 0`` already keeps. Exact: the copy is bitwise.
 
-Where it differs from the paper: the paper's refresh rule (its section and equations could not be read here) may
-be adaptive; here the period is fixed. A LoRA run's reference is its base model with the adapter disabled, which
-has no weights to reset; the knob is refused for it (and under FSDP2, whose sharded weights the copy does not
-address).
+Where it differs from the released code (tinnerhrhe/GARDO@1cc77fb3 ``scripts/train_sd3_grpo_gardo.py:main``; the
+paper's section and equations could not be read from this machine):
+
+* Trigger: the release resets the reference when a logged step's KL (mean over processes) exceeded a task-set
+  threshold (``kl_thres``, e.g. 3e-4) during the previous iteration, or when more than ``reset_freq`` (15) iterations
+  have passed since the last reset; here only the fixed period N.
+* When: the release copies after the next iteration's rollout, before its update, which is the same point in the
+  loop as after iteration i here (the rollout does not use the reference).
+* LoRA: the release keeps the reference as a second LoRA adapter and copies the trained adapter into it; here a
+  LoRA run's reference is the base model with the adapter disabled, which has no weights to reset, so the knob is
+  refused for it (and under FSDP2, whose sharded weights the copy does not address).
 """
 from __future__ import annotations
 
