@@ -33,17 +33,17 @@ from ..samplers import masked
 from .likelihood import apply_masks
 
 
-def block_forward_log_probs(logits_fn, ids: torch.Tensor, masks: torch.Tensor, weights: torch.Tensor, mask_id: int,
-                            block_length: int, temperature: float = 1.0) -> torch.Tensor:
-    """log p(y_j | x^(m, k(j))) for every completion token and forward. ids (B, N), masks (B, M, N), weights
-    (B, M, L) (forwards with zero weight on a block are not run; their entries are 0) → (B, M, L) float32.
-    Differentiable through ``logits_fn``."""
+def map_blocks(fn, ids: torch.Tensor, masks: torch.Tensor, weights: torch.Tensor, mask_id: int,
+               block_length: int) -> torch.Tensor:
+    """Run ``fn`` on every completion block k = [s, e) given its context x^(m, k) (the prompt under m's mask, the
+    clean blocks before k, block k under m's mask) and assemble the per-block outputs. ids (B, N), masks (B, M, N),
+    weights (B, M, L) → (B, M, L) float32. ``fn(need, x, s, e)``: need (r,) the (B·M) rows scoring a token of block
+    k (a non-zero weight), x (r, P + e) their contexts → (r, e - s) float32; rows not needed stay 0."""
     B, M, N = masks.shape
     L = weights.shape[-1]
     P = N - L
     noisy = apply_masks(ids, masks, mask_id)  # (B·M, N)
     ctx = torch.cat([noisy[:, :P], ids[:, P:].repeat_interleave(M, 0)], 1)  # (B·M, N) prompt mask, clean completion
-    y = ids[:, P:].repeat_interleave(M, 0)  # (B·M, L)
     w = weights.reshape(B * M, L)
     blocks = []
     for s in range(0, L, block_length):
@@ -52,13 +52,27 @@ def block_forward_log_probs(logits_fn, ids: torch.Tensor, masks: torch.Tensor, w
         need = torch.nonzero(w[:, s:e].ne(0).any(1)).flatten()  # (r,) rows scoring a token of this block
         if need.numel():
             x = torch.cat([ctx[need, :P + s], noisy[need, P + s:P + e]], 1)  # (r, P + e)
-            logits = masked.token_logits(logits_fn(x)[:, P + s:].float(), mask_id)  # (r, b, V)
-            if temperature > 0 and temperature != 1.0:
-                logits = logits / temperature
-            lp = torch.log_softmax(logits, -1).gather(-1, y[need, s:e].unsqueeze(-1)).squeeze(-1)  # (r, b)
-            out = out.index_put((need,), lp)
+            out = out.index_put((need,), fn(need, x, s, e))  # (r, b)
         blocks.append(out)
     return torch.cat(blocks, 1).view(B, M, L)
+
+
+def block_forward_log_probs(logits_fn, ids: torch.Tensor, masks: torch.Tensor, weights: torch.Tensor, mask_id: int,
+                            block_length: int, temperature: float = 1.0) -> torch.Tensor:
+    """log p(y_j | x^(m, k(j))) for every completion token and forward. ids (B, N), masks (B, M, N), weights
+    (B, M, L) (forwards with zero weight on a block are not run; their entries are 0) → (B, M, L) float32.
+    Differentiable through ``logits_fn``."""
+    M, L = masks.shape[1], weights.shape[-1]
+    P = ids.shape[1] - L
+    y = ids[:, P:].repeat_interleave(M, 0)  # (B·M, L)
+
+    def block(need, x, s, e):  # (r,), (r, P + e) → (r, b)
+        logits = masked.token_logits(logits_fn(x)[:, P + s:].float(), mask_id)  # (r, b, V)
+        if temperature > 0 and temperature != 1.0:
+            logits = logits / temperature
+        return torch.log_softmax(logits, -1).gather(-1, y[need, s:e].unsqueeze(-1)).squeeze(-1)
+
+    return map_blocks(block, ids, masks, weights, mask_id, block_length)
 
 
 def block_token_log_probs(logits_fn, ids: torch.Tensor, masks: torch.Tensor, weights: torch.Tensor, mask_id: int,
@@ -68,4 +82,4 @@ def block_token_log_probs(logits_fn, ids: torch.Tensor, masks: torch.Tensor, wei
     return (lp * weights).sum(1)
 
 
-__all__ = ["block_forward_log_probs", "block_token_log_probs"]
+__all__ = ["block_forward_log_probs", "block_token_log_probs", "map_blocks"]

@@ -27,7 +27,7 @@ from torch import nn
 from ..metering import chunks, record_backward
 from ..models.tiny_block import BlockBase, block_keep, block_lm_forward
 from ..types import EngineStats, Rollout
-from .likelihood import apply_masks
+from .block_likelihood import map_blocks
 from .trace_value import clipped_value_loss, returns_and_advantages
 
 RECORDS = ("value_old", "value_return", "value_advantage")
@@ -38,22 +38,9 @@ def block_values(value_fn, ids: torch.Tensor, masks: torch.Tensor, weights: torc
     """Σ_m w_mj · v(x^(m, k(j)))_j: ids (B, N), masks (B, M, N), weights (B, M, L) → (B, L), with x^(m, k) the
     prompt, the clean blocks before k and block k under mask m (:mod:`.block_likelihood`'s context). ``value_fn``:
     ids (r, n) → values (r, n). Differentiable through it."""
-    B, M, N = masks.shape
-    L = weights.shape[-1]
-    P = N - L
-    noisy = apply_masks(ids, masks, mask_id)  # (B·M, N)
-    ctx = torch.cat([noisy[:, :P], ids[:, P:].repeat_interleave(M, 0)], 1)  # (B·M, N) clean completion
-    w = weights.reshape(B * M, L)
-    blocks = []
-    for s in range(0, L, block_length):
-        e = s + block_length
-        out = torch.zeros(B * M, e - s, device=ids.device)
-        need = torch.nonzero(w[:, s:e].ne(0).any(1)).flatten()  # (r,) rows scoring a token of this block
-        if need.numel():
-            x = torch.cat([ctx[need, :P + s], noisy[need, P + s:P + e]], 1)  # (r, P + e)
-            out = out.index_put((need,), value_fn(x)[:, P + s:].float())  # (r, b)
-        blocks.append(out)
-    return (torch.cat(blocks, 1).view(B, M, L) * weights).sum(1)
+    P = ids.shape[1] - weights.shape[-1]
+    v = map_blocks(lambda need, x, s, e: value_fn(x)[:, P + s:].float(), ids, masks, weights, mask_id, block_length)
+    return (v * weights).sum(1)  # (B, L)
 
 
 class TraceCritic:
