@@ -19,9 +19,10 @@ from diffgrpo.models.diffusers_adapter import (
 from diffgrpo.models.pipelines import ltx2
 from diffgrpo.samplers.flow_sde import sigma_grid
 from diffgrpo.samplers.rollout import sample_trajectories
-from tests.helpers.distributed import leave_gloo
+from tests.helpers.distributed import join_gloo, leave_gloo
 from tests.helpers.pipelines import ltx2_pipeline
 from tests.helpers.tensors import flat_grad
+from tests.helpers.two_ranks import assert_ranks_match, load_ranks, save_step, spawn_two, union_rollout
 
 T, RES, FRAMES, G, MSL = 3, 32, 5, 3.0, 16
 PROMPTS = ["a red cat", "a blue dog on the grass", "the sun"]
@@ -193,33 +194,12 @@ def _dist_overrides(pipe_dir: str, shift_args: list[str]) -> list[str]:
 
 
 def _dist_worker(rank: int, world: int, port: int, out_dir: str, pipe_dir: str, common: list[str]) -> None:
-    import os
-    from datetime import timedelta
+    from diffgrpo import Trainer
 
-    import torch.distributed as dist
-
-    from diffgrpo import Trainer, distributed
-
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    dist.init_process_group("gloo", timeout=timedelta(seconds=300))
+    join_gloo(rank, world, port, timeout_s=300)
     cfg = RunConfig.from_overrides([*_dist_overrides(pipe_dir, common), "dist.mode=fsdp2", "dist.backend=gloo",
                                     f"log.output_dir={out_dir}/run"])
-    tr = Trainer(cfg, log=lambda *a: None)
-    ro, _ = tr.family.collect()
-    tr.update(ro)  # θ leaves the reference: non-zero margins at the second iteration
-    params = [distributed.to_full(p).detach().clone() for p in tr.params]
-    ro, _ = tr.family.collect()
-    tr.backward(ro)
-    st = ro.traj.engine_state
-    grads = [torch.zeros_like(q) if p.grad is None else distributed.to_full(p.grad).detach().clone()
-             for p, q in zip(tr.params, params)]
-    torch.save({"grads": grads, "params": params,
-                "prompts": ro.prompts, "cond": ro.traj.cond, "xs": ro.traj.xs, "sigmas": ro.traj.sigmas,
-                "selected": ro.selected, "rewards": ro.rewards, "group_ids": ro.group_ids, "idx": st.idx,
-                "noise": st.noise, "sharded": sum(type(p).__name__ == "DTensor" for p in tr.params),
-                "n_params": len(tr.params)}, os.path.join(out_dir, f"rank{rank}.pt"))
+    save_step(Trainer(cfg, log=lambda *a: None), f"{out_dir}/rank{rank}.pt")
     leave_gloo()
 
 
@@ -227,45 +207,13 @@ def _dist_worker(rank: int, world: int, port: int, out_dir: str, pipe_dir: str, 
 def test_two_fsdp2_ranks_train_as_one_process(ltx_dir, tmp_path):
     """Two gloo ranks, FSDP2 sharding every transformer block (a full fine-tune with CFG): each rank's synced
     gradient equals one process's on the union of both ranks' units."""
-    import socket
-
-    import torch.multiprocessing as mp
-
     from diffgrpo import Trainer
-    from diffgrpo.engines._forward import ForwardState
-    from diffgrpo.types import FlowTrajectory, Rollout
-    from tests.helpers.tensors import rel_err
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     d = tmp_path / "dist"
     d.mkdir()
     common = _common(_load(ltx_dir))
-    mp.spawn(_dist_worker, args=(2, port, str(d), str(ltx_dir), common), nprocs=2, join=True)
-    parts = [torch.load(d / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    spawn_two(_dist_worker, str(d), str(ltx_dir), common)
+    parts = load_ranks(d)
     assert parts[0]["sharded"] == parts[0]["n_params"] > 0  # every trained weight is sharded
-
-    def cat(k):
-        return torch.cat([p[k] for p in parts])
-
-    B = len(parts[0]["prompts"])
     cfg = RunConfig.from_overrides([*_dist_overrides(str(ltx_dir), common), f"log.output_dir={tmp_path / 'run'}"])
-    tr = Trainer(cfg, log=lambda *a: None)
-    with torch.no_grad():
-        for q, v in zip(tr.params, parts[0]["params"]):
-            q.copy_(v)
-    traj = FlowTrajectory(cond={k: torch.cat([p["cond"][k] for p in parts]) for k in parts[0]["cond"]},
-                          sigmas=parts[0]["sigmas"], xs=cat("xs"), velocities=torch.zeros(0), log_probs=torch.zeros(0),
-                          noise=torch.zeros(0), engine_state=ForwardState(idx=cat("idx"), noise=cat("noise")))
-    ro = Rollout(prompts=[q for p in parts for q in p["prompts"]],
-                 group_ids=torch.cat([p["group_ids"] + r * B for r, p in enumerate(parts)]), traj=traj,
-                 selected=cat("selected"), rewards=cat("rewards"))
-    tr.family.weigh(ro)
-    tr.backward(ro)
-    g1 = flat_grad(tr.params)
-    assert g1.norm() > 0
-    for p in parts:
-        err = rel_err(torch.cat([g.flatten().double() for g in p["grads"]]), g1)
-        print(f"ltx-2 fsdp2: rel |rank grad − one process| = {err:.2e}")
-        assert err < 1e-5, err
+    assert_ranks_match(Trainer(cfg, log=lambda *a: None), union_rollout(parts), parts, "ltx-2 fsdp2")

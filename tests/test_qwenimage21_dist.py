@@ -12,9 +12,9 @@ import torch
 
 from diffgrpo import RunConfig, Trainer
 from diffgrpo.models.pipelines.qwenimage21 import grid_shift
-from tests.helpers.distributed import ROOT, free_port, join_gloo, leave_gloo
+from tests.helpers.distributed import ROOT, join_gloo, leave_gloo
 from tests.helpers.pipelines import qwen3vl_image_only_processor, qwenimage21_pipeline
-from tests.helpers.tensors import flat_grad, rel_err
+from tests.helpers.two_ranks import assert_ranks_match, load_ranks, save_step, spawn_two, union_rollout
 
 MODES = ("ddp", "fsdp2")
 SETUPS = ("full-cfg", "turbo")
@@ -65,41 +65,21 @@ def _config(setup: str, pipe_dir, out: str, *extra: str) -> RunConfig:
 
 
 def _dist_worker(rank: int, world: int, port: int, out_dir: str, pipe_dirs: dict) -> None:
-    import os
-
-    from diffgrpo import distributed
-
     join_gloo(rank, world, port)
     with qwen3vl_image_only_processor():
         for setup, mode in ((s, m) for s in SETUPS for m in MODES):
             tr = Trainer(_config(setup, pipe_dirs[setup], f"{out_dir}/run-{setup}-{mode}", f"dist.mode={mode}",
                                  "dist.backend=gloo"), log=lambda *a: None)
-            ro, _ = tr.family.collect()
-            tr.update(ro)  # θ leaves the reference: non-zero margins at the second iteration
-            params = [distributed.to_full(p).detach().clone() for p in tr.params]
-            ro, _ = tr.family.collect()
-            tr.backward(ro)
-            st = ro.traj.engine_state
-            torch.save({"grads": [distributed.to_full(p.grad).detach().clone() for p in tr.params],
-                        "params": params, "prompts": ro.prompts, "cond": ro.traj.cond, "xs": ro.traj.xs,
-                        "sigmas": ro.traj.sigmas, "selected": ro.selected, "rewards": ro.rewards,
-                        "group_ids": ro.group_ids, "idx": st.idx, "noise": st.noise,
-                        "sharded": sum(type(p).__name__ == "DTensor" for p in tr.params),
-                        "n_params": len(tr.params), "cfg": tr.policy.uses_cfg,
-                        "lora": sorted({"lora_" in n for n in tr.policy.named_trainable_parameters()})},
-                       os.path.join(out_dir, f"{setup}-{mode}-rank{rank}.pt"))
+            save_step(tr, f"{out_dir}/{setup}-{mode}-rank{rank}.pt", cfg=tr.policy.uses_cfg,
+                      lora=sorted({"lora_" in n for n in tr.policy.named_trainable_parameters()}))
     leave_gloo()
 
 
 @pytest.fixture(scope="module")
 def two_ranks(q21_dirs, tmp_path_factory):
-    import torch.multiprocessing as mp
-
     d = tmp_path_factory.mktemp("qwenimage21-dist")
-    mp.spawn(_dist_worker, args=(2, free_port(), str(d), {k: str(v) for k, v in q21_dirs.items()}), nprocs=2,
-             join=True)
-    return {(s, m): [torch.load(d / f"{s}-{m}-rank{r}.pt", weights_only=False) for r in range(2)]
-            for s in SETUPS for m in MODES}
+    spawn_two(_dist_worker, str(d), {k: str(v) for k, v in q21_dirs.items()})
+    return {(s, m): load_ranks(d, f"{s}-{m}-") for s in SETUPS for m in MODES}
 
 
 def _lengths(part) -> set[int]:
@@ -112,20 +92,13 @@ def _lengths(part) -> set[int]:
 def test_two_ranks_train_as_one_process(two_ranks, q21_dirs, tmp_path, setup, mode):
     """Two gloo ranks (DDP; FSDP2 sharding every transformer block), ranks whose batches hold different numbers of
     prompt lengths: each rank's synced gradient equals one process's on the union of both ranks' units."""
-    from diffgrpo.engines._forward import ForwardState
     from diffgrpo.models.pipelines.spec import pad_seq
-    from diffgrpo.types import FlowTrajectory, Rollout
 
     parts = two_ranks[setup, mode]
     assert len(_lengths(parts[0])) != len(_lengths(parts[1]))  # different numbers of transformer calls
     assert parts[0]["cfg"] == (setup == "full-cfg") and parts[0]["lora"] == [setup == "turbo"]
     if mode == "fsdp2":
         assert parts[0]["sharded"] == parts[0]["n_params"] > 0  # every trained weight is sharded
-
-    def cat(k):
-        return torch.cat([p[k] for p in parts])
-
-    B = len(parts[0]["prompts"])
 
     def cond(k):  # each rank's text right-padded to the longer of the two (masked: not read)
         L = max(p["cond"][k].shape[1] for p in parts)
@@ -135,22 +108,5 @@ def test_two_ranks_train_as_one_process(two_ranks, q21_dirs, tmp_path, setup, mo
     if setup == "turbo":  # the shipped config's training, not the overrides'
         assert cfg.engine.name == "dgpo" and cfg.sampler.sde_type == "ode" and cfg.loss.beta > 0
         assert cfg.model.gradient_checkpointing and cfg.model.guidance_scale == 1.0
-    tr = Trainer(cfg, log=lambda *a: None)
-    with torch.no_grad():
-        for q, v in zip(tr.params, parts[0]["params"]):
-            q.copy_(v)
-    traj = FlowTrajectory(cond={k: cond(k) for k in parts[0]["cond"]}, sigmas=parts[0]["sigmas"], xs=cat("xs"),
-                          velocities=torch.zeros(0), log_probs=torch.zeros(0), noise=torch.zeros(0),
-                          engine_state=ForwardState(idx=cat("idx"), noise=cat("noise")))
-    ro = Rollout(prompts=[q for p in parts for q in p["prompts"]],
-                 group_ids=torch.cat([p["group_ids"] + r * B for r, p in enumerate(parts)]), traj=traj,
-                 selected=cat("selected"), rewards=cat("rewards"))
-    tr.family.weigh(ro)
-    tr.backward(ro)
-    g1 = flat_grad(tr.params)
-    assert g1.norm() > 0
-    for r, p in enumerate(parts):
-        g = torch.cat([g.flatten().double() for g in p["grads"]])
-        err, diff = rel_err(g, g1), float((g - g1.double()).abs().max())
-        print(f"qwen-image 2.1 {setup} {mode} rank {r}: rel |rank grad − one process| = {err:.2e}, max abs = {diff:.2e}")
-        assert err < 1e-5, err
+    assert_ranks_match(Trainer(cfg, log=lambda *a: None), union_rollout(parts, cond), parts,
+                       f"qwen-image 2.1 {setup} {mode}")

@@ -21,9 +21,10 @@ from diffgrpo.models.diffusers_adapter import (
 from diffgrpo.models.pipelines import wan
 from diffgrpo.models.pipelines.wan import WanExperts
 from diffgrpo.samplers.rollout import sample_trajectories
-from tests.helpers.distributed import leave_gloo
+from tests.helpers.distributed import join_gloo, leave_gloo
 from tests.helpers.pipelines import PROMPTS, t5_tokenizer
 from tests.helpers.tensors import flat_grad, rel_err
+from tests.helpers.two_ranks import assert_ranks_match, load_ranks, save_step, spawn_two, union_rollout
 
 T = 4
 RES, FRAMES = 32, 5
@@ -277,84 +278,37 @@ WAN_DIST_COMMON = [*COMMON, *CROSS[:2], "train.max_grad_norm=0", "engine.name=dg
 
 
 def _wan_dist_worker(rank: int, world: int, port: int, out_dir: str, pipe_dir: str) -> None:
-    import os
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    from diffgrpo import distributed
-
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    join_gloo(rank, world, port)
     for mode in WAN_DIST:
         cfg = RunConfig.from_overrides([*WAN_DIST_COMMON, f"model.pretrained={pipe_dir}", "seed=0",
                                         f"train.prompts_file={pipe_dir}/prompts.txt", f"dist.mode={mode}",
                                         "dist.backend=gloo", f"log.output_dir={out_dir}/run-{mode}"])
         tr = Trainer(cfg, log=lambda *a: None)
-        ro, _ = tr.family.collect()
-        tr.update(ro)  # θ leaves the reference: non-zero margins at the second iteration
-        params = [distributed.to_full(p).detach().clone() for p in tr.params]
-        ro, _ = tr.family.collect()
-        tr.backward(ro)
-        st = ro.traj.engine_state
-        sharded = sum(type(p).__name__ == "DTensor" for p in tr.params)
-        torch.save({"grads": [distributed.to_full(p.grad).detach().clone() for p in tr.params], "params": params,
-                    "prompts": ro.prompts, "cond": ro.traj.cond, "xs": ro.traj.xs, "sigmas": ro.traj.sigmas,
-                    "selected": ro.selected, "rewards": ro.rewards, "group_ids": ro.group_ids, "idx": st.idx,
-                    "noise": st.noise, "sharded": sharded, "n_params": len(tr.params),
-                    "experts": sorted({n.split(".")[0] for n in tr.policy.named_trainable_parameters()})},
-                   os.path.join(out_dir, f"{mode}-rank{rank}.pt"))
+        save_step(tr, f"{out_dir}/{mode}-rank{rank}.pt",
+                  experts=sorted({n.split(".")[0] for n in tr.policy.named_trainable_parameters()}))
     leave_gloo()
 
 
 @pytest.fixture(scope="module")
 def two_rank_wan(wan_dirs, tmp_path_factory):
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     d = tmp_path_factory.mktemp("wan-dist")
-    mp.spawn(_wan_dist_worker, args=(2, port, str(d), str(wan_dirs["a14b"])), nprocs=2, join=True)
-    return {mode: [torch.load(d / f"{mode}-rank{r}.pt", weights_only=False) for r in range(2)] for mode in WAN_DIST}
+    spawn_two(_wan_dist_worker, str(d), str(wan_dirs["a14b"]))
+    return {mode: load_ranks(d, f"{mode}-") for mode in WAN_DIST}
 
 
 @pytest.mark.parametrize("mode", WAN_DIST)
 def test_two_ranks_train_both_experts_as_one_process(two_rank_wan, wan_dirs, tmp_path, mode):
     """Two gloo ranks (DDP; FSDP2 sharding the blocks of both experts) on a batch whose units fall on both sides
     of the boundary: each rank's synced gradient equals one process's on the union of both ranks' units."""
-    from diffgrpo.engines._forward import ForwardState
-    from diffgrpo.types import FlowTrajectory, Rollout
-
     parts = two_rank_wan[mode]
     assert parts[0]["experts"] == ["high", "low"]
     if mode == "fsdp2":
         assert parts[0]["sharded"] == parts[0]["n_params"] > 0  # every adapter weight of both experts is sharded
-    def cat(k):
-        return torch.cat([p[k] for p in parts])
-    B = len(parts[0]["prompts"])
     cfg = RunConfig.from_overrides([*WAN_DIST_COMMON, f"model.pretrained={wan_dirs['a14b']}", "seed=0",
                                     f"train.prompts_file={wan_dirs['a14b'] / 'prompts.txt'}",
                                     f"log.output_dir={tmp_path / 'run'}"])
     tr = Trainer(cfg, log=lambda *a: None)
-    with torch.no_grad():
-        for q, v in zip(tr.params, parts[0]["params"]):
-            q.copy_(v)
-    traj = FlowTrajectory(cond={k: torch.cat([p["cond"][k] for p in parts]) for k in parts[0]["cond"]},
-                          sigmas=parts[0]["sigmas"], xs=cat("xs"), velocities=torch.zeros(0), log_probs=torch.zeros(0),
-                          noise=torch.zeros(0), engine_state=ForwardState(idx=cat("idx"), noise=cat("noise")))
-    hi = tr.policy.transformer.expert_rows(traj.sigmas[traj.engine_state.idx] * 1000)
+    ro = union_rollout(parts)
+    hi = tr.policy.transformer.expert_rows(ro.traj.sigmas[ro.traj.engine_state.idx] * 1000)
     assert hi.any() and not hi.all()  # units on both experts
-    ro = Rollout(prompts=[q for p in parts for q in p["prompts"]],
-                 group_ids=torch.cat([p["group_ids"] + r * B for r, p in enumerate(parts)]), traj=traj,
-                 selected=cat("selected"), rewards=cat("rewards"))
-    tr.family.weigh(ro)
-    tr.backward(ro)
-    g1 = flat_grad(tr.params)
-    assert g1.norm() > 0
-    for p in parts:
-        assert rel_err(torch.cat([g.flatten().double() for g in p["grads"]]), g1) < 1e-5
+    assert_ranks_match(tr, ro, parts, f"wan 2.2 {mode}")

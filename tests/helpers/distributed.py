@@ -26,13 +26,13 @@ def rank_env(rank: int, world: int, port: int) -> None:
                       LOCAL_RANK=str(rank))
 
 
-def join_gloo(rank: int, world: int, port: int) -> None:
-    """:func:`rank_env`, then a gloo process group; a collective one rank never joins fails after the timeout
+def join_gloo(rank: int, world: int, port: int, timeout_s: float = 120) -> None:
+    """:func:`rank_env`, then a gloo process group; a collective one rank never joins fails after ``timeout_s``
     instead of hanging the test run."""
     import torch.distributed as dist
 
     rank_env(rank, world, port)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
 
 
 def leave_gloo() -> None:
