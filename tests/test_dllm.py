@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import signal
 
 import pytest
 import torch
@@ -20,6 +19,7 @@ from diffgrpo.models.hf_masked_lm import (
 )
 from diffgrpo.samplers import masked
 from diffgrpo.tasks import VOCAB
+from tests.helpers.interrupt import train_stopped_after
 from tests.helpers.tiny import TINY_DLLM, EnumerableMLM, make_dllm_trainer
 
 
@@ -292,17 +292,7 @@ def test_interrupted_run_resumes_bit_for_bit(tmp_path):
               "daca.likelihood=sml", "daca.sml_partition=random"]
     ref = make_dllm_trainer(*common, f"log.output_dir={tmp_path / 'ref'}")
     ref.train()
-    tr = make_dllm_trainer(*common, f"log.output_dir={tmp_path / 'run'}")
-    step = tr.step
-
-    def step_then_stop():
-        row = step()
-        if tr.iteration == 2:
-            signal.raise_signal(signal.SIGTERM)  # the job's handler: finish this iteration, checkpoint, stop
-        return row
-    tr.step = step_then_stop
-    tr.train()
-    assert tr.iteration == 2
+    train_stopped_after(make_dllm_trainer(*common, f"log.output_dir={tmp_path / 'run'}"), 2)
     again = make_dllm_trainer(*common, f"log.output_dir={tmp_path / 'run'}")
     again.train(resume=True)
     assert again.iteration == 4

@@ -3,7 +3,6 @@
 ``compute_returns_and_advantages_from_fragments`` (Gen-Verse/dLLM-RL, ``train/train_sdar_value.py``)."""
 from __future__ import annotations
 
-import signal
 from types import SimpleNamespace
 
 import pytest
@@ -15,6 +14,7 @@ from diffgrpo.dllm.trace_rl import trace_masks
 from diffgrpo.dllm.trace_value import clipped_value_loss, returns_and_advantages
 from diffgrpo.errors import ConfigError
 from diffgrpo.types import EngineStats
+from tests.helpers.interrupt import train_stopped_after
 
 F64 = torch.float64
 
@@ -196,17 +196,7 @@ def test_cli_train_runs_and_resume_restores_the_value_network_bitwise(tmp_path, 
 
     cfg = RunConfig.from_overrides([*COMMON, *more, f"log.output_dir={tmp_path / 'run'}",
                                     f"model.cache_dir={tmp_path / 'c'}"])
-    tr = Trainer(cfg, log=lambda *a: None)
-    step = tr.step
-
-    def step_then_stop():
-        row = step()
-        if tr.iteration == 2:
-            signal.raise_signal(signal.SIGTERM)  # the job's handler: finish this iteration, checkpoint, stop
-        return row
-    tr.step = step_then_stop
-    tr.train()
-    assert tr.iteration == 2
+    train_stopped_after(Trainer(cfg, log=lambda *a: None), 2)
     assert main(["train", *COMMON, *more, f"log.output_dir={tmp_path / 'run'}", f"model.cache_dir={tmp_path / 'c'}",
                  "--resume", str(tmp_path / "run")]) == 0
     got = load_file(str(tmp_path / "run" / "checkpoints" / "iter_000004" / "family.safetensors"))
