@@ -46,6 +46,23 @@ def test_the_shapes_task_sets_its_defaults_and_keeps_what_a_config_sets():
     assert own.model.patch_size == 1
 
 
+def test_a_key_written_out_keeps_its_value_under_a_task_even_at_the_global_default(tmp_path):
+    """pretrain.steps=800 is the global default; the shapes task's is 2400: written on the command line or in a
+    YAML file, 800 stays (a task fills only the keys nobody wrote), and a saved config reads back unchanged."""
+    assert RunConfig.from_overrides(["train.task=shapes"]).pretrain.steps == 2400
+    cli = RunConfig.from_overrides(["train.task=shapes", "pretrain.steps=800", "model.patch_size=4"])
+    assert (cli.pretrain.steps, cli.model.patch_size, cli.model.num_layers) == (800, 4, 3)
+    y = tmp_path / "c.yaml"
+    y.write_text("train: {task: shapes}\npretrain: {steps: 800}\n")
+    from_yaml = RunConfig.from_yaml(y)
+    assert (from_yaml.pretrain.steps, from_yaml.pretrain.lr) == (800, 1e-3)
+    saved = tmp_path / "saved.yaml"
+    saved.write_text(cli.to_yaml())
+    assert RunConfig.from_yaml(saved).to_dict() == cli.to_dict()
+    again = RunConfig.from_overrides(["seed=3"], base=cli)  # a derived config keeps what its base wrote
+    assert again.pretrain.steps == 800 and again.seed == 3
+
+
 @pytest.mark.parametrize("overrides, match", [
     (["train.task=shapes", "model.name=diffusers", "model.pretrained=org/model"],
      r"^train\.task: value 'shapes' applies to the built-in"),

@@ -78,6 +78,7 @@ class RunConfig:
         """Defaults (or ``base``) with ``key=value`` overrides; values are parsed as YAML scalars/lists; validated
         for ``purpose`` (``validation.PURPOSES``)."""
         cfg = from_dict(cls, to_dict(base)) if base is not None else cls()  # deep copy
+        vars(cfg)["_written"] = set(written(base)) if base is not None else set()  # the base's, not every key
         for item in overrides or []:
             if "=" not in item:
                 raise ConfigError(f"override {item!r} must look like key=value (e.g. engine.name=recompute)")
@@ -165,6 +166,7 @@ def set_path(cfg, dotted: str, value) -> None:
     if entry is not None:  # reward.weights.<name>=value
         key = dotted[: -len(entry) - 1]
         setattr(obj, fld.name, coerce(key, {**getattr(obj, fld.name), entry: value}, tp, fld.metadata))
+        written(cfg).add(key)
     elif dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise ConfigError(f"{dotted}: is a section; set its keys (e.g. {dotted}.<key>=...)")
@@ -172,22 +174,31 @@ def set_path(cfg, dotted: str, value) -> None:
             set_path(cfg, f"{dotted}.{k}", v)
     else:
         setattr(obj, fld.name, coerce(dotted, value, tp, fld.metadata))
+        written(cfg).add(dotted)
+
+
+def written(cfg) -> set[str]:
+    """The dotted keys a command line or a YAML mapping set on ``cfg`` (``set_path``), which its task never replaces;
+    a config built in Python and changed by attribute has none."""
+    return vars(cfg).setdefault("_written", set())
 
 
 def apply_task(cfg: RunConfig) -> None:
-    """Set the keys of ``TASK_DEFAULTS[cfg.train.task]`` that ``cfg`` leaves at their defaults (a saved config
-    holds them already, so applying it twice changes nothing). Only the built-in image model has tasks: for any
-    other ``model.name`` the validation refuses a task but digits instead."""
+    """Set the keys of ``TASK_DEFAULTS[cfg.train.task]`` that ``cfg`` leaves at their defaults and that no command
+    line or YAML file wrote (:func:`written`: ``pretrain.steps=800`` written out stays 800 under a task whose
+    default is 2400; a saved config holds every key, so applying it twice changes nothing). Only the built-in image
+    model has tasks: for any other ``model.name`` the validation refuses a task but digits instead."""
     if cfg.model.name != "tiny":
         return
-    default = RunConfig()
+    default, given = RunConfig(), written(cfg)
     for key, value in TASK_DEFAULTS[cfg.train.task].items():
         obj, fld, _, _ = _walk(cfg, key)
         base, _, _, _ = _walk(default, key)
         if key == "eval.guard_rewards":  # a guard reward is held out: never one the config trains on
             value = [n for n in value if not cfg.reward.weights.get(n)]
-        if getattr(obj, fld.name) == getattr(base, fld.name):
+        if key not in given and getattr(obj, fld.name) == getattr(base, fld.name):
             set_path(cfg, key, value)
+            given.discard(key)  # the task's value, not the user's
 
 
 def from_dict(cls, data: dict):
