@@ -180,6 +180,25 @@ def test_the_report_reads_a_run_config_with_bounded_aliases():
         yamlio.load("[" * 50_000 + "]" * 50_000, "--config")
 
 
+def test_a_value_nested_past_the_depth_bound_is_one_line_whatever_the_stack_depth():
+    """A nest that parses on a shallow stack used to overflow the walk that echoes it in an error when the call
+    came from deep in the stack (a RecursionError, not a ConfigError): nests past yamlio.MAX_DEPTH are refused
+    before they are built, and one at the bound is echoed from a deep stack."""
+    def deep(frames: int, fn):
+        return fn() if frames == 0 else deep(frames - 1, fn)
+
+    too_deep = "[" * (yamlio.MAX_DEPTH + 1) + "]" * (yamlio.MAX_DEPTH + 1)
+    with pytest.raises(ConfigError, match=rf"^log.output_dir: it is nested {yamlio.MAX_DEPTH + 1} levels deep"):
+        RunConfig.from_overrides([f"log.output_dir={too_deep}"])
+    at_bound = "[" * yamlio.MAX_DEPTH + "]" * yamlio.MAX_DEPTH
+    with pytest.raises(ConfigError, match="is not a valid str"):
+        deep(600, lambda: RunConfig.from_overrides([f"log.output_dir={at_bound}"]))
+    assert yamlio.load("a: [[1]]") == {"a": [[1]]}
+    with pytest.raises(ConfigError, match="^log.output_dir: it contains itself"):  # a list inside itself
+        RunConfig.from_overrides(["log.output_dir=&a [*a]"])
+    assert yamlio.load("a: &x [1]\nb: *x") == {"a": [1], "b": [1]}  # an alias elsewhere is fine
+
+
 # ------------------------------------------------------------------------------------------ flags (M19)
 @pytest.mark.parametrize("items", [["learning_rate=1e-5", "train.lr=2e-5"], ["train.lr=2e-5", "learning_rate=1e-5"],
                                    ["lr=1e-5", "learning_rate=2e-5"]])

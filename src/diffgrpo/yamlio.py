@@ -10,8 +10,9 @@ duplicate keys, bounded aliases.
                        - every integer and float also remembers the text it was written as (``text_of``): a string
                          field given ``001`` gets "001", not "1";
                        - a key given twice in one mapping is refused (never "last wins");
-                       - a document whose aliases expand to more than ``MAX_NODES`` nodes is refused before it is
-                         built (a few hundred bytes of nested aliases can otherwise expand to gigabytes);
+                       - a document whose aliases expand to more than ``MAX_NODES`` nodes, or nested more than
+                         ``MAX_DEPTH`` levels, is refused before it is built (a few hundred bytes of nested aliases can
+                         otherwise expand to gigabytes; a deep nest overflows whatever walks it);
                        - tags other than the core ones (``!!python/...``) are refused, as ``yaml.safe_load`` does.
   safe_load(text)      ``yaml.safe_load`` (YAML 1.1 scalars) with the same bound on aliases, for files the library
                        only shows (a run's ``config.yaml`` in ``report``): a document past the bound, or nested too
@@ -33,6 +34,7 @@ from .errors import ConfigError
 
 MAX_NODES = 100_000  # nodes of a document once its aliases are expanded
 MAX_ECHO = 200  # characters of a value echoed in an error message
+MAX_DEPTH = 64  # levels of nested lists / mappings (deeper ones would overflow the stack of whatever walks them)
 
 
 class YInt(int):
@@ -129,6 +131,20 @@ def _expanded_size(node, memo: dict) -> int:
     return n
 
 
+def _height(node, memo: dict) -> int:
+    """Levels of nested sequences / mappings under ``node``, aliases followed; a node inside itself (``&a [*a]``)
+    is :class:`TooLarge` (it would build a structure no walk ends on)."""
+    key = id(node)
+    if key in memo and memo[key] is None:
+        raise TooLarge("it contains itself (an alias inside its own anchor)")
+    if key not in memo:
+        memo[key] = None  # being visited
+        children = [c for kv in node.value for c in kv] if isinstance(node, yaml.MappingNode) else \
+            node.value if isinstance(node, yaml.SequenceNode) else []
+        memo[key] = 1 + max((_height(c, memo) for c in children), default=0)
+    return memo[key]
+
+
 class TooLarge(yaml.YAMLError):
     """A document whose aliases expand past ``MAX_NODES`` nodes, or nested too deep to parse."""
 
@@ -140,9 +156,11 @@ def _bounded(loader):
         node = loader.get_single_node()
         if node is None:
             return None
-        size = _expanded_size(node, {})
+        size, depth = _expanded_size(node, {}), _height(node, {})
     except RecursionError:
         raise TooLarge("it is nested too deep to read") from None
+    if depth > MAX_DEPTH:
+        raise TooLarge(f"it is nested {depth} levels deep (more than {MAX_DEPTH})")
     if size > MAX_NODES:
         raise TooLarge(f"its aliases expand to {size} nodes (more than {MAX_NODES}); write the values out instead")
     try:
