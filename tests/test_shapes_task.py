@@ -212,6 +212,51 @@ def test_rendered_samples_of_one_prompt_are_diverse_and_copies_are_not():
     assert sd.detection_diversity(dict(enumerate(sd.layouts(copies))), 4) == 0.0
 
 
+def test_color_diversity_is_the_chance_two_objects_of_a_colour_free_prompt_differ_in_colour():
+    import math
+
+    from diffgrpo.rewards import shapes_diversity as sd
+
+    def lay(*colors):  # a layout with one square per colour
+        return (tuple(("square", c) for c in colors), np.zeros((len(colors), 3)))
+
+    four = {0: lay("red"), 1: lay("green"), 2: lay("blue"), 3: lay("yellow")}
+    assert sd.color_diversity(four, {0, 1, 2, 3}, 4) == pytest.approx(0.75)
+    one = {i: lay("green") for i in range(4)}
+    assert sd.color_diversity(one, {0, 1, 2, 3}, 4) == 0.0
+    half = {0: lay("red", "red"), 1: lay("green", "green")}  # p = (1/2, 1/2) over four objects
+    assert sd.color_diversity(half, {0, 1}, 2) == pytest.approx(0.5)
+    assert sd.color_diversity({**four, **{4 + i: lay("red") for i in range(4)}}, {0, 1, 2, 3}, 4) == \
+        pytest.approx(0.75)  # prompts that name a colour are left out
+    assert math.isnan(sd.color_diversity(four, set(), 4))
+    blob = {0: lay("red", None), 1: lay("green")}  # an unrecognised object of no palette colour is left out
+    assert sd.color_diversity(blob, {0, 1}, 2) == pytest.approx(0.5)
+    assert sd.color_free({"include": [{"class": "triangle", "count": 1}]})
+    assert not sd.color_free({"include": [{"class": "triangle", "count": 1, "color": "red"}]})
+
+
+def test_a_colour_collapse_of_a_colour_free_prompt_trips_the_colour_guard():
+    cfg = RunConfig.from_overrides(["train.task=shapes", "eval.seeds_per_prompt=4"])
+    g = guards.EvalGuards.for_flow(cfg, "cpu")
+    rec = shapes.prompts("test", ("single_object",))[0]  # "a triangle": any colour
+    colored = [{**rec, "include": [{**rec["include"][0], "color": c}]} for c in shapes.COLORS]
+    rng = np.random.default_rng(2)
+    varied = torch.stack([shapes.render(m, rng) for m in colored])  # four colours
+    same = torch.stack([shapes.render(colored[1], rng) for _ in range(4)])  # all green
+
+    def evaluate(images):
+        ev = g.begin()
+        ev.add([0, 1, 2, 3], g.chunk(images, [rec["prompt"]] * 4, [rec] * 4))
+        return ev.result()
+
+    start, end = evaluate(varied), evaluate(same)
+    assert start["eval/guard/color_diversity"] == pytest.approx(0.75) and end["eval/guard/color_diversity"] == 0.0
+    assert any("color_diversity" in t for t in guards.tripped(start, end, guards.Thresholds()))
+    coloured_only = g.begin()  # an evaluation whose prompts all name a colour reports no colour guard
+    coloured_only.add([0, 1, 2, 3], g.chunk(varied, [m["prompt"] for m in colored], colored))
+    assert "eval/guard/color_diversity" not in coloured_only.result()
+
+
 def test_the_evaluation_guards_report_detection_diversity_and_its_drop_trips():
     cfg = RunConfig.from_overrides(["train.task=shapes", "eval.seeds_per_prompt=4"])
     g = guards.EvalGuards.for_flow(cfg, "cpu")

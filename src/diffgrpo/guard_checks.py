@@ -36,7 +36,7 @@ def uncomputed(start: dict, row: dict, th) -> list[str]:
               (PREFIX + "kid", getattr(th, "max_kid", 0.0) * (distance == "kid")),
               (PREFIX + "fd_base", th.max_drift), (PREFIX + "drift", th.max_drift),
               ("eval/diversity", th.min_diversity_ratio), (PREFIX + "diversity", th.min_diversity_ratio),
-              (PREFIX + "detection_diversity", th.min_diversity_ratio))
+              (PREFIX + "detection_diversity", th.min_diversity_ratio), (PREFIX + "color_diversity", th.min_diversity_ratio))
     keys = [k for k, on in limits if on > 0]
     if th.max_reward_drop > 0:
         keys += sorted(k for k in {*start, *row} if isinstance(k, str) and k.startswith(PREFIX + "rewards/"))

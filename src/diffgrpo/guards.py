@@ -23,7 +23,8 @@ Each evaluation (fixed prompts and seeds) reports, beside its rewards, under ``e
   pairwise L2 distance of the features, averaged over prompts (0 when every seed of a prompt gives one image).
 - ``detection_diversity`` (runs scored by the shapes checker, ``shapes_correct`` / ``shapes_score``): the same per
   prompt from the checker's own detections, the mean pairwise distance of the samples' object layouts
-  (positions, sizes, which objects; :mod:`diffgrpo.rewards.shapes_diversity`).
+  (positions, sizes, which objects; :mod:`diffgrpo.rewards.shapes_diversity`); ``color_diversity``: over the
+  prompts that name no colour, the chance that two detected objects differ in colour (where there are such prompts).
 
 Feature spaces (``eval.guard_features``), all available offline: ``digits`` (the built-in task's classifier, 64-d
 penultimate features, :func:`digit_features`), ``clip`` (unit-norm image embeddings of the CLIP model of the
@@ -112,7 +113,7 @@ def tripped(start: dict, row: dict, th: Thresholds) -> list[str]:
     d = row.get(PREFIX + "drift")
     if th.max_drift > 0 and isinstance(d, (int, float)) and math.isfinite(d) and d > th.max_drift:
         out.append(f"{PREFIX}drift {d:.4g} > {th.max_drift:g} (distance to the base model's samples)")
-    for k in ("eval/diversity", PREFIX + "diversity", PREFIX + "detection_diversity"):
+    for k in ("eval/diversity", PREFIX + "diversity", PREFIX + "detection_diversity", PREFIX + "color_diversity"):
         p = pair(k)
         if th.min_diversity_ratio > 0 and p and p[1] < th.min_diversity_ratio * p[0]:
             out.append(f"{k} {p[1]:.4g} < {th.min_diversity_ratio:g} × start {p[0]:.4g}")
@@ -265,8 +266,8 @@ class EvalGuards:
                                          log=self.log, rewards=self.reward_fns)
         feats = self.features(samples) if self.features is not None else None
         images = self.detections and torch.is_tensor(samples) and samples.dim() == 4
-        return {"rewards": rewards, "feats": feats,
-                "layouts": shapes_diversity.layouts(samples) if images else None}
+        return {"rewards": rewards, "feats": feats, "layouts": shapes_diversity.layouts(samples) if images else None,
+                "free": [shapes_diversity.color_free(m or {}) for m in metadata] if images else None}
 
     def texts(self, texts: list[str], prompts: list[str], metadata: list[dict]) -> dict[str, float]:
         """The guards of a whole text evaluation at once (completions are small)."""
@@ -308,6 +309,7 @@ class Evaluation:
         self.g, self.moments = guards, Moments(guards.group)
         self.sums: dict[str, list[float]] = {}  # guard reward → [Σ finite values, count]
         self.layouts: dict[int, shapes_diversity.Layout] = {}  # sample index → its detections' layout
+        self.free: set[int] = set()  # samples of prompts that name no colour
 
     def add(self, index: list[int], part: dict) -> None:
         for name, v in part["rewards"].items():
@@ -319,12 +321,16 @@ class Evaluation:
             self.moments.add(index, part["feats"])
         if part.get("layouts") is not None:
             self.layouts.update(zip(index, part["layouts"]))
+            self.free.update(i for i, f in zip(index, part["free"]) if f)
 
     def result(self) -> dict[str, float]:
         """{eval/guard/...}; the first result of a run (the base model) becomes the base statistics."""
         row = {f"{PREFIX}rewards/{k}/mean": (s[0] / s[1] if s[1] else float("nan")) for k, s in self.sums.items()}
         if self.layouts:
             row[PREFIX + "detection_diversity"] = shapes_diversity.detection_diversity(self.layouts, self.g.group)
+            spread = shapes_diversity.color_diversity(self.layouts, self.free, self.g.group)
+            if math.isfinite(spread):  # only where some prompt names no colour
+                row[PREFIX + "color_diversity"] = spread
         m = self.moments
         if m.n >= 2:
             mu, cov = gaussian_from_sums(m.n, m.s1, m.s2)

@@ -74,4 +74,27 @@ def detection_diversity(by_index: Mapping[int, Layout], group: int) -> float:
     return float(np.mean(values)) if values else float("nan")
 
 
-__all__ = ["Layout", "detection_diversity", "layout", "layout_distance", "layouts", "prompt_diversity"]
+def color_free(meta: Mapping) -> bool:
+    """Whether a prompt record names no colour ("a triangle", "two squares"): its samples may take any colour."""
+    return bool(meta.get("include")) and not any(e.get("color") for e in meta["include"])
+
+
+def color_diversity(by_index: Mapping[int, Layout], free: set[int], group: int) -> float:
+    """Over the prompts that name no colour (samples in ``free``; sample ``i`` of prompt ``i // group``), the mean
+    Gini–Simpson spread of the colours of their samples' detected objects, 1 − Σ_c p_c² (the chance that two objects
+    drawn for the prompt differ in colour: 0.75 for the four colours used evenly, 0 when every object has one
+    colour; objects of no palette colour are left out). NaN when no such prompt has a coloured object. Layout diversity compares labels and positions within a
+    prompt and barely moves when every sample of a colour-free prompt turns one colour; this does."""
+    colors: dict[int, list[str]] = {}
+    for i in sorted(free & set(by_index)):
+        colors.setdefault(i // group, []).extend(c for _, c in by_index[i][0] if c is not None)  # palette colours
+    values = []
+    for cs in colors.values():
+        if cs:
+            _, counts = np.unique(cs, return_counts=True)
+            values.append(1.0 - float(((counts / counts.sum()) ** 2).sum()))
+    return float(np.mean(values)) if values else float("nan")
+
+
+__all__ = ["Layout", "color_diversity", "color_free", "detection_diversity", "layout", "layout_distance", "layouts",
+           "prompt_diversity"]
