@@ -111,5 +111,14 @@ class Family(Protocol):
 
     def set_rng_state(self, state: dict) -> None: ...
 
+    def extra_state(self) -> dict[str, torch.Tensor] | None:
+        """Tensors of the family's own that a checkpoint keeps beside the policy's (``family.safetensors``; e.g.
+        TraceRL's value network), or None."""
+        ...
+
+    def load_extra_state(self, state: dict[str, torch.Tensor] | None) -> None:
+        """Restore :meth:`extra_state` from a checkpoint (None: the checkpoint holds none)."""
+        ...
+
 
 __all__ = ["Family", "Samples", "Sync"]

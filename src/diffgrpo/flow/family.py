@@ -156,6 +156,13 @@ class FlowFamily:
             self.sampler.set_state(state["prompt_sampler"])
         self.plans_made = int(state.get("plans_made", 0))
 
+    def extra_state(self) -> None:
+        """The flow family keeps no tensors of its own beside the policy's."""
+        return None
+
+    def load_extra_state(self, state) -> None:
+        return None
+
     # ------------------------------------------------------------------ planning
     def sample_prompts(self) -> tuple[list[str], torch.Tensor, list[dict]]:
         """``prompts_per_batch`` prompts (P/W per rank in the local layout), each repeated ``group_size`` times.

@@ -83,8 +83,9 @@ def color_diversity(by_index: Mapping[int, Layout], free: set[int], group: int) 
     """Over the prompts that name no colour (samples in ``free``; sample ``i`` of prompt ``i // group``), the mean
     Gini–Simpson spread of the colours of their samples' detected objects, 1 − Σ_c p_c² (the chance that two objects
     drawn for the prompt differ in colour: 0.75 for the four colours used evenly, 0 when every object has one
-    colour; objects of no palette colour are left out). NaN when no such prompt has a coloured object. Layout diversity compares labels and positions within a
-    prompt and barely moves when every sample of a colour-free prompt turns one colour; this does."""
+    colour; objects of no palette colour are left out). NaN when no such prompt has a coloured object. Layout
+    diversity compares labels and positions within a prompt and barely moves when every sample of a colour-free
+    prompt turns one colour; this does."""
     colors: dict[int, list[str]] = {}
     for i in sorted(free & set(by_index)):
         colors.setdefault(i // group, []).extend(c for _, c in by_index[i][0] if c is not None)  # palette colours

@@ -22,6 +22,7 @@ import torch
 
 from ..tasks.shapes import SHAPES
 from .shapes import PALETTE, Detection, detect_batch
+from .shapes_diversity import layout
 
 UNRECOGNISED = (None, None)
 LABELS: tuple[tuple[str | None, str | None], ...] = (*((k, c) for k in SHAPES for c in PALETTE), UNRECOGNISED)
@@ -31,15 +32,14 @@ DIM = PER_LABEL * len(LABELS) + 1  # + the empty-scene dimension
 
 
 def scene_vector(dets: list[Detection], height: int, width: int) -> np.ndarray:
-    """One image's detections → (DIM,) float64 (module doc)."""
+    """One image's detections → (DIM,) float64 (module doc); the points are the layout diversity's."""
+    labels, points = layout(dets, height, width)  # (n,), (n, 3): x / W, y / H, √area / W
+    idx = np.array([INDEX.get(label, INDEX[UNRECOGNISED]) for label in labels], dtype=int)  # (n,)
     v = np.zeros(DIM)
-    by_label: dict[int, list[tuple[float, float, float]]] = {}
-    for d in dets:
-        j = INDEX.get((d.kind, d.color), INDEX[UNRECOGNISED]) if d.kind is not None else INDEX[UNRECOGNISED]
-        by_label.setdefault(j, []).append((d.centroid[0] / width, d.centroid[1] / height, np.sqrt(d.area) / width))
-    for j, points in by_label.items():
-        v[PER_LABEL * j] = len(points)
-        v[PER_LABEL * j + 1:PER_LABEL * (j + 1)] = np.mean(points, axis=0)  # (3,)
+    for j in np.unique(idx):
+        mine = points[idx == j]  # (m, 3)
+        v[PER_LABEL * j] = len(mine)
+        v[PER_LABEL * j + 1:PER_LABEL * (j + 1)] = mine.mean(0)
     v[-1] = float(not dets)
     return v
 

@@ -275,7 +275,7 @@ def capture(trainer) -> RunState:
         "optimizer": {**trainer.optimizer.state_dict(), "lr_scheduler": trainer.scheduler.state_dict()},
         "ema": trainer.ema.state_dict() if trainer.ema is not None else None, "rng": rng})
     return RunState(iteration=trainer.iteration, extra=extra, config=trainer.cfg.to_dict(), reference=ref, **full,
-                    family=getattr(trainer.family, "extra_state", lambda: None)())
+                    family=trainer.family.extra_state())
 
 
 def save(trainer, run_dir: Path) -> Path:
@@ -346,7 +346,7 @@ def restore(trainer, st: RunState) -> None:
     trainer.bad_updates = int(st.extra.get("bad_updates", 0))
     if trainer.grad_scaler is not None and "grad_scaler" in st.extra:
         trainer.grad_scaler.load_state_dict(st.extra["grad_scaler"])
-    getattr(trainer.family, "load_extra_state", lambda state: None)(st.family)  # e.g. a value network
+    trainer.family.load_extra_state(st.family)  # e.g. a value network
     if getattr(trainer, "adaptive_ref", None) is not None and st.reference is not None:
         trainer.adaptive_ref.load(trainer.policy, st.reference, st.extra.get("reference", {}))
 
