@@ -94,8 +94,8 @@ def test_a_weight_zero_reward_may_be_a_guard_reward_and_a_trained_one_may_not():
                                   "eval.guard_rewards=[jpeg_incompressibility]"])
 
 
-def test_guard_features_are_none_for_shapes_and_digits_for_digits():
-    assert guards.feature_kind(RunConfig.from_overrides(["train.task=shapes"])) == "none"
+def test_guard_features_are_shapes_for_shapes_and_digits_for_digits():
+    assert guards.feature_kind(RunConfig.from_overrides(["train.task=shapes"])) == "shapes"
     assert guards.feature_kind(RunConfig.from_overrides([])) == "digits"
     assert guards.feature_kind(RunConfig.from_overrides(["train.task=digits"])) == "digits"
 
@@ -289,7 +289,7 @@ def test_train_task_shapes_trains_and_evaluates_through_the_command_line(tmp_pat
                   "eval/guard/rewards/shapes_score/mean", "eval/guard/detection_diversity"):
             assert np.isfinite(r[k]) and 0 <= r[k] <= 1, k
         assert r["eval/rewards/shapes_score/mean"] == r["eval/guard/rewards/shapes_score/mean"]
-        assert "eval/fid" not in r  # the digit guards read digits only
+        assert np.isfinite(r["eval/fid"])  # in the shapes encoder's space (tests/test_shapes_guard_features.py)
     train = [r for r in rows if "reward" in r and "iteration" in r and "eval/reward" not in r]
     assert train and all("rewards/shapes_correct" in json.dumps(r) for r in train)
     assert (out / "samples_start_end.png").is_file()

@@ -3,11 +3,12 @@
 The statistics of a feature space (Fréchet distance, diversity, their fixed-memory accumulation) live in
 :mod:`diffgrpo.feature_stats`; this module computes the features, the guard values and the policy.
 
-On the built-in task (``model.name=tiny``) the flow evaluation reports ``eval/fid`` and ``eval/diversity``: the
-Fréchet distance between Gaussians fitted to the digit classifier's penultimate features (the 64-d ReLU layer before
-the logits of ``rewards.image.DigitClassifier``) of the generated samples and of the digits *test* split, and their
-per-prompt diversity (:class:`GuardStats`; the test split's statistics are computed once per image size); beside
-them ``eval/guard/kid``, the unbiased KID between the same two feature sets (``feature_stats.kid``).
+On the built-in digits task (``model.name=tiny``) the flow evaluation reports ``eval/fid`` and ``eval/diversity``:
+the Fréchet distance between Gaussians fitted to the digit classifier's penultimate features (the 64-d ReLU layer
+before the logits of ``rewards.image.DigitClassifier``) of the generated samples and of the digits *test* split, and
+their per-prompt diversity (:class:`GuardStats`); beside them ``eval/guard/kid``, the unbiased KID between the same
+two feature sets (``feature_stats.kid``). Shapes task: the same against scenes rendered for the evaluation prompts, in
+the features of :mod:`rewards.shapes_encoder` (a CNN trained on rendered scenes; ``guard_features.task_reference``).
 
 Each evaluation (fixed prompts and seeds) reports, beside its rewards, under ``eval/guard/``:
 
@@ -29,9 +30,9 @@ Each evaluation (fixed prompts and seeds) reports, beside its rewards, under ``e
 Feature spaces (``eval.guard_features``), all available offline: ``digits`` (the built-in task's classifier, 64-d
 penultimate features, :func:`digit_features`), ``clip`` (unit-norm image embeddings of the CLIP model of the
 run's first CLIP-class reward, pickscore / clip_score / aesthetic, loaded once and shared with that reward; video:
-the mean over frames), a plug-in ``module:function`` (images → (B, D)), ``none``; ``auto`` picks digits for the
-built-in model, else clip when a CLIP-class reward is configured, else none. Text: L2-normalised counts of the
-completion's character trigrams hashed into 64 buckets (crc32; a fixed, model-free feature).
+the mean over frames), ``shapes`` (:mod:`rewards.shapes_encoder`), a plug-in ``module:function``, ``none``; ``auto``
+picks digits / shapes for the built-in model on those tasks, else clip when a CLIP-class reward is configured, else
+none. Text: L2-normalised counts of the completion's character trigrams hashed into 64 buckets (crc32; model-free).
 
 Everything accumulates in fixed memory (``feature_stats.Moments``: float64 Σf and Σffᵀ, and a prompt's features
 only until its seeds are complete), whatever the number of evaluation samples. Cost: one feature forward per
@@ -63,6 +64,7 @@ from .fileio import atomic_write
 from .guard_features import CLIP_REWARDS, FEATURES, clip_features, clip_reward, diversity_space, feature_kind, plugin
 from .rewards import TEXT_REWARDS, compute_rewards, make_rewards, shapes_diversity, shapes_features, time_limited
 from .rewards import image as image_rewards
+from .rewards import shapes_encoder as shapes_space
 
 PREFIX = "eval/guard/"
 BASE_FILE = "guard_base.safetensors"
@@ -173,18 +175,20 @@ def digit_features(images: torch.Tensor) -> torch.Tensor:
 
 
 def guards_apply(cfg, images: torch.Tensor) -> bool:
-    """Whether a flow evaluation's images get the digit guards: the built-in task's one-channel digit images."""
-    return cfg.model.name == "tiny" and images.dim() == 4 and images.shape[1] == 1
+    """Whether a flow evaluation's images get eval/fid: the built-in model's digits, or shapes (their encoder's)."""
+    channels = 3 if feature_kind(cfg) == "shapes" else 1
+    return cfg.model.name == "tiny" and images.dim() == 4 and images.shape[1] == channels
 
 
 class GuardStats:
-    """``eval/fid``, ``eval/guard/kid`` and ``eval/diversity`` of one evaluation's digit images, accumulated chunk
-    by chunk (``Moments``; KID keeps the features, 512 bytes a sample). With distinct prompts it equals
-    ``frechet_distance`` of ``gaussian_stats`` against :func:`reference_stats` and ``per_prompt_diversity`` on the
-    whole feature set (up to float64 round-off)."""
+    """``eval/fid``, ``eval/guard/kid`` and ``eval/diversity`` of one evaluation's images (``reference``: feature map
+    and reference features, ``guard_features.task_reference``; None: the digits'), accumulated chunk by chunk
+    (``Moments``; KID keeps the features, 512 bytes a sample). With distinct prompts it equals ``frechet_distance`` of
+    ``gaussian_stats`` against the reference's and ``per_prompt_diversity`` on the whole feature set (round-off)."""
 
-    def __init__(self, image_size: int, group_size: int):
+    def __init__(self, image_size: int, group_size: int, reference: tuple | None = None):
         self.image_size, self.moments, self.feats = image_size, Moments(group_size), {}
+        self.features, self.reference = reference or (digit_features, None)  # map, reference features (N, D)
 
     def add(self, index: list[int], feats: torch.Tensor) -> None:
         """Samples ``index`` (their evaluation order) with features (n, 64)."""
@@ -198,9 +202,9 @@ class GuardStats:
         if m.n < 2:
             return {}
         mu, cov = gaussian_from_sums(m.n, m.s1, m.s2)
-        out = {"eval/fid": frechet_distance(mu, cov, *reference_stats(self.image_size)),
-               PREFIX + "kid": kid(torch.stack([self.feats[i] for i in sorted(self.feats)]),
-                                   reference_features(self.image_size))}
+        ref = reference_features(self.image_size) if self.reference is None else self.reference
+        out = {"eval/fid": frechet_distance(mu, cov, *gaussian_stats(ref)),
+               PREFIX + "kid": kid(torch.stack([self.feats[i] for i in sorted(self.feats)]), ref)}
         if m.spreads:
             out["eval/diversity"] = m.diversity()
         return out
@@ -221,7 +225,6 @@ class Base:
     def load(cls, path: Path) -> Base:
         """The statistics written by :meth:`save`; a damaged file is a one-line TrainingError."""
         return cls(*guard_checks.base_tensors(path))
-
 
 
 # ---------------------------------------------------------------------- what an evaluation computes
@@ -357,8 +360,8 @@ def image_feature_fn(cfg, device) -> Callable | None:
     kind = feature_kind(cfg)
     if kind == "none":
         return None
-    if kind == "digits":
-        return digit_features
+    if kind in ("digits", "shapes"):
+        return digit_features if kind == "digits" else shapes_space.features
     if kind == "clip":
         name = clip_reward(cfg)
         model, processor = CLIP_REWARDS[name]
@@ -477,9 +480,9 @@ def check_config(cfg, family: str) -> dict[str, float]:
     if kind not in FEATURES and ":" not in kind:
         raise ConfigError(f"eval.guard_features: value {kind!r} is not allowed; choose one of {list(FEATURES)} or a "
                           "module:function (images -> (B, D) features)")
-    if kind == "digits" and (cfg.model.name != "tiny" or cfg.train.task != "digits"):
-        raise ConfigError(f"eval.guard_features: 'digits' reads the built-in model's digit images (model.name=tiny, "
-                          f"train.task=digits), not model.name={cfg.model.name}'s with train.task={cfg.train.task}; "
+    if kind in ("digits", "shapes") and (cfg.model.name != "tiny" or cfg.train.task != kind):
+        raise ConfigError(f"eval.guard_features: {kind!r} reads the built-in model's {kind} images (model.name=tiny, "
+                          f"train.task={kind}), not model.name={cfg.model.name}'s with train.task={cfg.train.task}; "
                           "choose clip, auto, none or a module:function")
     if kind == "clip" and clip_reward(cfg) is None:
         raise ConfigError(f"eval.guard_features: 'clip' uses the CLIP model of a CLIP-class reward, and neither "

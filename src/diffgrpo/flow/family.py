@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from .. import distributed, diversity, guards, sources
+from .. import distributed, diversity, guard_features, guards, sources
 from ..config import RunConfig
 from ..data import default_prompts, digit_prompt, prompt_digit, task_metadata
 from ..data_sources import EpochSampler, listing_counts, load_prompts, prompt_metadata
@@ -363,7 +363,8 @@ class FlowFamily:
         want_media = table is not None or W > 1  # rank 0 alone knows whether it writes a table
         save_media = want_media and self.cfg.log.save_images
         rewards, comps, grid = torch.full((N,), float("nan")), {}, {}
-        digit_guards = guards.GuardStats(self.cfg.model.image_size, self.cfg.eval.seeds_per_prompt)  # built-in task
+        digit_guards = guards.GuardStats(self.cfg.model.image_size, self.cfg.eval.seeds_per_prompt,  # built-in tasks
+                                         guard_features.task_reference(self.cfg, metadata))
         held_out = self.guards.begin()  # eval/guard/*: guard rewards, distance to the base samples, diversity
         for lo in range(0, share, n):
             idx = rows[lo:lo + n]
@@ -376,7 +377,7 @@ class FlowFamily:
                              if idx[j] < EVAL_GRID_IMAGES},
                     "media": [to_uint8(im[j]) for j in real] if save_media else None,
                     "sources": [None if src[j] is None else to_uint8(src[j]) for j in real] if save_media else None,
-                    "feats": guards.digit_features(im[real]) if guards.guards_apply(self.cfg, im) else None,
+                    "feats": digit_guards.features(im[real]) if guards.guards_apply(self.cfg, im) else None,
                     "guard": self.guards.chunk(im[real], [prompts[idx[j]] for j in real],
                                                sources.attach([metadata[idx[j]] for j in real]))}
             del im
