@@ -1,5 +1,6 @@
-"""The guards' noise at their edge: one model (the built-in task's start model, untrained by GRPO) evaluated with
-``--repeats`` disjoint evaluation seeds, at each ``--eval-seeds-per-prompt``.
+"""The guards' noise at their edge: one model (the built-in model's start model on ``--task`` digits or shapes,
+untrained by GRPO) evaluated with ``--repeats`` disjoint evaluation seeds, at each ``--eval-seeds-per-prompt``
+(default: 4 and 32 on digits, the task's default 4 on shapes: 72 held-out rows × 4 = 288 samples).
 
 For every size it reports the spread of ``eval/fid`` and ``eval/guard/kid`` over the repeats (standard deviation and
 range, FID relative to its mean) and the guards' *false-alarm rate*: over every ordered pair (i, j) of repeats, i ≠ j,
@@ -8,6 +9,7 @@ with the distance guard alone (FID ratio ≤ ``train.guard_max_fid_ratio``, or K
 and with every guard (diversity included). The model never changes, so every alarm is noise.
 
     OMP_NUM_THREADS=1 python benchmarks/guard_noise.py --out benchmarks/results/guard_noise
+    OMP_NUM_THREADS=1 python benchmarks/guard_noise.py --task shapes --out benchmarks/results/guard_noise_shapes
 """
 from __future__ import annotations
 
@@ -25,8 +27,8 @@ import torch
 from diffgrpo import RunConfig, guards
 from diffgrpo.trainer import Trainer
 
-BASE = ["train.task=digits", "train.prompts_per_batch=4", "train.group_size=8", "log.progress=false", "log.save_images=false",
-        "eval.every=0"]
+BASE = ["train.prompts_per_batch=4", "train.group_size=8", "log.progress=false", "log.save_images=false", "eval.every=0"]
+SIZES = {"digits": [4, 32], "shapes": [4]}  # eval.seeds_per_prompt measured by default
 
 
 def alarms(rows: list[dict], th: guards.Thresholds, only: str = "") -> float:
@@ -49,8 +51,8 @@ def spread(xs: list[float]) -> dict:
             "max_over_min": max(xs) / min(xs) if min(xs) > 0 else float("nan")}
 
 
-def measure(size: int, repeats: int, overrides: list[str]) -> dict:
-    cfg = RunConfig.from_overrides([*BASE, f"eval.seeds_per_prompt={size}", *overrides])
+def measure(size: int, repeats: int, overrides: list[str], task: str = "digits") -> dict:
+    cfg = RunConfig.from_overrides([f"train.task={task}", *BASE, f"eval.seeds_per_prompt={size}", *overrides])
     tr = Trainer(cfg, log=lambda *a: None)
     rows, t0 = [], time.perf_counter()
     for k in range(repeats):
@@ -60,7 +62,7 @@ def measure(size: int, repeats: int, overrides: list[str]) -> dict:
     fid, kid = [r["eval/fid"] for r in rows], [r["eval/guard/kid"] for r in rows]
     th_fid = guards.thresholds(cfg.train)
     th_kid = guards.Thresholds(**{**vars(th_fid), "distance": "kid"})
-    return {"seeds_per_prompt": size, "samples": len(tr.family.eval_prompts()[0]), "repeats": repeats,
+    return {"task": task, "seeds_per_prompt": size, "samples": len(tr.family.eval_prompts()[0]), "repeats": repeats,
             "fid": spread(fid), "kid": spread(kid), "reward": spread([r["eval/reward"] for r in rows]),
             "false_alarms": {"fid_ratio": alarms(rows, th_fid, "eval/fid"), "kid": alarms(rows, th_kid, "eval/guard/kid"),
                              "all_guards_fid": alarms(rows, th_fid), "all_guards_kid": alarms(rows, th_kid),
@@ -72,8 +74,9 @@ def measure(size: int, repeats: int, overrides: list[str]) -> dict:
 
 
 def table(results: list[dict], command: str) -> str:
-    lines = ["# Guard noise: one model, disjoint evaluation seeds", "", f"Command: `{command}`", "",
-             "The built-in task's start model (no GRPO step) evaluated with disjoint evaluation seeds; every guard "
+    task = results[0].get("task", "digits")
+    lines = [f"# Guard noise: one model, disjoint evaluation seeds ({task} task)", "", f"Command: `{command}`", "",
+             f"The built-in model's start model on the {task} task (no GRPO step) evaluated with disjoint evaluation seeds; every guard "
              "alarm between two of these evaluations is noise (the model is the same). FID relative: std ÷ mean; "
              "false alarms: ordered pairs (start i, evaluation j ≠ i) with the guard out; mean of 2: the same with start and "
              "evaluation each the mean of two neighbouring evaluations (half as many of them).", "",
@@ -93,12 +96,13 @@ def table(results: list[dict], command: str) -> str:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--repeats", type=int, default=10)
-    p.add_argument("--eval-seeds-per-prompt", type=int, nargs="+", default=[4, 32])
+    p.add_argument("--task", choices=sorted(SIZES), default="digits")
+    p.add_argument("--eval-seeds-per-prompt", type=int, nargs="+", default=None, help="default: 4 32 (digits), 4 (shapes)")
     p.add_argument("--out", default="benchmarks/results/guard_noise")
     p.add_argument("overrides", nargs="*", help="extra key=value config overrides")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
-    results = [measure(n, a.repeats, a.overrides) for n in a.eval_seeds_per_prompt]
+    results = [measure(n, a.repeats, a.overrides, a.task) for n in a.eval_seeds_per_prompt or SIZES[a.task]]
     command = "OMP_NUM_THREADS=1 python benchmarks/guard_noise.py " + " ".join(
         shlex.quote(w) for w in (argv if argv is not None else sys.argv[1:]))
     out = Path(a.out)
