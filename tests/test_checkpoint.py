@@ -47,3 +47,22 @@ def test_a_checkpoint_in_a_folder_of_another_iteration_is_refused(small_run, tmp
     assert main(["train", "--resume", str(run), "train.num_iterations=6"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "says iteration 1 in its state.json, not its folder's" in err[0], err
+
+
+# ------------------------------------------------------------ a resume whose logged start evaluation holds a null
+def test_a_resume_reads_back_a_start_evaluation_with_a_non_finite_value(small_run, tmp_path, capsys):
+    """The metrics log stores a non-finite value as null (a shapes run's detection diversity with no detections
+    is NaN); the resumed run prints that start row as n/a, as the end summary does, and goes on."""
+    import json
+
+    run = copy_run(small_run, tmp_path)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    start = next(r for r in rows if "eval/reward" in r)
+    start["eval/fid"] = None
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run), "train.num_iterations=2"]) == 0
+    out = capsys.readouterr().out
+    assert "eval at start: " in out and "eval/fid=n/a" in out, out[-2000:]
+    assert [json.loads(line)["iteration"] for line in (run / "metrics.jsonl").read_text().splitlines()
+            if "reward" in json.loads(line)] == [1, 2]

@@ -226,7 +226,8 @@ class Job:
 
 
 def _fmt(row: dict) -> str:
-    return ", ".join(f"{k}={v:.4f}" for k, v in row.items() if k.startswith("eval/"))
+    """The eval values of ``row``; a null (the metrics log's record of a non-finite value, read back) is n/a."""
+    return ", ".join(f"{k}={'n/a' if v is None else f'{v:.4f}'}" for k, v in row.items() if k.startswith("eval/"))
 
 
 class _NullWriter:
