@@ -1,8 +1,9 @@
-"""The user-path matrix: launch {one process, torchrun 2 ranks DDP, torchrun 2 ranks FSDP2} × model {built-in, a tiny
-StableDiffusion3Pipeline directory, a tiny Wan pipeline directory, the built-in masked LM, a tiny remote-code
-LLaDA-style model, the built-in block-diffusion LM, a tiny remote-code block-diffusion LM in the layout of the
-released SDAR / TraDo checkpoints, a tiny Qwen-Image 2.1 pipeline directory, the shipped Qwen-Image
-2.1 Turbo config on a tiny Turbo-style pipeline directory} × {full fine-tune, LoRA}, each cell through the command line to the very end:
+"""The user-path matrix: launch {one process, torchrun 2 ranks DDP, torchrun 2 ranks FSDP2} × model {built-in, the
+built-in on train.task=shapes, a tiny StableDiffusion3Pipeline directory, a tiny Wan pipeline directory, the built-in
+masked LM, a tiny remote-code LLaDA-style model, the built-in block-diffusion LM, a tiny remote-code block-diffusion
+LM in the layout of the released SDAR / TraDo checkpoints, a tiny Qwen-Image 2.1 pipeline directory, the shipped
+Qwen-Image 2.1 Turbo config on a tiny Turbo-style pipeline directory} × {full fine-tune, LoRA}, each cell through
+the command line to the very end:
 
     train with a checkpoint every iteration → SIGTERM once the first checkpoint exists (the run finishes its
     iteration, checkpoints, exits 143) → ``train --resume`` → finish (exit 0, every promised file) → ``export``
@@ -42,7 +43,7 @@ from tests.helpers.pipelines import (
 from tests.helpers.remote_models import build_remote_model
 
 LAUNCHES = ("one", "ddp", "fsdp2")
-MODELS = ("builtin", "sd3", "wan", "mlm", "llada", "block", "remote_block", "qwenimage21", "qwenimage21turbo")
+MODELS = ("builtin", "shapes", "sd3", "wan", "mlm", "llada", "block", "remote_block", "qwenimage21", "qwenimage21turbo")
 REMOTE_CODE = ("llada", "remote_block")  # hf_masked_lm with dllm.trust_remote_code=true
 # a reward that differs inside a group of a random model (its task accuracy is 0): the updates are not zero
 SPREAD_REWARD = "reward.weights={task: 1.0, tests.helpers.rewards:brevity: 1.0}"
@@ -64,7 +65,8 @@ REFUSED: dict[tuple[str, str, str], str] = {
     ("fsdp2", "block", kind): "error: dist.mode=fsdp2 for masked diffusion LMs shards the blocks of "
                               "model.name=hf_masked_lm; the built-in tiny_block trains data parallel with dist.mode=ddp"
     for kind in ("full", "lora")}
-FAST = {("one", "builtin", "full")}
+# (the shapes cell's model and guard encoder are cached once per test session; the shapes tests train the same ones)
+FAST = {("one", "builtin", "full"), ("one", "shapes", "full")}
 
 
 # ------------------------------------------------------------------------------------------ tiny models on disk
@@ -142,6 +144,10 @@ def _model_args(model: str, lora: bool, request) -> list[str]:
         args = ["train.task=digits", "model.image_size=8", "model.num_layers=2", "model.num_heads=2",
                 "model.head_dim=8", "model.text_dim=16", "pretrain.steps=20", "pretrain.batch_size=16", "sampler.num_steps=4",
                 "eval.seeds_per_prompt=1", "reward.weights={jpeg_incompressibility: 1.0}", "train.lr=1e-3"]
+    elif model == "shapes":  # the built-in model on train.task=shapes (the tiny sizes of the shapes tests: one cache)
+        args = ["train.task=shapes", "model.num_layers=1", "model.num_heads=2", "model.head_dim=8", "model.text_dim=16",
+                "pretrain.steps=10", "pretrain.batch_size=8", "sampler.num_steps=3", "eval.seeds_per_prompt=1",
+                "reward.weights={jpeg_incompressibility: 1.0}", "train.lr=1e-3"]
     elif model in ("sd3", "wan"):
         d = request.getfixturevalue(f"{model}_dir")
         args = ["model.name=diffusers", f"model.pretrained={d}", "model.resolution=16", "model.max_sequence_length=8",
@@ -230,9 +236,10 @@ def _assert_same(a: dict, b: dict) -> None:
 
 def _reload_and_sample(model: str, lora: bool, run: Path, exp: Path, merged: Path | None, request, tmp: Path):
     weights = load_file(str(run / "weights.safetensors"))
-    if model in ("builtin", "mlm", "block"):  # the library's own sampling from the run directory
-        out = tmp / ("s.png" if model == "builtin" else "s.jsonl")
-        prompt = ["--prompt", "a handwritten digit 3"] if model == "builtin" else []
+    if model in ("builtin", "shapes", "mlm", "block"):  # the library's own sampling from the run directory
+        out = tmp / ("s.png" if model in ("builtin", "shapes") else "s.jsonl")
+        prompt = {"builtin": ["--prompt", "a handwritten digit 3"], "shapes": ["--prompt", "a red circle"]}
+        prompt = prompt.get(model, [])
         assert main(["sample", "--weights", str(run), "--num", "1", "--out", str(out), *prompt]) == 0
         assert out.is_file() and out.stat().st_size > 0
         if model == "mlm" and lora:  # a peft adapter on the cached pretrained built-in base (no base on the hub)
@@ -381,18 +388,19 @@ def _cell(launch: str, model: str, kind: str, request, tmp_path: Path) -> None:
     rc, text = _run([*prefix, "train", "--resume", str(run), *dist_args, *code])
     assert rc == 0, text[-4000:]
     assert "resumed from" in text
-    exported_name = {"builtin": "lora" if lora else "transformer", "sd3": "lora" if lora else "transformer",
-                     "wan": "lora" if lora else "transformer", "mlm": "lora" if lora else "model", "llada": "lora" if lora else "model",
-                     "remote_block": "lora" if lora else "model",
-                     "block": "lora" if lora else "model", "qwenimage21": "lora" if lora else "transformer",
-                     "qwenimage21turbo": "lora" if lora else "transformer"}
+    exported_name = "lora" if lora else "model" if model in ("mlm", "llada", "block", "remote_block") else "transformer"
     for name in ("config.yaml", "metrics.jsonl", "summary.json", "weights.safetensors", ".diffgrpo-run",
-                 exported_name[model]):
+                 exported_name):
         assert (run / name).exists(), (name, sorted(p.name for p in run.iterdir()))
     summary = json.loads((run / "summary.json").read_text())
     assert set(summary) == {"start", "end"}
     its = [r["iteration"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "reward" in r]
     assert its == [1, 2, 3], its  # every iteration once: the interrupted run's rows after its checkpoint dropped
+    if model == "shapes":  # the task's distance guards in the shapes encoder's features, at the start and the end
+        evals = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "eval/reward" in r]
+        assert [r["iteration"] for r in evals] == [0, 3], evals
+        assert all(isinstance(r.get(k), float) for r in evals for k in ("eval/fid", "eval/guard/kid")), evals
+        assert evals[-1]["eval/guard/drift"] > 0, evals  # trained: the end samples moved off the base model's
     exp = tmp_path / "export"
     assert main(["export", str(run), *code, "--out", str(exp)]) == 0 and (exp / "README.md").is_file()
     merged = None
