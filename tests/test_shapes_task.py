@@ -301,3 +301,19 @@ def test_pretrain_with_train_task_shapes_caches_the_shapes_model(tmp_path, capsy
     assert main(["pretrain", *SHAPES_CLI, f"model.cache_dir={tmp_path}"]) == 0
     assert "built-in shapes model cached in" in capsys.readouterr().out
     assert [p.name[:12] for p in tmp_path.iterdir() if p.is_dir()] == ["tiny-shapes-"]  # no digits model, no classifier
+
+
+def test_one_seed_per_prompt_reports_no_detection_diversity_and_trips_no_guard():
+    """eval.seeds_per_prompt=1: no prompt has two samples, so the layout diversity is undefined; the row leaves it
+    out (as the colour guard where no prompt is colour-free) instead of a NaN that every evaluation, the start's
+    too, would count as a guard that cannot be computed (train.on_hacking=stop would stop before training)."""
+    cfg = RunConfig.from_overrides(["train.task=shapes", "eval.seeds_per_prompt=1"])
+    g = guards.EvalGuards.for_flow(cfg, "cpu")
+    recs = shapes.prompts("test", ("colors",))[:4]
+    rng = np.random.default_rng(1)
+    ev = g.begin()
+    ev.add([0, 1, 2, 3], g.chunk(torch.stack([shapes.render(r, rng) for r in recs]), [r["prompt"] for r in recs], recs))
+    row = ev.result()
+    assert row["eval/guard/rewards/shapes_score/mean"] == 1.0
+    assert "eval/guard/detection_diversity" not in row
+    assert guards.tripped(row, dict(row), guards.Thresholds()) == []

@@ -329,11 +329,11 @@ class Evaluation:
     def result(self) -> dict[str, float]:
         """{eval/guard/...}; the first result of a run (the base model) becomes the base statistics."""
         row = {f"{PREFIX}rewards/{k}/mean": (s[0] / s[1] if s[1] else float("nan")) for k, s in self.sums.items()}
-        if self.layouts:
-            row[PREFIX + "detection_diversity"] = shapes_diversity.detection_diversity(self.layouts, self.g.group)
-            spread = shapes_diversity.color_diversity(self.layouts, self.free, self.g.group)
-            if math.isfinite(spread):  # only where some prompt names no colour
-                row[PREFIX + "color_diversity"] = spread
+        if self.layouts:  # each only where it is defined: some prompt has two samples / names no colour
+            for key, v in (("detection_diversity", shapes_diversity.detection_diversity(self.layouts, self.g.group)),
+                           ("color_diversity", shapes_diversity.color_diversity(self.layouts, self.free, self.g.group))):
+                if math.isfinite(v):
+                    row[PREFIX + key] = v
         m = self.moments
         if m.n >= 2:
             mu, cov = gaussian_from_sums(m.n, m.s1, m.s2)
