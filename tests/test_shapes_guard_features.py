@@ -87,11 +87,12 @@ def check_collapse(encoder, max_kid: float | None) -> None:
     assert row0["eval/fid"] == pytest.approx(same, rel=1e-9, abs=1e-9 * scale)
     assert row0["eval/guard/kid"] == pytest.approx(kid(start, ref), rel=1e-9)
     assert row1["eval/guard/kid"] > row0["eval/guard/kid"] + 10 * abs(row0["eval/guard/kid"])
-    th = guards.thresholds(RunConfig.from_overrides(["train.task=shapes"]).train)
+    th = guards.thresholds(RunConfig.from_overrides(["train.task=shapes", "train.guard_distance=fid"]).train)
     assert not guards.tripped(row0, evaluate(ref), th)  # the reference itself as the next evaluation: inside
     assert any(t.startswith("eval/fid") for t in guards.tripped(row0, row1, th))
-    if max_kid is not None:
-        kid_th = guards.Thresholds(**{**vars(th), "distance": "kid", "max_kid": max_kid})
+    if max_kid is not None:  # the task's default distance guard
+        kid_th = guards.thresholds(RunConfig.from_overrides(["train.task=shapes"]).train)
+        assert (kid_th.distance, kid_th.max_kid) == ("kid", max_kid)
         assert not guards.tripped(row0, evaluate(ref), kid_th)
         assert any(t.startswith("eval/guard/kid") for t in guards.tripped(row0, row1, kid_th))
 
