@@ -279,9 +279,11 @@ def test_every_module_is_named_in_the_architecture_doc():
 def test_no_engine_name_in_the_schema_or_the_generic_validation():
     """Adding an engine needs no edit in config.py or validation.py: neither names a registered engine in code
     (the field docs aside). The exceptions are data: the default of engine.name, engine.evaluation's choices, which
-    name velocity sources (a recompute forward or the retained rollout graph), and an example in a parse error."""
+    name velocity sources (a recompute forward or the retained rollout graph), the shapes task's engine in
+    TASK_DEFAULTS, and an example in a parse error."""
     allowed = {("EngineConfig.name", "recompute"), ("EngineConfig.evaluation", "recompute"),
-               ("EngineConfig.evaluation", "retain"), (None, " must look like key=value (e.g. engine.name=recompute)")}
+               ("EngineConfig.evaluation", "retain"), ("TASK_DEFAULTS", "nft"),
+               (None, " must look like key=value (e.g. engine.name=recompute)")}
     names = set(ENGINES)
     for module in ("config.py", "schema.py", "validation.py"):
         text = (SRC / module).read_text()
@@ -292,7 +294,8 @@ def test_no_engine_name_in_the_schema_or_the_generic_validation():
                 docs.add(id(node.body[0].value))
             if isinstance(node, ast.keyword) and node.arg == "doc":
                 docs |= {id(c) for c in ast.walk(node.value)}
-        where = {}
+        where = {id(c): stmt.target.id for stmt in tree.body  # module-level tables: TASK_DEFAULTS
+                 if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) for c in ast.walk(stmt)}
         for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
             for stmt in cls.body:
                 if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):

@@ -304,7 +304,7 @@ def test_help_names_the_default_task(capsys):
 def test_a_shapes_task_run_samples_and_exports_from_the_command_line(tmp_path, capsys):
     run = tmp_path / "run"
     assert main(["train", *SHAPES_CLI, "eval.seeds_per_prompt=1", "train.num_iterations=1", "train.save_every=1",
-                 f"log.output_dir={run}"]) == 0
+                 "model.lora_rank=0", f"log.output_dir={run}"]) == 0  # a full fine-tune: its export is a transformer
     assert "eval/rewards/shapes_correct/mean:" in capsys.readouterr().out
     assert main(["sample", "--weights", str(run), "--num", "1", "--out", str(tmp_path / "s.png")]) == 0
     assert "wrote 6 samples" in capsys.readouterr().out  # a held-out prompt per shapes category

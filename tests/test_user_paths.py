@@ -147,7 +147,8 @@ def _model_args(model: str, lora: bool, request) -> list[str]:
     elif model == "shapes":  # the built-in model on train.task=shapes (the tiny sizes of the shapes tests: one cache)
         args = ["train.task=shapes", "model.num_layers=1", "model.num_heads=2", "model.head_dim=8", "model.text_dim=16",
                 "pretrain.steps=10", "pretrain.batch_size=8", "sampler.num_steps=3", "eval.seeds_per_prompt=1",
-                "reward.weights={jpeg_incompressibility: 1.0}", "train.lr=1e-3"]
+                "reward.weights={jpeg_incompressibility: 1.0}", "train.lr=1e-3",
+                *([] if lora else ["model.lora_rank=0"])]  # the task's default is a LoRA
     elif model in ("sd3", "wan"):
         d = request.getfixturevalue(f"{model}_dir")
         args = ["model.name=diffusers", f"model.pretrained={d}", "model.resolution=16", "model.max_sequence_length=8",
