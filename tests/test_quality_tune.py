@@ -12,6 +12,7 @@ from diffgrpo import RunConfig, guards
 from diffgrpo.cli.app import main
 from diffgrpo.errors import ConfigError
 from diffgrpo.studies import quality_tune as qt
+from diffgrpo.studies.quality_stats import GuardCheck
 from tests.helpers.tiny import FAST_CLI
 
 
@@ -41,6 +42,12 @@ def test_tuning_chooses_the_cell_first_at_the_target_and_measures_it_on_other_se
     costs = {r["cell"]: _first_at_target(by_cell[r["cell"]]["evaluations"], tune["target"], th) for r in grid}
     for r in grid:  # the grid table's cost to target is the first evaluation at the target inside the guards
         assert (r["cost_to_target"] if r["cost_to_target"] is not None else math.inf) == costs[r["cell"]]
+    for r in grid:  # ends inside the guards: its one tuning seed's last evaluation against its start
+        ev = [{"metrics": {k: math.nan if v is None else v for k, v in p["metrics"].items()}}
+              for p in by_cell[r["cell"]]["evaluations"]]
+        assert r["held"] == float(not guards.tripped(ev[0]["metrics"], ev[-1]["metrics"], th))
+    most = max(r["held"] for r in grid)
+    costs = {c: k for c, k in costs.items() if next(r["held"] for r in grid if r["cell"] == c) == most}
     best = min(costs.values())
     tied = [c for c, k in costs.items() if k == best]
     want = max(tied, key=lambda c: next(r["end_inside"] for r in grid if r["cell"] == c))
@@ -70,12 +77,26 @@ def test_tuning_seeds_must_differ_from_measuring_seeds(tmp_path, capsys):
 
 
 def test_choice_breaks_ties_by_the_end_reward_inside_the_guards():
-    rows = [{"variant": "a", "cell": "a.t0", "cost_to_target": 50.0, "end_inside": 0.7},
-            {"variant": "a", "cell": "a.t1", "cost_to_target": 50.0, "end_inside": 0.8},
-            {"variant": "a", "cell": "a.t2", "cost_to_target": 80.0, "end_inside": 0.9},
-            {"variant": "b", "cell": "b.t0", "cost_to_target": math.inf, "end_inside": 0.6},
-            {"variant": "b", "cell": "b.t1", "cost_to_target": math.inf, "end_inside": 0.65}]
+    rows = [{"variant": "a", "cell": "a.t0", "held": 1.0, "cost_to_target": 50.0, "end_inside": 0.7},
+            {"variant": "a", "cell": "a.t1", "held": 1.0, "cost_to_target": 50.0, "end_inside": 0.8},
+            {"variant": "a", "cell": "a.t2", "held": 1.0, "cost_to_target": 80.0, "end_inside": 0.9},
+            {"variant": "b", "cell": "b.t0", "held": 1.0, "cost_to_target": math.inf, "end_inside": 0.6},
+            {"variant": "b", "cell": "b.t1", "held": 1.0, "cost_to_target": math.inf, "end_inside": 0.65}]
     assert qt.choose(rows) == {"a": "a.t1", "b": "b.t1"}
+
+
+def test_a_cell_that_touches_the_target_and_then_leaves_the_guards_is_not_chosen():
+    """A setting at the target sooner that ends out of the guards loses to one that gets there later and stays."""
+    rows = [{"variant": "a", "cell": "a.t0", "held": 0.0, "cost_to_target": 20.0, "end_inside": 0.24},
+            {"variant": "a", "cell": "a.t1", "held": 1.0, "cost_to_target": 70.0, "end_inside": 0.33},
+            {"variant": "a", "cell": "a.t2", "held": 0.5, "cost_to_target": 10.0, "end_inside": 0.30}]
+    assert qt.choose(rows) == {"a": "a.t1"}
+    th = guards.Thresholds(**vars(guards.thresholds(RunConfig().train)))
+    check = GuardCheck(vars(th), lambda a, b: guards.tripped(a, b, th))
+    start = {"eval/reward": 0.2, "eval/guard/ok": 1.0, "eval/fid": 10.0, "eval/diversity": 1.0}
+    inside = [{"metrics": start}, {"metrics": {**start, "eval/reward": 0.3}}]
+    out = [*inside, {"metrics": {**start, "eval/reward": 0.35, "eval/fid": 100.0}}]  # FID 10x its start
+    assert qt.held(inside, check) and not qt.held(out, check)
 
 
 def test_the_grid_resolves_multiples_and_adds_the_diversity_strength():

@@ -10,10 +10,12 @@ measurement on fresh seeds.
             marks and guards) into ``<out>/tune/``; its reference is the reference variant's cell at ×1 everywhere
             (its own settings) when the grid holds it, else its first cell: it fixes the cost of an iteration and,
             without ``--target``, the target.
-  choice    per variant, the cell with the least counted cost to the target inside the guards (mean over tuning
-            seeds; a seed that misses counts as ∞); ties, and variants with no cell at the target: the highest *end
-            reward inside the guards* (per seed, the reward at its last evaluation inside every guard; mean over
-            seeds). Counted cost, not seconds: the choice does not depend on the machine's load.
+  choice    per variant, among the cells whose last evaluation is inside every guard in the most tuning seeds (a
+            setting that touches the target and then leaves the guards is not kept), the cell with the least counted
+            cost to the target inside the guards (mean over tuning seeds; a seed that misses counts as ∞); ties, and
+            variants with no cell at the target: the highest *end reward inside the guards* (per seed, the reward at
+            its last evaluation inside every guard; mean over seeds). Counted cost, not seconds: the choice does not
+            depend on the machine's load.
   marks     the measurement adds evaluation marks around the tuned reference's crossing of the target (½ to 1½ of
             its cost to target on the tuning seeds), at most 20 iterations of the cheapest chosen variant apart
             (:func:`focus_window`), so that a crossing 20 iterations sooner is seen.
@@ -130,14 +132,20 @@ def end_inside(curve: list[dict], check: GuardCheck, metric: str = METRIC) -> fl
     return inside[-1]["metrics"].get(metric, float("nan"))
 
 
+def held(curve: list[dict], check: GuardCheck) -> bool:
+    """Whether a cell's last evaluation is inside every guard (relative to its start)."""
+    return not check.out(curve[0]["metrics"], curve[-1]["metrics"])
+
+
 def choose(rows: list[dict]) -> dict[str, str]:
-    """Grid rows (``variant``, ``cell``, ``cost_to_target``, ``end_inside``) → {variant: chosen cell}: the least
-    cost to the target, ties (and no cell at the target) broken by the highest end reward inside the guards, then
-    grid order."""
+    """Grid rows (``variant``, ``cell``, ``held``, ``cost_to_target``, ``end_inside``) → {variant: chosen cell}: the
+    cells that end inside every guard in the most tuning seeds (``held``, the fraction; a setting that touches the
+    target and then hacks is not a setting a user keeps), among them the least cost to the target, ties (and no cell
+    at the target) broken by the highest end reward inside the guards, then grid order."""
     best: dict[str, tuple] = {}
     for i, r in enumerate(rows):
         end = r["end_inside"] if math.isfinite(r["end_inside"]) else -math.inf
-        key = (r["cost_to_target"], -end, i)
+        key = (-r["held"], r["cost_to_target"], -end, i)
         if r["variant"] not in best or key < best[r["variant"]][0]:
             best[r["variant"]] = (key, r["cell"])
     return {v: b[1] for v, b in best.items()}
@@ -147,14 +155,15 @@ def grid_markdown(rows: list[dict], chosen: dict[str, str], cost: dict) -> str:
     """``tune/grid.md``: every grid cell, the chosen ones in bold, and what the tuning cost."""
     lines = ["# Tuning grid", "", f"Cost of the tuning: {cost['cells']} grid cells × seeds {cost['seeds']}, "
              f"{cost['counted_cost']:.0f} counted cost units, {cost['seconds']:.0f} s wall-clock (training and "
-             "evaluation). Chosen per variant: the least cost to the target inside the guards (mean over the tuning "
-             "seeds), ties and none at the target: the highest end reward inside the guards.", "",
-             "| variant | cell | settings | seeds | cost to target | time to target (s) | end reward inside guards | "
-             "first guard out | chosen |", "|---|---|---|---|---|---|---|---|---|"]
+             "evaluation). Chosen per variant: among the cells ending inside every guard in the most tuning seeds, "
+             "the least cost to the target inside the guards (mean over the tuning seeds), ties and none at the "
+             "target: the highest end reward inside the guards.", "",
+             "| variant | cell | settings | seeds | ends inside guards | cost to target | time to target (s) | "
+             "end reward inside guards | first guard out | chosen |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         mark = "**yes**" if chosen.get(r["variant"]) == r["cell"] else ""
         lines.append(f"| {r['variant']} | {r['cell']} | {', '.join(f'{k}={v}' for k, v in r['settings'].items())} | "
-                     f"{r['seeds']} | {_reached(r['cost_to_target'], '{:.0f}')} | {_reached(r['time_to_target'], '{:.1f}')} | "
+                     f"{r['seeds']} | {r['held']:.0%} | {_reached(r['cost_to_target'], '{:.0f}')} | {_reached(r['time_to_target'], '{:.1f}')} | "
                      f"{r['end_inside']:.4f} | {r['first_out'] or 'none'} | {mark} |")
     return "\n".join(lines) + "\n"
 
@@ -198,6 +207,7 @@ def tune(base: RunConfig, variants: dict[str, list[str]], tune_seeds: list[int],
         rows.append({"variant": d["variant"], "cell": c, "settings": d["settings"], "seeds": list(tune_seeds),
                      "cost_to_target": r["cost_to_target"], "time_to_target": r["time_to_target"],
                      "end_inside": mean([end_inside(_nan(cv), check, metric) for cv in curves]),
+                     "held": mean([float(held(_nan(cv), check)) for cv in curves]),
                      "first_out": ", ".join(outs[0]["guards"]) if outs else ""})
     chosen = choose(rows)
     cost = {"cells": len(cells), "seeds": list(tune_seeds), "seconds": s["meta"]["total_seconds"],
@@ -256,5 +266,5 @@ def _finite(x):
     return x
 
 
-__all__ = ["DEFAULT_GRID", "STRENGTH", "choose", "end_inside", "get_path", "grid_markdown", "grid_settings",
+__all__ = ["DEFAULT_GRID", "STRENGTH", "choose", "end_inside", "get_path", "grid_markdown", "grid_settings", "held",
            "focus_window", "own_settings", "parse_grid", "plan", "resolve", "tune", "tuned", "variant_grid"]
