@@ -360,8 +360,8 @@ def image_feature_fn(cfg, device) -> Callable | None:
     kind = feature_kind(cfg)
     if kind == "none":
         return None
-    if kind in ("digits", "shapes"):
-        return digit_features if kind == "digits" else shapes_space.features
+    if kind in ("digits", "shapes"):  # the built-in tasks' own feature maps
+        return {"digits": digit_features, "shapes": shapes_space.features}[kind]
     if kind == "clip":
         name = clip_reward(cfg)
         model, processor = CLIP_REWARDS[name]

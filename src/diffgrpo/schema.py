@@ -35,7 +35,7 @@ TASK_DEFAULTS: dict[str, dict[str, Any]] = {
                "train.prompts_file": "builtin:shapes/train", "eval.prompts_file": "builtin:shapes/test",
                "reward.weights": {"shapes_correct": 1.0, "shapes_score": 0.0},
                "eval.guard_rewards": ["shapes_correct", "shapes_score"],  # the one not trained on stays
-               "train.guard_distance": "kid",  # FID's 1.5x: 11 % false alarms at the start, KID's: 0 % (guard_noise_shapes)
+               "train.guard_distance": "kid",  # FID's 1.5x: 11 % false alarms at the start, KID's 0 % (guard_noise)
                # DiffusionNFT on a rank-16 LoRA: a held-out gain inside every guard in 3 of 3 seeds; full fine-tunes
                # collapse colour and texture (KID) first (docs/shapes.md)
                "engine.name": "nft", "model.lora_rank": 16, "train.lr": 5e-4, "train.num_iterations": 60},
@@ -432,8 +432,9 @@ class EvalConfig:
                                      "<name>/mean): registry names or module:function; text verifiers or d1_format "
                                      "for masked diffusion LMs", family="any")
     guard_features: str = _f("auto", doc="feature space of eval/guard/fd_base, drift, diversity (flow): auto, "
-                                         "digits, shapes (an encoder of rendered scenes), clip (a CLIP-class reward's CLIP), none or module:function "
-                                         "(images -> (B, D)); masked LMs use hashed character trigrams")
+                                         "digits, shapes (an encoder of rendered scenes), clip (a CLIP-class "
+                                         "reward's CLIP), none or module:function (images -> (B, D)); masked LMs "
+                                         "use hashed character trigrams")
 
 
 @dataclass

@@ -372,14 +372,18 @@ class FlowFamily:
                                         [metadata[i] for i in idx], g)
             real = [j for j, i in enumerate(idx) if lo + j < len(mine)]
             src = {j: sources.first_source(metadata[idx[j]], tuple(im.shape[-2:])) for j in real}  # image edits
+            guard = self.guards.chunk(im[real], [prompts[idx[j]] for j in real],
+                                      sources.attach([metadata[idx[j]] for j in real]))
+            feats = None  # eval/fid's features: the guards' own where both read the same feature map
+            if guards.guards_apply(self.cfg, im):
+                same = self.guards.features is digit_guards.features
+                feats = guard["feats"] if same else digit_guards.features(im[real])
             part = {"index": [idx[j] for j in real], "reward": r[real], "comps": {k: v[real] for k, v in c.items()},
                     "grid": {idx[j]: with_source(grid_frames(im[j:j + 1])[0].cpu(), src[j]) for j in real
                              if idx[j] < EVAL_GRID_IMAGES},
                     "media": [to_uint8(im[j]) for j in real] if save_media else None,
                     "sources": [None if src[j] is None else to_uint8(src[j]) for j in real] if save_media else None,
-                    "feats": digit_guards.features(im[real]) if guards.guards_apply(self.cfg, im) else None,
-                    "guard": self.guards.chunk(im[real], [prompts[idx[j]] for j in real],
-                                               sources.attach([metadata[idx[j]] for j in real]))}
+                    "feats": feats, "guard": guard}
             del im
             for got in distributed.all_gather_object(part):
                 index = torch.tensor(got["index"], dtype=torch.long)
