@@ -161,3 +161,23 @@ def test_checkpoint_round_trip_restores_the_adapter(make_trainer, tmp_path):
     assert all(torch.equal(tr.ema.shadow[n], tr2.ema.shadow[n]) for n in tr.ema.shadow)
     with pytest.raises(KeyError, match="LoRA"):  # a full-transformer state dict is not an adapter
         tr2.policy.load_state_dict(make_trainer().policy.state_dict())
+
+
+def test_saving_a_lora_imports_the_pipeline_class_without_a_library_warning():
+    """The built-in models save their LoRA through ``StableDiffusion3Pipeline.save_lora_weights``; importing that
+    class makes transformers warn once about SigLIP's image processor where torchvision is missing, a line in every
+    LoRA run's log that says nothing about the run. ``pipeline_class`` returns the same class without it; the plain
+    lookup, in a fresh process, shows the warning is real wherever torchvision is absent."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    def stderr_of(code: str) -> str:
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stderr
+
+    ours = stderr_of("from diffgrpo.models.diffusers_adapter import pipeline_class; "
+                     "import diffusers; assert pipeline_class('StableDiffusion3Pipeline') is "
+                     "diffusers.StableDiffusion3Pipeline")
+    assert "torchvision" not in ours, ours
+    plain = stderr_of("import diffusers; diffusers.StableDiffusion3Pipeline")
+    assert ("requires torchvision" in plain) == (importlib.util.find_spec("torchvision") is None), plain

@@ -90,6 +90,22 @@ def cfg_combine(v_c: torch.Tensor, v_u: torch.Tensor, scale: float, renorm: bool
     return v
 
 
+def pipeline_class(name: str) -> type:
+    """``diffusers.<name>`` (a pipeline class) for a policy with no loaded pipeline (the built-in models save their
+    LoRA through it). Importing a pipeline module imports every processor class it names (SD3's SigLIP image
+    processor for IP-adapters), and transformers warns once where torchvision is missing although saving a LoRA
+    uses none of them: its warnings are held back for the import only."""
+    import diffusers
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        return getattr(diffusers, name)
+    finally:
+        hf_logging.set_verbosity(level)
+
+
 def _stack_padded(items: list[dict]) -> dict[str, torch.Tensor]:
     """Concatenate per-prompt encodings (each batched (1, ...)) on dim 0, padding sequences to a common length."""
     out = {}
@@ -381,7 +397,6 @@ class DiffusersFlowPolicy:
         ``weights``: the trainable weights' full tensors (``state_dict(full)``: the adapter under peft's names, or
         the whole transformer), gathered from FSDP2 shards, instead of the live module's; a full fine-tune is then
         written as ``save_pretrained`` writes it (``config.json`` + ``diffusion_pytorch_model.safetensors``)."""
-        import diffusers
         from peft.utils import get_peft_model_state_dict
 
         d = Path(directory)
@@ -394,7 +409,7 @@ class DiffusersFlowPolicy:
             module = self.components[name]
             if self.lora_rank > 0:
                 pipe_cls = (type(self.pipeline) if self.pipeline is not None
-                            else getattr(diffusers, self.row.pipeline_class))
+                            else pipeline_class(self.row.pipeline_class))
                 if weights is None:
                     layers = get_peft_model_state_dict(module)
                 else:
