@@ -108,23 +108,35 @@ class _FakeTrainer:
     """Stands in for a Trainer: a fixed cost per iteration, a reward rising by 0.1 per iteration, and an optional
     iteration at which training stops with a TrainingError."""
 
-    def __init__(self, cost: int, fail_at: int = 0):
+    def __init__(self, cost: int, fail_at: int = 0, first_cost: int = 0):
         self.policy = type("P", (), {"counters": {"forwards_grad": 0, "forwards_nograd": 0}})()
-        self.cost, self.fail_at, self.it = cost, fail_at, 0
+        self.cost, self.fail_at, self.it, self.first_cost = cost, fail_at, 0, first_cost or cost
 
     def step(self):
         if self.fail_at and self.it + 1 == self.fail_at:
             raise bench_quality.TrainingError("stopping: the weights are non-finite after the update\nmore")
         self.it += 1
-        self.policy.counters["forwards_nograd"] += self.cost
+        self.policy.counters["forwards_nograd"] += self.first_cost if self.it == 1 else self.cost
         return {"sample_backwards": 0}
 
     def evaluate(self):
         return {"eval/reward": 0.1 * self.it, "eval/guard/drift": 0.0}, None
 
 
-def _fake_cell(variant: str, seed: int, cost: int, fail: int = 0):
-    return bench_quality.Cell(variant, seed, None, _FakeTrainer(cost, fail), overrides=[])
+def _fake_cell(variant: str, seed: int, cost: int, fail: int = 0, first_cost: int = 0):
+    return bench_quality.Cell(variant, seed, None, _FakeTrainer(cost, fail, first_cost), overrides=[])
+
+
+def test_the_budget_is_iterations_of_the_reference_even_when_its_first_iteration_costs_less():
+    """nft's first iteration has no θ_old forwards (θ_old = θ): sized from it alone, a budget of 8 reference
+    iterations was 8 × the cheap first one, and the reference ran fewer than 8."""
+    cells = [_fake_cell("ref", 0, 10, first_cost=4), _fake_cell("ref", 1, 10, first_cost=4), _fake_cell("b", 0, 5)]
+    budget = bench_quality.interleave(cells, "ref", iterations=8, evals=4, log=lambda *a: None)
+    assert budget == 4 + 7 * 10 and all(c.done for c in cells)
+    assert [c.iterations for c in cells] == [8, 8, 15]  # the reference exactly 8; b until its cost passes 74
+    one = [_fake_cell("ref", 0, 10, first_cost=4)]
+    assert bench_quality.interleave(one, "ref", iterations=1, evals=1, log=lambda *a: None) == 4
+    assert one[0].iterations == 1
 
 
 def test_a_failing_cell_is_reported_and_the_other_cells_go_on():

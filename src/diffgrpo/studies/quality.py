@@ -6,9 +6,10 @@ the unfinished cell with the least counted cost so far (ties: listing order), so
 machine's load, and load noise hits every variant alike.
 
   cost        sample-forwards (rollout and training, with and without grad) + 2 × sample-backwards (the counters)
-  budget      ``iterations`` of the reference variant, converted to counted cost (the reference seeds' mean cost per
-              iteration × iterations, measured on their first iteration), the same for every cell; or a counted
-              cost directly. Never seconds: a loaded machine cannot move the target.
+  budget      ``iterations`` of the reference variant, converted to counted cost (the reference seeds' mean cost of
+              their first iteration + (iterations − 1) × that of their second: an engine's first iteration may
+              cost less, as nft's, which has no θ_old forwards), the same for every cell; or a counted cost
+              directly. Never seconds: a loaded machine cannot move the target.
   wall-clock  cumulative ``trainer.step()`` seconds of each cell (evaluation excluded), measured side by side
   evaluation  at the start and whenever a cell's cost passes a mark: budget·j/evals (j = 1 … evals; ``linear``) or
               budget·(j/evals)² (``quadratic``: denser early, so a variant several times faster than the reference is
@@ -159,14 +160,8 @@ def interleave(cells: list[Cell], reference: str, *, iterations: int = 0, budget
     for c in cells:
         c.evaluate()
     cap = max_iterations or 1_000_000
-    if budget_cost <= 0:  # one iteration of every reference seed fixes the cost of a reference iteration
-        refs = [c for c in cells if c.variant == reference]
-        for c in refs:
-            c.step()
-        if any(c.failed for c in refs):
-            raise TrainingError(f"bench quality: the reference's first iteration failed: "
-                                f"{next(c.failed for c in refs if c.failed)}")
-        budget_cost = statistics.mean(c.cost for c in refs) * iterations
+    if budget_cost <= 0:  # the reference seeds' first two iterations fix the cost of `iterations` of them
+        budget_cost = reference_budget([c for c in cells if c.variant == reference], iterations)
     marks = eval_marks(budget_cost, evals, spacing, focus)
     for c in cells:
         if c.iterations:
@@ -186,6 +181,25 @@ def interleave(cells: list[Cell], reference: str, *, iterations: int = 0, budget
                 f"{budget_cost:.0f}), {time.perf_counter() - t0:.0f} s")
         c.step()
         _at_marks(c, marks, cap, log)
+
+
+def reference_budget(refs: list[Cell], iterations: int) -> float:
+    """The counted cost of ``iterations`` iterations of the reference: its seeds step once (twice when
+    ``iterations`` ≥ 2) and the budget is the mean first iteration's cost + (iterations − 1) × the mean second's.
+    An engine's first iteration can cost otherwise than the rest (nft's has no θ_old forwards: θ_old = θ), so
+    sizing the budget from the first alone would give the reference a different number of iterations."""
+    first, second = [], []
+    for n, costs in ((1, first), (2, second)):
+        if n > min(iterations, 2):
+            break
+        for c in refs:
+            before = c.cost
+            c.step()
+            if c.failed:
+                raise TrainingError(f"bench quality: the reference's iteration {n} failed: {c.failed}")
+            costs.append(c.cost - before)
+    steady = statistics.mean(second) if second else statistics.mean(first)
+    return statistics.mean(first) + (iterations - 1) * steady
 
 
 def truncate(cells: list[Cell], budget: float, evals: int, spacing: str, focus=None) -> tuple[int, float]:
