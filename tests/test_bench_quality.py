@@ -63,7 +63,7 @@ def test_bench_quality_on_a_tiny_diffusers_pipeline(sd3_dir, tmp_path, capsys):
     rows = {r["variant"]: r for r in s["rows"]}
     assert s["target"] == pytest.approx(s["start"] + 0.95 * (s["plateau"]["level"] - s["start"]))
     assert rows["recompute"]["overrides"] == ["engine.name=recompute"] and len(rows["half"]["speedup_ci"]) == 2
-    for name in ("table.md", "curves.png", "command.txt"):
+    for name in ("table.md", "curves.png", "frontier.png", "command.txt"):
         assert (out / name).is_file()
     table = (out / "table.md").read_text()
     assert "| recompute |" in table and "| half |" in table and "Reference plateaued" in table

@@ -85,6 +85,44 @@ def test_summary_target_speedup_and_time_shares():
     assert s["thresholds"] == vars(guards.Thresholds())
 
 
+def test_diversity_at_the_target_is_each_reaching_seeds_ratio_to_its_start():
+    """Per seed, the headline diversity (the checker's detections before the feature-space one) at its first
+    evaluation at the target inside the guards ÷ its own start; the row's value is the mean over the seeds that reached
+    it. A seed whose diversity at the target is below the guard's 0.8× never counts as there."""
+    def cell(seed, divs, rewards, det=None):
+        c = _cell("v", seed, rewards)
+        for p, d in zip(c.curve, divs):
+            p["metrics"]["eval/guard/diversity"] = d
+        for p, d in zip(c.curve, det or []):
+            p["metrics"]["eval/guard/detection_diversity"] = d
+        return c
+
+    check = guard_check(guards.Thresholds())
+    cells = [cell(0, [10.0, 9.0, 8.5], [0.0, 1.0, 1.0]),  # at the target at 1: 0.9×
+             cell(1, [20.0, 19.0, 17.0], [0.0, 0.5, 1.0]),  # at 2: 0.85×
+             cell(2, [10.0, 5.0, 5.0], [0.0, 1.0, 1.0])]  # at the target only at 0.5×: out of the guard, never there
+    s = qs.summarize(cells, "v", metric="eval/reward", target_fraction=0.95, check=check, target=0.9)
+    row = s["rows"][0]
+    assert s["diversity_key"] == "eval/guard/diversity" and row["reached"] == 2
+    assert row["diversity_at_target"] == {"eval/guard/diversity": pytest.approx((0.9 + 0.85) / 2)}
+    assert [r["diversity"] for r in row["per_seed"]][2] == {}
+    det = [cell(0, [10.0, 9.0], [0.0, 1.0], det=[4.0, 3.6])]
+    s = qs.summarize(det, "v", metric="eval/reward", target_fraction=0.95, check=check, target=0.9)
+    assert s["diversity_key"] == "eval/guard/detection_diversity"
+    assert s["rows"][0]["diversity_at_target"]["eval/guard/detection_diversity"] == pytest.approx(0.9)
+    assert qs.diversity_ratios({"eval/diversity": 0.0}, {"eval/diversity": 1.0}) == {}  # no ratio to a zero start
+
+
+def test_frontier_objectives_and_pareto_points():
+    from diffgrpo.studies.quality_report import objective, pareto
+
+    assert objective({"overrides": ["engine.name=nft", "diversity.method=gardo"]}) == "gardo"
+    assert objective({"overrides": ["diversity.method=[gardo, drift]"]}) == "gardo,drift"
+    assert objective({"overrides": ["engine.name=nft"]}) == "off" and objective({}) == "off"
+    pts = [(0.9, 1.0), (0.85, 2.0), (0.8, 1.5), (0.95, 0.5), (0.9, 1.0)]
+    assert pareto(pts) == [(0.85, 2.0), (0.9, 1.0), (0.95, 0.5)]  # (0.8, 1.5) is beaten by (0.85, 2.0)
+
+
 def test_the_statistics_import_and_run_without_torch():
     """The statistics module imports numpy and the standard library only: with torch made unimportable it loads
     from its file and summarises cells, its guards judged by a plain function."""

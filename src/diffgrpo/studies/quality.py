@@ -27,7 +27,8 @@ hacking. Time to target, its speed-up over the reference (seeds paired) and thei
 percentile bootstrap over seeds (a seed that never reaches the target counts as infinitely slow).
 
 Outputs (``out``): ``table.md``, ``summary.json`` (every cell's evaluation curve, the aggregate, intervals),
-``curves.png`` (reward vs wall-clock and vs cost, guard metrics vs reward), ``configs/<variant>_seed<s>.yaml`` (one
+``curves.png`` (reward vs wall-clock and vs cost, guard metrics vs reward), ``frontier.png`` (speed-up against diversity
+at the target, per diversity objective), ``configs/<variant>_seed<s>.yaml`` (one
 resolved config per cell) and ``command.txt``; no per-iteration logs. Cost: the cells' training plus
 (evals + 1) evaluations per cell.
 
@@ -59,7 +60,7 @@ from ..errors import ConfigError, TrainingError
 from ..fileio import atomic_write, claim_folder, run_root
 from ..trainer import Trainer
 from . import quality_tune
-from .quality_report import plot, to_markdown
+from .quality_report import plot, plot_frontier, to_markdown
 from .quality_stats import METRIC, PHASES, GuardCheck, summarize
 
 SPACINGS = ("linear", "quadratic")
@@ -235,7 +236,7 @@ def claim_out(out: Path) -> None:
     """``--out`` must be new, empty, or an earlier ``bench quality`` output (its marker file): any other folder is
     refused before any model loads, so the benchmark never overwrites files it did not write."""
     claim_folder(out, MARKER, "--out", "bench quality",
-                 outputs=("summary.json", "table.md", "curves.png", "command.txt", "configs"))
+                 outputs=("summary.json", "table.md", "curves.png", "frontier.png", "command.txt", "configs"))
 
 
 def _eval_samples(c: Cell) -> int:
@@ -361,13 +362,15 @@ def _write(out: Path, meta: dict, s: dict, cells_json: list, command: str) -> st
         atomic_write(out / "command.txt", command + "\n")
         atomic_write(out / "table.md", md)
         atomic_write(out / "curves.png", lambda tmp: plot(s, tmp))  # never through a link at curves.png
+        atomic_write(out / "frontier.png", lambda tmp: plot_frontier(s, tmp))
     return md
 
 
 def resummarize(out: str | Path, *, target_fraction: float | None = None, target: float | None = None,
                 metric: str | None = None, command: str = "", log=emit) -> dict:
     """Summarise a finished benchmark's cells again (``diffgrpo bench quality --from DIR``): another target fraction,
-    target or metric, without training anything. Rewrites ``table.md``, ``summary.json`` and ``curves.png``;
+    target or metric, without training anything. Rewrites ``table.md``, ``summary.json``, ``curves.png`` and
+    ``frontier.png``;
     ``command.txt`` keeps the command that trained the cells and gains this one."""
     out = Path(out)
     path = out / "summary.json"

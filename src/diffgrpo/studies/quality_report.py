@@ -1,6 +1,7 @@
 """The outputs a reader of ``diffgrpo bench quality`` sees: the Markdown table (``table.md``: the target, the guards,
-time and cost to the target with their intervals, where the speed-up comes from) and the figure (``curves.png``:
-reward against wall-clock and counted cost, reward against each guard), both from a summary of
+time and cost to the target with their intervals, diversity there, where the speed-up comes from) and the figures
+(``curves.png``: reward against wall-clock and counted cost, reward against each guard; ``frontier.png``: speed-up
+against diversity at the target per diversity objective), all from a summary of
 :func:`~diffgrpo.studies.quality_stats.summarize`."""
 from __future__ import annotations
 
@@ -54,6 +55,26 @@ def _tuning_lines(t: dict | None) -> list[str]:
             f"measuring seeds), {t['counted_cost']:.0f} counted cost units, {t['seconds']:.0f} s. Chosen: {chosen}.", ""]
 
 
+def at_target(row: dict, s: dict) -> float:
+    """A row's headline diversity at the target (× its start; NaN: no seed reached the target or no diversity)."""
+    return (row.get("diversity_at_target") or {}).get(s.get("diversity_key") or "", math.nan)
+
+
+def objective(row: dict) -> str:
+    """The diversity objective a variant's overrides choose (``diversity.method=…``; 'off' without one)."""
+    for o in row.get("overrides") or []:
+        key, _, value = o.partition("=")
+        if key.strip() == "diversity.method":
+            return value.strip().strip("[]").replace(" ", "") or "off"
+    return "off"
+
+
+def pareto(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The points (x, y) no other point beats in both x and y (higher is better in both), sorted by x."""
+    keep = [p for p in points if not any(q[0] >= p[0] and q[1] >= p[1] and q != p for q in points)]
+    return sorted(set(keep))
+
+
 def to_markdown(meta: dict, s: dict) -> str:
     """``table.md``: the cells and budget (``meta``), the target, the guards, one row per variant, and where each
     speed-up comes from (summary ``s``)."""
@@ -94,9 +115,9 @@ def to_markdown(meta: dict, s: dict) -> str:
            else "") + "."), "",
         *_tuning_lines(meta.get("tuning")),
         ("| variant | s / it | cost / it | iterations | reached | time to target (s) [95% CI] | cost to target | "
-        "speed-up vs reference (time) [95% CI] | speed-up in cost [95% CI] | final reward | guards at end | out of guards at end | first out of "
-        "guards | hacks |"),
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        "speed-up vs reference (time) [95% CI] | speed-up in cost [95% CI] | diversity at target | final reward | "
+        "guards at end | out of guards at end | first out of guards | hacks |"),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in s["rows"]:
         failed = f" ({len(r['failed'])} failed)" if r.get("failed") else ""
         lines.append(
@@ -105,12 +126,15 @@ def to_markdown(meta: dict, s: dict) -> str:
             f"{_ci(r['time_to_target_ci'])} | {_fmt(r['cost_to_target'], '{:.0f}')} | {_fmt(r['speedup'], '{:.2f}×')}"
             f"{_ci(r['speedup_ci'], '{:.2f}')} | {_fmt(r.get('cost_speedup'), '{:.2f}×')}"
             f"{_ci(r.get('cost_speedup_ci', (math.nan, math.nan)), '{:.2f}')} | "
+            f"{_fmt(at_target(r, s), '{:.2f}×')} | "
             f"{r['final_reward']:.4f} ± {r['final_reward_std']:.4f} | "
             f"{guard_words(r['final_guards'], s['start_guards'])} | "
             f"{', '.join(r['final_out_of_guards']) or 'none'} | {first_out_words(r['first_out_of_guards'])} | "
             f"{'yes' if r['hacks'] else 'no'} |")
     lines += ["", ("'time to target': training wall-clock (mean over seeds) at each seed's first evaluation at the target "
-                  "inside its guards (— : some seed never did within the budget); 'hacks': some seed was at the target "
+                  "inside its guards (— : some seed never did within the budget); 'diversity at target': "
+                  f"{s.get('diversity_key') or 'per-prompt diversity'} at each seed's first evaluation at the target "
+                  "inside its guards ÷ that seed's start, mean over the seeds that reached it; 'hacks': some seed was at the target "
                   "with a guard out of limits; 'guards at end': seed means at the last evaluation (FID and diversity "
                   "as ratios to the start); 'first out of guards': seeds with a guard out at some evaluation, the guard "
                   "out first in most of them, and the median fraction of the budget and reward there; intervals: "
@@ -191,4 +215,73 @@ def plot(s: dict, path: Path) -> None:
     plt.close(fig)
 
 
-__all__ = ["first_out_words", "guard_words", "plot", "to_markdown"]
+def plot_frontier(s: dict, path: Path) -> None:
+    """``frontier.png``, one colour per diversity objective (``diversity.method``): left, each variant's speed-up to
+    the target inside the guards (vs the reference; bars: 95 % interval) against its diversity there ÷ the start,
+    the objective's Pareto frontier joined, the goal (≥ 5× at ≥ 0.95×) and the guard's limit marked; right, the
+    end of the budget: final reward against final diversity ÷ the start. Variants no seed of which reached the target
+    are named under the left panel."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    key, th, start = s.get("diversity_key"), s["thresholds"], s.get("start_guards") or {}
+    objectives = list(dict.fromkeys(objective(r) for r in s["rows"]))
+    cmap = plt.get_cmap("tab10")
+    colour = {o: cmap(i % cmap.N) for i, o in enumerate(objectives)}
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 5.2))
+    missed = []
+    for o in objectives:
+        rows = [r for r in s["rows"] if objective(r) == o]
+        pts = []
+        for r in rows:
+            x, y = at_target(r, s), r["speedup"]
+            if not (math.isfinite(x) and math.isfinite(y) and y > 0):
+                missed.append(f"{r['variant']} ({r['reached']}/{len(r['seeds'])} seeds)")
+                continue
+            lo, hi = r["speedup_ci"]
+            lo = lo if math.isfinite(lo) and lo > 0 else y
+            hi = hi if math.isfinite(hi) else y
+            left.errorbar([x], [y], yerr=[[max(y - lo, 0)], [max(hi - y, 0)]], fmt="o", color=colour[o], ms=5,
+                          capsize=2, lw=0.8)
+            left.annotate(r["variant"], (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
+            pts.append((x, y))
+        front = pareto(pts)
+        if front:
+            left.plot([p[0] for p in front], [p[1] for p in front], color=colour[o], lw=1.2, label=o)
+        fx = [r["final_guards"].get(key, math.nan) / start[key] if key and start.get(key) else math.nan for r in rows]
+        fy = [r["final_reward"] for r in rows]
+        right.scatter(fx, fy, color=colour[o], s=22, label=o)
+        for r, x, y in zip(rows, fx, fy):
+            right.annotate(r["variant"], (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
+    left.set_yscale("log")
+    left.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}×"))
+    left.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    left.axhline(1.0, color="k", lw=0.6)
+    left.axhline(5.0, color="g", ls=":", lw=0.9)
+    for ax in (left, right):
+        ax.axvline(th["min_diversity_ratio"], color="r", ls="--", lw=0.8)
+        ax.axvline(0.95, color="g", ls=":", lw=0.9)
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(title="diversity.method", fontsize=7, title_fontsize=7, frameon=False)
+    right.axhline(s["target"], color="k", ls="--", lw=0.8)
+    left.set_xlabel("diversity at the target ÷ start")
+    left.set_ylabel(f"speed-up to the target vs {s['reference']} (time)")
+    right.set_xlabel("diversity at the end ÷ start")
+    right.set_ylabel("reward at the end (seed mean; dashed: the target)")
+    left.set_title("at the target, inside the guards (seeds that all reached it)", fontsize=10)
+    right.set_title("at the end of the budget", fontsize=10)
+    fig.suptitle(f"reward {s['metric']}, diversity {key or '—'}; red dashed: the guard's limit, green dotted: the "
+                 "goal (≥ 5× sooner at ≥ 0.95× diversity)", fontsize=9)
+    if missed:
+        fig.text(0.01, 0.01, "not at the target inside the guards in every seed: " + ", ".join(missed), fontsize=7)
+    fig.tight_layout(rect=(0, 0.04 if missed else 0, 1, 1))
+    fig.savefig(path, dpi=100, format="png")
+    plt.close(fig)
+
+
+__all__ = ["at_target", "first_out_words", "guard_words", "objective", "pareto", "plot", "plot_frontier",
+           "to_markdown"]

@@ -18,6 +18,9 @@ import numpy as np
 METRIC = "eval/reward"
 PHASES = ("sample", "reward", "train")  # the trainer's time/<phase> keys; the rest of a step is "other"
 GUARD_KEYS = ("eval/guard/", "eval/fid", "eval/diversity")  # the metrics reported beside the reward
+# per-prompt diversity, as ratios to the cell's start where it reaches the target; the first one a run reports is the
+# headline (the shapes checker's detections, else the guards' feature-space diversity)
+DIVERSITY_KEYS = ("eval/guard/detection_diversity", "eval/guard/diversity", "eval/diversity")
 
 
 @dataclass(frozen=True)
@@ -84,7 +87,24 @@ def first_reach(curve: list[dict], target: float, metric: str, check: GuardCheck
         hacked = hacked or not inside
     return {"seconds": hit["seconds"] if hit else math.inf, "cost": hit["cost"] if hit else math.inf,
             "iteration": hit["iteration"] if hit else None, "raw_seconds": raw["seconds"] if raw else math.inf,
-            "hacks": hacked}
+            "hacks": hacked, "diversity": diversity_ratios(start, hit["metrics"]) if hit else {}}
+
+
+def diversity_ratios(start: dict, metrics: dict) -> dict:
+    """Each of :data:`DIVERSITY_KEYS` in ``metrics`` as a ratio to its value in ``start`` (where both are finite and
+    the start positive)."""
+    out = {}
+    for k in DIVERSITY_KEYS:
+        v, v0 = metrics.get(k), start.get(k)
+        if isinstance(v, (int, float)) and isinstance(v0, (int, float)) and math.isfinite(v) and v0 > 0:
+            out[k] = float(v) / float(v0)
+    return out
+
+
+def diversity_key(metrics: dict) -> str | None:
+    """The headline diversity metric of a run: the first of :data:`DIVERSITY_KEYS` it reports (finite)."""
+    return next((k for k in DIVERSITY_KEYS
+                 if isinstance(metrics.get(k), (int, float)) and math.isfinite(metrics[k])), None)
 
 
 def guard_means(curve: list[dict], width: int) -> list[dict]:
@@ -183,7 +203,10 @@ def variant_row(cells: list, reach: list[dict], ref_reach: list[dict], curve: li
         "time_shares": time_shares(ok),
         "iterations_to_target": float(np.mean([math.inf if r["iteration"] is None else r["iteration"]
                                                 for r in reach])),
-        "hacks": any(r["hacks"] for r in reach), "per_seed": reach, "curve": curve}
+        "hacks": any(r["hacks"] for r in reach), "per_seed": reach, "curve": curve,
+        # seed means over the seeds at the target (inside the guards) of their diversity there ÷ at their start
+        "diversity_at_target": {k: mean([r["diversity"].get(k) for r in reach if r["diversity"]])
+                                for k in DIVERSITY_KEYS if any(k in r["diversity"] for r in reach)}}
 
 
 def summarize(cells: list, reference: str, *, metric: str, target_fraction: float, check: GuardCheck,
@@ -210,10 +233,12 @@ def summarize(cells: list, reference: str, *, metric: str, target_fraction: floa
             for v, cs in by.items()]
     start_guards = {k: v for k, v in ref[0]["metrics"].items() if k.startswith(GUARD_KEYS)}
     return {"metric": metric, "reference": reference, "start": start, "start_guards": start_guards, "target": target,
+            "diversity_key": diversity_key(ref[0]["metrics"]),
             "target_given": given, "reference_gain": plat["level"] - start,
             "target_fraction": target_fraction, "plateau": plat, "thresholds": dict(check.limits), "rows": rows,
             "guard_mean": guard_mean}
 
 
-__all__ = ["GUARD_KEYS", "GuardCheck", "METRIC", "PHASES", "bootstrap_ci", "first_out", "first_reach", "guard_means", "mean",
+__all__ = ["DIVERSITY_KEYS", "GUARD_KEYS", "GuardCheck", "METRIC", "PHASES", "bootstrap_ci", "diversity_key",
+           "diversity_ratios", "first_out", "first_reach", "guard_means", "mean",
            "mean_curve", "plateau", "speedup", "std", "summarize", "time_shares", "variant_row"]
