@@ -113,6 +113,23 @@ def test_diversity_at_the_target_is_each_reaching_seeds_ratio_to_its_start():
     assert qs.diversity_ratios({"eval/diversity": 0.0}, {"eval/diversity": 1.0}) == {}  # no ratio to a zero start
 
 
+def test_stop_and_keep_best_keep_the_best_evaluation_inside_the_guards_before_the_first_one_out():
+    """A user's run with train.on_hacking=stop and train.keep_best=eval/reward: it ends at the first evaluation out of
+    the guards and keeps the best inside one before it (the start when none is better)."""
+    check = guard_check(guards.Thresholds(max_reward_drop=0.1, max_drift=0.5))
+    k = qs.kept(_curve(), check, "eval/reward")  # evaluation 1 is out (guard reward 0.5 < 0.9): stopped there
+    assert k["stopped"] and k["reward"] == 0.1 and k["iteration"] == 0 and k["run_seconds"] == 2.0
+    inside = [p for p in _curve() if p["iteration"] != 1]  # 0.1, 0.7 (inside), 0.9 (drift 0.9 > 0.5: out)
+    k = qs.kept(inside, check, "eval/reward")
+    assert k["stopped"] and k["reward"] == 0.7 and k["iteration"] == 2 and k["run_seconds"] == 6.0
+    k = qs.kept(inside[:2], check, "eval/reward")
+    assert not k["stopped"] and k["reward"] == 0.7 and k["run_seconds"] == 4.0
+    cells = [_cell("v", 0, [0.0, 0.5, 0.4]), _cell("v", 1, [0.0, 0.3, 0.6])]
+    row = qs.summarize(cells, "v", metric="eval/reward", target_fraction=0.95,
+                       check=guard_check(guards.Thresholds()))["rows"][0]
+    assert row["kept_reward"] == pytest.approx(0.55) and row["kept_stopped"] == 0
+
+
 def test_frontier_objectives_and_pareto_points():
     from diffgrpo.studies.quality_report import objective, pareto
 

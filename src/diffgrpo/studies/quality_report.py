@@ -116,8 +116,9 @@ def to_markdown(meta: dict, s: dict) -> str:
         *_tuning_lines(meta.get("tuning")),
         ("| variant | s / it | cost / it | iterations | reached | time to target (s) [95% CI] | cost to target | "
         "speed-up vs reference (time) [95% CI] | speed-up in cost [95% CI] | diversity at target | final reward | "
-        "guards at end | out of guards at end | first out of guards | hacks |"),
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        "stop + keep_best: reward kept (runs stopped) | guards at end | out of guards at end | first out of guards | "
+        "hacks |"),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in s["rows"]:
         failed = f" ({len(r['failed'])} failed)" if r.get("failed") else ""
         lines.append(
@@ -128,13 +129,18 @@ def to_markdown(meta: dict, s: dict) -> str:
             f"{_ci(r.get('cost_speedup_ci', (math.nan, math.nan)), '{:.2f}')} | "
             f"{_fmt(at_target(r, s), '{:.2f}×')} | "
             f"{r['final_reward']:.4f} ± {r['final_reward_std']:.4f} | "
+            + (f"{r['kept_reward']:.4f} ± {r['kept_reward_std']:.4f} ({r['kept_stopped']}/{len(r['kept'])}) | "
+               if "kept" in r else "— | ") +
             f"{guard_words(r['final_guards'], s['start_guards'])} | "
             f"{', '.join(r['final_out_of_guards']) or 'none'} | {first_out_words(r['first_out_of_guards'])} | "
             f"{'yes' if r['hacks'] else 'no'} |")
     lines += ["", ("'time to target': training wall-clock (mean over seeds) at each seed's first evaluation at the target "
                   "inside its guards (— : some seed never did within the budget); 'diversity at target': "
                   f"{s.get('diversity_key') or 'per-prompt diversity'} at each seed's first evaluation at the target "
-                  "inside its guards ÷ that seed's start, mean over the seeds that reached it; 'hacks': some seed was at the target "
+                  "inside its guards ÷ that seed's start, mean over the seeds that reached it; 'stop + keep_best': "
+                  "what a user running train.on_hacking=stop with train.keep_best on the metric ends with: the best "
+                  "evaluation inside the guards before the first one out (each judged alone, the start included), "
+                  "seed mean, and how many runs the guards stopped; 'hacks': some seed was at the target "
                   "with a guard out of limits; 'guards at end': seed means at the last evaluation (FID and diversity "
                   "as ratios to the start); 'first out of guards': seeds with a guard out at some evaluation, the guard "
                   "out first in most of them, and the median fraction of the budget and reward there; intervals: "

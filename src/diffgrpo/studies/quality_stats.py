@@ -90,6 +90,26 @@ def first_reach(curve: list[dict], target: float, metric: str, check: GuardCheck
             "hacks": hacked, "diversity": diversity_ratios(start, hit["metrics"]) if hit else {}}
 
 
+def kept(curve: list[dict], check: GuardCheck, metric: str = METRIC) -> dict:
+    """What a user running ``train.on_hacking=stop`` with ``train.keep_best=<metric>`` ends with on one cell's curve:
+    the run stops at its first evaluation out of the start-anchored guards (each evaluation judged alone, as the
+    trainer judges it), and ``best/`` holds the evaluation with the highest ``metric`` among those inside the guards
+    up to there (the start included). → the reward kept, the iteration and seconds it comes from, the seconds the run
+    took (to the stop or the end), whether it stopped, and the diversity ratios at the kept evaluation."""
+    start = curve[0]["metrics"]
+    best, end, stopped = curve[0], curve[-1], False
+    for p in curve[1:]:
+        if check.out(start, p["metrics"]):
+            end, stopped = p, True
+            break
+        v = p["metrics"].get(metric, float("nan"))
+        if math.isfinite(v) and not v <= best["metrics"].get(metric, -math.inf):
+            best = p
+    return {"reward": best["metrics"].get(metric, float("nan")), "iteration": best["iteration"],
+            "seconds": best["seconds"], "run_seconds": end["seconds"], "stopped": stopped,
+            "diversity": diversity_ratios(start, best["metrics"])}
+
+
 def diversity_ratios(start: dict, metrics: dict) -> dict:
     """Each of :data:`DIVERSITY_KEYS` in ``metrics`` as a ratio to its value in ``start`` (where both are finite and
     the start positive)."""
@@ -182,6 +202,7 @@ def variant_row(cells: list, reach: list[dict], ref_reach: list[dict], curve: li
     k = np.array([r["cost"] for r in reach])  # (S,)
     ok = [c for c in cells if not c.failed] or cells  # a failed cell's last evaluation is not its end
     finals = [c.curve[-1]["metrics"] for c in ok]
+    keeps = [kept(c.curve, check, metric) for c in ok]
     last = curve[-1]["metrics"]
     return {
         "variant": cells[0].variant, "overrides": cells[0].overrides,
@@ -204,6 +225,10 @@ def variant_row(cells: list, reach: list[dict], ref_reach: list[dict], curve: li
         "iterations_to_target": float(np.mean([math.inf if r["iteration"] is None else r["iteration"]
                                                 for r in reach])),
         "hacks": any(r["hacks"] for r in reach), "per_seed": reach, "curve": curve,
+        # a user's run with train.on_hacking=stop and train.keep_best=<metric> (:func:`kept`), per seed and in mean
+        "kept": keeps,
+        "kept_reward": mean([x["reward"] for x in keeps]), "kept_reward_std": std([x["reward"] for x in keeps]),
+        "kept_stopped": sum(x["stopped"] for x in keeps),
         # seed means over the seeds at the target (inside the guards) of their diversity there ÷ at their start
         "diversity_at_target": {k: mean([r["diversity"].get(k) for r in reach if r["diversity"]])
                                 for k in DIVERSITY_KEYS if any(k in r["diversity"] for r in reach)}}
@@ -240,5 +265,5 @@ def summarize(cells: list, reference: str, *, metric: str, target_fraction: floa
 
 
 __all__ = ["DIVERSITY_KEYS", "GUARD_KEYS", "GuardCheck", "METRIC", "PHASES", "bootstrap_ci", "diversity_key",
-           "diversity_ratios", "first_out", "first_reach", "guard_means", "mean",
+           "diversity_ratios", "first_out", "first_reach", "guard_means", "kept", "mean",
            "mean_curve", "plateau", "speedup", "std", "summarize", "time_shares", "variant_row"]
