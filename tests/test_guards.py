@@ -260,3 +260,31 @@ def test_text_guards_on_a_masked_lm():
     perturb(tr, scale=0.5)
     row1, _ = tr.evaluate()
     assert row1["eval/guard/fd_base"] > 0
+
+
+def test_guard_patience_stops_at_the_nth_evaluation_in_a_row_out_of_the_guards(tmp_path):
+    """train.guard_patience=2: one evaluation out (the noise of one evaluation) warns, an evaluation back inside
+    resets the count, the second in a row stops the run; a resumed run counts on from its evaluation rows."""
+    t = RunConfig.from_overrides(["train.on_hacking=stop", "train.guard_patience=2"]).train
+    msgs = []
+    w = guards.Watch(t, log=msgs.append)
+    p = guards.PREFIX
+    start = {"iteration": 0, p + "drift": 0.0}
+    rows = [dict(start)] + [{"iteration": i, p + "drift": d} for i, d in ((1, 0.9), (2, 0.1), (3, 0.9), (4, 0.9))]
+    stops = []
+    for r in rows:
+        w.judge(r, run_dir=tmp_path, lead=True, weights=dict)
+        stops.append(w.stop)
+    assert [r[p + "ok"] for r in rows] == [1.0, 0.0, 1.0, 0.0, 0.0]
+    assert stops[:4] == [None] * 4 and "iteration 4" in stops[4] and "2 evaluations in a row" in stops[4]
+    assert sum("warning:" in m and "evaluation 1 of 2" in m for m in msgs) == 2 and msgs[-1].startswith("stopping")
+    again = guards.Watch(t, log=msgs.append)  # resumed after iteration 3: one evaluation out so far
+    again.resume(rows[0], tmp_path, guards.EvalGuards(2, reward_fns={}, features=None, log=lambda *a: None),
+                 rows[:4])
+    assert again.streak == 1
+    again.judge({"iteration": 4, p + "drift": 0.9}, run_dir=tmp_path, lead=True, weights=dict)
+    assert again.stop and "iteration 4" in again.stop
+    one = guards.Watch(RunConfig.from_overrides(["train.on_hacking=stop"]).train, log=lambda *a: None)
+    for r in rows[:2]:
+        one.judge(dict(r), run_dir=tmp_path, lead=True, weights=dict)
+    assert one.stop and "in a row" not in one.stop  # the default, 1: the first evaluation out stops

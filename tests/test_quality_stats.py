@@ -124,6 +124,12 @@ def test_stop_and_keep_best_keep_the_best_evaluation_inside_the_guards_before_th
     assert k["stopped"] and k["reward"] == 0.7 and k["iteration"] == 2 and k["run_seconds"] == 6.0
     k = qs.kept(inside[:2], check, "eval/reward")
     assert not k["stopped"] and k["reward"] == 0.7 and k["run_seconds"] == 4.0
+    # train.guard_patience=2: evaluation 1 alone out does not stop the run; 0.7 at 2 (inside) is kept, 3 is out once
+    k = qs.kept(_curve(), check, "eval/reward", patience=2)
+    assert not k["stopped"] and k["reward"] == 0.7 and k["run_seconds"] == 6.0
+    twice = _curve() + [{**_curve()[3], "iteration": 4, "seconds": 8.0}]  # out at 3 and 4: stopped at 4
+    k = qs.kept(twice, check, "eval/reward", patience=2)
+    assert k["stopped"] and k["reward"] == 0.7 and k["run_seconds"] == 8.0
     cells = [_cell("v", 0, [0.0, 0.5, 0.4]), _cell("v", 1, [0.0, 0.3, 0.6])]
     row = qs.summarize(cells, "v", metric="eval/reward", target_fraction=0.95,
                        check=guard_check(guards.Thresholds()))["rows"][0]

@@ -392,13 +392,20 @@ class Watch:
         self.best: dict | None = None  # {"iteration", "metric", "value"}
         self.told_missing = False  # whether the keep-best metric was reported missing
         self.stop: str | None = None  # why the run stops (on_hacking=stop and a guard fell)
+        self.patience = int(t.guard_patience)  # on_hacking=stop: evaluations in a row out of the guards to stop at
+        self.streak = 0  # evaluations in a row, up to the last one, out of the guards
         self.consistency_mode, self.consistency_limit = t.on_inconsistency, t.max_inconsistency
         self.inconsistent: str | None = None  # why the run stops (on_inconsistency=stop: rollout and update differ)
 
-    def resume(self, start: dict | None, run_dir: Path, evaluation: EvalGuards) -> None:
-        """A resumed run: its start evaluation's row, its best so far, the base statistics of ``evaluation``."""
+    def resume(self, start: dict | None, run_dir: Path, evaluation: EvalGuards, evals: list[dict] = ()) -> None:
+        """A resumed run: its start evaluation's row, its best so far, the base statistics of ``evaluation`` and, from
+        its evaluation rows up to the checkpoint (``evals``, the start first), how many in a row ended out of the
+        guards (``train.guard_patience`` counts on across the resume)."""
         evaluation.load_base(run_dir)
         self.start = start
+        self.streak = 0
+        for r in evals[1:]:
+            self.streak = self.streak + 1 if r.get(PREFIX + "ok") == 0.0 else 0
         path = Path(run_dir) / BEST_DIR / "best.json"
         if self.metric and path.is_file() and not path.is_symlink():
             self.best = guard_checks.read_best(path, self.metric, self.log)
@@ -414,12 +421,16 @@ class Watch:
             self.start = dict(row)
         out = tripped(self.start, row, self.th)
         row[PREFIX + "ok"] = float(not out)
+        self.streak = self.streak + 1 if out else 0
         it = row.get("iteration")
         if out and self.mode != "off":
             msg = f"guard{'s' if len(out) > 1 else ''} out of limits at iteration {it}: " + "; ".join(out)
-            if self.mode == "stop":
-                self.stop = msg
-            self.log(("stopping (train.on_hacking=stop): " if self.mode == "stop" else "warning: ") + msg)
+            if self.mode == "stop" and self.streak >= self.patience:
+                self.stop = msg + (f" ({self.streak} evaluations in a row)" if self.patience > 1 else "")
+                self.log("stopping (train.on_hacking=stop): " + self.stop)
+            else:
+                self.log("warning: " + msg + (f" (evaluation {self.streak} of {self.patience} in a row out of the "
+                                              "guards that stop the run)" if self.mode == "stop" else ""))
         if self.metric and self.metric not in row and not self.told_missing:
             self.told_missing = True
             self.log(f"warning: train.keep_best: no evaluation metric {self.metric!r} (this run's: "

@@ -282,6 +282,10 @@ class TrainConfig:
     on_hacking: str = _f("off", choices=("off", "warn", "stop"),
                          doc="an evaluation outside the guards: off (only logged as eval/guard/ok), warn (a warning), "
                              "stop (the run ends there, exit code 3, the message names the guard)")
+    guard_patience: int = _f(1, lo=1, hi=1000,
+                             doc="on_hacking=stop ends the run at the guard_patience-th evaluation in a row outside "
+                                 "the guards (1: the first; each one before it is a warning): one evaluation's noise "
+                                 "alone does not stop a run at 2 (docs/guards.md)")
     guard_max_fid_ratio: float = _f(1.5, lo=0.0, doc="eval/fid (built-in task) at most this × its start value")
     guard_max_drift: float = _f(0.5, lo=0.0, doc="eval/guard/drift (Fréchet distance to the base model's samples "
                                                   "/ their total variance) at most this")

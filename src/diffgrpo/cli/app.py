@@ -137,6 +137,9 @@ def _add_bench_quality(bsub) -> None:
     bq.add_argument("--from", dest="from_dir", default="", metavar="DIR",
                     help="summarise a finished benchmark's cells again (another --target-fraction, --target or "
                          "--metric), training nothing")
+    bq.add_argument("--guard-patience", type=int, default=None,
+                    help="with --from: what a user's run keeps under train.on_hacking=stop when it stops at this many "
+                         "evaluations in a row out of the guards (default: the benchmark's train.guard_patience)")
     bq.add_argument("--guard-mean", type=int, default=1, help="judge the guards on the mean of this many neighbouring "
                                                              "evaluations (less noise; 1: each evaluation alone)")
     bq.add_argument("--tune", action="store_true", help="first choose each variant's settings on a small grid run on "

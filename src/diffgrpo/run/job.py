@@ -166,7 +166,7 @@ class Job:
         rows = read_metrics(out / "metrics.jsonl", log=self.log) if resumed else []
         evals = [r for r in rows if any(k.startswith("eval/") for k in r)]
         if resumed:  # the start evaluation's row and the base model's statistics
-            self.watch.resume(evals[0] if evals else None, out, tr.family.guards)
+            self.watch.resume(evals[0] if evals else None, out, tr.family.guards, evals)
         first = evals[0] if evals else self._evaluate(out, writer, "start")
         last_eval, start_iteration = (evals[-1] if evals else first), tr.iteration
         self.log(f"eval at start: {_fmt(first)}")  # (on_hacking=stop and a guard out at the start: no iteration)

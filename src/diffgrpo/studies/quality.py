@@ -290,7 +290,7 @@ def run(base: RunConfig, variants: dict[str, list[str]], seeds: list[int], *, ou
         log(f"bench quality: stopped by signal {stopped[0]}; summarised at mark {kept}/{evals} (cost {cost:.0f})")
     th = guards.thresholds(base.train)
     s = summarize(cells, reference, metric=metric, target_fraction=target_fraction, check=guard_check(th),
-                  target=target, budget=cost, guard_mean=guard_mean)
+                  target=target, budget=cost, guard_mean=guard_mean, patience=base.train.guard_patience)
     meta = {"title": title or f"{base.model.name} model, rewards {sorted(base.reward.weights)}", "command": command,
             "variants": variants, "seeds": seeds, "iterations": iterations, "budget_cost": cost, "evals": evals,
             "eval_spacing": eval_spacing, "interrupted": interrupted, "tuning": tuning, "focus": focus,
@@ -367,7 +367,7 @@ def _write(out: Path, meta: dict, s: dict, cells_json: list, command: str) -> st
 
 
 def resummarize(out: str | Path, *, target_fraction: float | None = None, target: float | None = None,
-                metric: str | None = None, command: str = "", log=emit) -> dict:
+                metric: str | None = None, patience: int | None = None, command: str = "", log=emit) -> dict:
     """Summarise a finished benchmark's cells again (``diffgrpo bench quality --from DIR``): another target fraction,
     target or metric, without training anything. Rewrites ``table.md``, ``summary.json``, ``curves.png`` and
     ``frontier.png``;
@@ -390,7 +390,8 @@ def resummarize(out: str | Path, *, target_fraction: float | None = None, target
     first = (out / "command.txt").read_text(encoding="utf-8").splitlines()[:1] if (out / "command.txt").is_file() else []
     try:  # (the table is made before any file is written)
         s = summarize(cells, old["reference"], metric=metric, target_fraction=frac, check=guard_check(th),
-                      target=target, budget=float(old["meta"]["budget_cost"]), guard_mean=int(old.get("guard_mean", 1)))
+                      target=target, budget=float(old["meta"]["budget_cost"]), guard_mean=int(old.get("guard_mean", 1)),
+                      patience=int(old.get("guard_patience", 1)) if patience is None else patience)
         md = _write(out, old["meta"], s, cells_json, "\n".join([*first, *([command] if command else [])]))
     except (KeyError, TypeError, ValueError) as e:  # e.g. a summary whose meta lacks "seeds"
         raise ConfigError(f"--from: {str(path)!r} cannot be read as a bench quality summary ({type(e).__name__}: "
@@ -406,6 +407,8 @@ def from_args(base: RunConfig, args) -> dict:
     if not args.variant:
         raise ConfigError("bench quality: give the variants (--variant NAME=key=value,...), or --from DIR to "
                           "summarise a finished benchmark again")
+    if getattr(args, "guard_patience", None) is not None:
+        raise ConfigError("--guard-patience: only with --from; a new benchmark reads train.guard_patience=N")
     variants: dict[str, list[str]] = {}
     for spec in args.variant:
         name, ov = parse_variant(spec)
@@ -445,16 +448,19 @@ def again_from_args(args) -> dict:
                             ("--config", args.config), ("key=value overrides", args.overrides)) if v]
     if given:
         raise ConfigError(f"--from: {', '.join(given)} cannot change a finished benchmark's cells; only "
-                          "--target-fraction, --target and --metric apply")
+                          "--target-fraction, --target, --metric and --guard-patience apply")
     if args.out != str(Path("runs") / "bench_quality") and Path(args.out).absolute() != Path(args.from_dir).absolute():
         raise ConfigError(f"--from: the summary of {args.from_dir!r} is rewritten in place; --out {args.out!r} does not "
                           "apply (copy the folder first to keep both)")
     words = ["--from", args.from_dir] + (["--target-fraction", str(args.target_fraction)]
                                          if args.target_fraction is not None else []) + (
         ["--target", str(args.target)] if args.target is not None else []) + (
-        ["--metric", args.metric] if args.metric else [])
+        ["--metric", args.metric] if args.metric else []) + (
+        ["--guard-patience", str(args.guard_patience)] if args.guard_patience is not None else [])
+    if args.guard_patience is not None and args.guard_patience < 1:
+        raise ConfigError(f"--guard-patience: value {args.guard_patience} is out of range; must be >= 1")
     return resummarize(args.from_dir, target_fraction=args.target_fraction, target=args.target, metric=args.metric,
-                       command="summarised again: diffgrpo bench quality " + " ".join(shlex.quote(w) for w in words))
+                       patience=args.guard_patience, command="summarised again: diffgrpo bench quality " + " ".join(shlex.quote(w) for w in words))
 
 
 __all__ = ["Cell", "MARKER", "SPACINGS", "again_from_args", "build_cells", "claim_out", "eval_marks", "from_args",

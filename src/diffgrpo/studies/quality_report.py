@@ -139,8 +139,11 @@ def to_markdown(meta: dict, s: dict) -> str:
                   f"{s.get('diversity_key') or 'per-prompt diversity'} at each seed's first evaluation at the target "
                   "inside its guards ÷ that seed's start, mean over the seeds that reached it; 'stop + keep_best': "
                   "what a user running train.on_hacking=stop with train.keep_best on the metric ends with: the best "
-                  "evaluation inside the guards before the first one out (each judged alone, the start included), "
-                  "seed mean, and how many runs the guards stopped; 'hacks': some seed was at the target "
+                  "evaluation inside the guards before the run stops at "
+                  + ("its first evaluation out" if s.get("guard_patience", 1) == 1 else
+                     f"{s['guard_patience']} evaluations in a row out (train.guard_patience)") +
+                  " (each judged alone, the start included), seed mean, and how many runs the guards stopped; "
+                  "'hacks': some seed was at the target "
                   "with a guard out of limits; 'guards at end': seed means at the last evaluation (FID and diversity "
                   "as ratios to the start); 'first out of guards': seeds with a guard out at some evaluation, the guard "
                   "out first in most of them, and the median fraction of the budget and reward there; intervals: "

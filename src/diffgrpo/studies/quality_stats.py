@@ -90,18 +90,22 @@ def first_reach(curve: list[dict], target: float, metric: str, check: GuardCheck
             "hacks": hacked, "diversity": diversity_ratios(start, hit["metrics"]) if hit else {}}
 
 
-def kept(curve: list[dict], check: GuardCheck, metric: str = METRIC) -> dict:
+def kept(curve: list[dict], check: GuardCheck, metric: str = METRIC, patience: int = 1) -> dict:
     """What a user running ``train.on_hacking=stop`` with ``train.keep_best=<metric>`` ends with on one cell's curve:
-    the run stops at its first evaluation out of the start-anchored guards (each evaluation judged alone, as the
-    trainer judges it), and ``best/`` holds the evaluation with the highest ``metric`` among those inside the guards
-    up to there (the start included). → the reward kept, the iteration and seconds it comes from, the seconds the run
+    the run stops at its ``patience``-th evaluation in a row out of the start-anchored guards
+    (``train.guard_patience``; each evaluation judged alone, as the trainer judges it), and ``best/`` holds the
+    evaluation with the highest ``metric`` among those inside the guards up to there (the start included). → the reward kept, the iteration and seconds it comes from, the seconds the run
     took (to the stop or the end), whether it stopped, and the diversity ratios at the kept evaluation."""
     start = curve[0]["metrics"]
-    best, end, stopped = curve[0], curve[-1], False
+    best, end, stopped, streak = curve[0], curve[-1], False, 0
     for p in curve[1:]:
         if check.out(start, p["metrics"]):
-            end, stopped = p, True
-            break
+            streak += 1
+            if streak >= patience:
+                end, stopped = p, True
+                break
+            continue
+        streak = 0
         v = p["metrics"].get(metric, float("nan"))
         if math.isfinite(v) and not v <= best["metrics"].get(metric, -math.inf):
             best = p
@@ -195,14 +199,14 @@ def _paired(ref: np.ndarray, x: np.ndarray, key: str) -> dict:
 
 
 def variant_row(cells: list, reach: list[dict], ref_reach: list[dict], curve: list[dict], *, metric: str,
-                check: GuardCheck, budget: float, guard_mean: int = 1) -> dict:
+                check: GuardCheck, budget: float, guard_mean: int = 1, patience: int = 1) -> dict:
     """One variant's row of the summary: its cells (seeds), each one's :func:`first_reach`, the reference's, and
     its seed-mean curve."""
     t = np.array([r["seconds"] for r in reach])  # (S,)
     k = np.array([r["cost"] for r in reach])  # (S,)
     ok = [c for c in cells if not c.failed] or cells  # a failed cell's last evaluation is not its end
     finals = [c.curve[-1]["metrics"] for c in ok]
-    keeps = [kept(c.curve, check, metric) for c in ok]
+    keeps = [kept(c.curve, check, metric, patience) for c in ok]
     last = curve[-1]["metrics"]
     return {
         "variant": cells[0].variant, "overrides": cells[0].overrides,
@@ -235,11 +239,12 @@ def variant_row(cells: list, reach: list[dict], ref_reach: list[dict], curve: li
 
 
 def summarize(cells: list, reference: str, *, metric: str, target_fraction: float, check: GuardCheck,
-              target: float | None = None, budget: float = 0.0, guard_mean: int = 1) -> dict:
+              target: float | None = None, budget: float = 0.0, guard_mean: int = 1, patience: int = 1) -> dict:
     """The aggregate of every variant against ``reference``: the target (given, or the start plus
     ``target_fraction`` × the reference's gain at its plateau), then one :func:`variant_row` per variant;
     ``budget``: the counted cost per cell (default: the reference cells' mean final cost); ``guard_mean``: the guards
-    judged on the mean of that many neighbouring evaluations (:func:`guard_means`)."""
+    judged on the mean of that many neighbouring evaluations (:func:`guard_means`); ``patience``: the base config's
+    ``train.guard_patience``, for what a user's stopped run keeps (:func:`kept`)."""
     variants = list(dict.fromkeys(c.variant for c in cells))
     by = {v: sorted((c for c in cells if c.variant == v), key=lambda c: c.seed) for v in variants}
     curves = {v: mean_curve(cs, metric) for v, cs in by.items()}
@@ -254,14 +259,14 @@ def summarize(cells: list, reference: str, *, metric: str, target_fraction: floa
              for v, cs in by.items()}
     budget = budget or mean([c.cost for c in by[reference]])
     rows = [variant_row(cs, reach[v], reach[reference], curves[v], metric=metric, check=check, budget=budget,
-                        guard_mean=guard_mean)
+                        guard_mean=guard_mean, patience=patience)
             for v, cs in by.items()]
     start_guards = {k: v for k, v in ref[0]["metrics"].items() if k.startswith(GUARD_KEYS)}
     return {"metric": metric, "reference": reference, "start": start, "start_guards": start_guards, "target": target,
             "diversity_key": diversity_key(ref[0]["metrics"]),
             "target_given": given, "reference_gain": plat["level"] - start,
             "target_fraction": target_fraction, "plateau": plat, "thresholds": dict(check.limits), "rows": rows,
-            "guard_mean": guard_mean}
+            "guard_mean": guard_mean, "guard_patience": patience}
 
 
 __all__ = ["DIVERSITY_KEYS", "GUARD_KEYS", "GuardCheck", "METRIC", "PHASES", "bootstrap_ci", "diversity_key",
