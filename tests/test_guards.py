@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 from scipy.spatial.distance import pdist
 
-from diffgrpo import RunConfig, feature_stats, guards
+from diffgrpo import RunConfig, feature_stats, guard_checks, guards
 from diffgrpo.cli.app import main
 from diffgrpo.config import ConfigError
 from diffgrpo.rewards import image as image_rewards
@@ -58,8 +58,9 @@ def test_tripped_judges_each_guard_against_the_start():
     assert guards.tripped({"eval/guard/rewards/r/mean": -2.0}, {"eval/guard/rewards/r/mean": -2.21}, th)
     assert guards.tripped({"eval/fid": float("nan")}, {"eval/fid": 100.0}, th) == []
     assert guards.tripped(start, {**inside, "eval/fid": 100.0}, guards.Thresholds(max_fid_ratio=0)) == []
-    assert guards.improves(1.0, None) and guards.improves(2.0, 1.0) and not guards.improves(1.0, 1.0)
-    assert not guards.improves(float("nan"), None)
+    improves = guard_checks.improves
+    assert improves(1.0, None) and improves(2.0, 1.0) and not improves(1.0, 1.0)
+    assert not improves(float("nan"), None)
 
 
 def test_guard_config_errors_name_the_key():

@@ -7,6 +7,8 @@
                               non-finite values)
   read_best(path, metric)     ``best/best.json`` read back on resume, or None with a warning when it is damaged or
                               of another metric
+  improves(value, best)       whether a keep-best value beats the best so far
+  out_streak(rows)            evaluations in a row, up to the last, out of the guards (train.guard_patience on resume)
 """
 from __future__ import annotations
 
@@ -21,6 +23,19 @@ from .errors import TrainingError
 
 PREFIX = "eval/guard/"  # the guards' metrics (guards.PREFIX)
 _BASE_ONLY = (PREFIX + "fd_base", PREFIX + "drift")  # absent when the base statistics are unknown (warned)
+
+
+def improves(value, best) -> bool:
+    """Whether a finite ``value`` of the keep-best metric beats ``best`` (None: no best yet); higher is better."""
+    return isinstance(value, (int, float)) and math.isfinite(value) and (best is None or value > best)
+
+
+def out_streak(rows) -> int:
+    """How many evaluation rows in a row, up to the last, were out of the guards (``eval/guard/ok`` 0)."""
+    n = 0
+    for r in rows:
+        n = n + 1 if r.get(PREFIX + "ok") == 0.0 else 0
+    return n
 
 
 def finite(v) -> bool:
@@ -84,4 +99,4 @@ def read_best(path: Path, metric: str, log=print) -> dict | None:
     return best
 
 
-__all__ = ["PREFIX", "base_tensors", "finite", "read_best", "uncomputed"]
+__all__ = ["PREFIX", "base_tensors", "finite", "improves", "out_streak", "read_best", "uncomputed"]

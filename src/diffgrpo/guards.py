@@ -132,11 +132,6 @@ def thresholds(t) -> Thresholds:
                       t.guard_distance, t.guard_max_kid)
 
 
-def improves(value, best) -> bool:
-    """Whether a finite ``value`` of the keep-best metric beats ``best`` (None: no best yet); higher is better."""
-    return isinstance(value, (int, float)) and math.isfinite(value) and (best is None or value > best)
-
-
 # ---------------------------------------------------------------------- the built-in task's digit guards
 _REFERENCE: dict[int, tuple] = {}  # image size → (classifier, μ, Σ, features)
 
@@ -392,20 +387,16 @@ class Watch:
         self.best: dict | None = None  # {"iteration", "metric", "value"}
         self.told_missing = False  # whether the keep-best metric was reported missing
         self.stop: str | None = None  # why the run stops (on_hacking=stop and a guard fell)
-        self.patience = int(t.guard_patience)  # on_hacking=stop: evaluations in a row out of the guards to stop at
-        self.streak = 0  # evaluations in a row, up to the last one, out of the guards
+        self.patience, self.streak = int(t.guard_patience), 0  # stop at `patience` evaluations in a row out (streak)
         self.consistency_mode, self.consistency_limit = t.on_inconsistency, t.max_inconsistency
         self.inconsistent: str | None = None  # why the run stops (on_inconsistency=stop: rollout and update differ)
 
     def resume(self, start: dict | None, run_dir: Path, evaluation: EvalGuards, evals: list[dict] = ()) -> None:
-        """A resumed run: its start evaluation's row, its best so far, the base statistics of ``evaluation`` and, from
-        its evaluation rows up to the checkpoint (``evals``, the start first), how many in a row ended out of the
-        guards (``train.guard_patience`` counts on across the resume)."""
+        """A resumed run: its start evaluation's row, its best so far, the base statistics of ``evaluation``, and how
+        many of its evaluations (``evals`` up to the checkpoint, the start first) ended out of the guards in a row."""
         evaluation.load_base(run_dir)
         self.start = start
-        self.streak = 0
-        for r in evals[1:]:
-            self.streak = self.streak + 1 if r.get(PREFIX + "ok") == 0.0 else 0
+        self.streak = guard_checks.out_streak(evals[1:])
         path = Path(run_dir) / BEST_DIR / "best.json"
         if self.metric and path.is_file() and not path.is_symlink():
             self.best = guard_checks.read_best(path, self.metric, self.log)
@@ -429,13 +420,13 @@ class Watch:
                 self.stop = msg + (f" ({self.streak} evaluations in a row)" if self.patience > 1 else "")
                 self.log("stopping (train.on_hacking=stop): " + self.stop)
             else:
-                self.log("warning: " + msg + (f" (evaluation {self.streak} of {self.patience} in a row out of the "
+                self.log(f"warning: {msg}" + (f" (evaluation {self.streak} of {self.patience} in a row out of the "
                                               "guards that stop the run)" if self.mode == "stop" else ""))
         if self.metric and self.metric not in row and not self.told_missing:
             self.told_missing = True
             self.log(f"warning: train.keep_best: no evaluation metric {self.metric!r} (this run's: "
                      f"{', '.join(sorted(k for k in row if k.startswith('eval/')))}); no best weights are kept")
-        if self.metric and not out and improves(row.get(self.metric), (self.best or {}).get("value")):
+        if self.metric and not out and guard_checks.improves(row.get(self.metric), (self.best or {}).get("value")):
             state = weights()  # a collective under FSDP2: every rank calls it
             self.best = {"iteration": it, "metric": self.metric, "value": float(row[self.metric])}
             if lead:
@@ -503,7 +494,7 @@ def check_config(cfg, family: str) -> dict[str, float]:
     return dict.fromkeys(names, 1.0)
 
 
-__all__ = ["PREFIX", "BASE_FILE", "BEST_DIR", "Thresholds", "tripped", "improves", "text_features", "Base",
+__all__ = ["PREFIX", "BASE_FILE", "BEST_DIR", "Thresholds", "tripped", "text_features", "Base",
            "EvalGuards", "Evaluation", "Watch", "check_config", "image_feature_fn", "diversity_feature_fn", "diversity_space", "clip_features", "feature_kind",
            "plugin", "penultimate_features", "reference_stats", "reference_features", "thresholds", "DISTANCES", "digit_features", "guards_apply", "GuardStats",
            "SHAPES_REWARDS"]

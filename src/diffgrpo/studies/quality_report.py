@@ -75,6 +75,24 @@ def pareto(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return sorted(set(keep))
 
 
+def _legend(s: dict) -> str:
+    """The words under the table: what each column means (summary ``s``: the diversity key, the guard patience)."""
+    return ("'time to target': training wall-clock (mean over seeds) at each seed's first evaluation at the target "
+            "inside its guards (— : some seed never did within the budget); 'diversity at target': "
+            f"{s.get('diversity_key') or 'per-prompt diversity'} at each seed's first evaluation at the target "
+            "inside its guards ÷ that seed's start, mean over the seeds that reached it; 'stop + keep_best': "
+            "what a user running train.on_hacking=stop with train.keep_best on the metric ends with: the best "
+            "evaluation inside the guards before the run stops at "
+            + ("its first evaluation out" if s.get("guard_patience", 1) == 1 else
+               f"{s['guard_patience']} evaluations in a row out (train.guard_patience)") +
+            " (each judged alone, the start included), seed mean, and how many runs the guards stopped; "
+            "'hacks': some seed was at the target "
+            "with a guard out of limits; 'guards at end': seed means at the last evaluation (FID and diversity "
+            "as ratios to the start); 'first out of guards': seeds with a guard out at some evaluation, the guard "
+            "out first in most of them, and the median fraction of the budget and reward there; intervals: "
+            "percentile bootstrap over seeds (speed-up: seeds paired).")
+
+
 def to_markdown(meta: dict, s: dict) -> str:
     """``table.md``: the cells and budget (``meta``), the target, the guards, one row per variant, and where each
     speed-up comes from (summary ``s``)."""
@@ -134,20 +152,7 @@ def to_markdown(meta: dict, s: dict) -> str:
             f"{guard_words(r['final_guards'], s['start_guards'])} | "
             f"{', '.join(r['final_out_of_guards']) or 'none'} | {first_out_words(r['first_out_of_guards'])} | "
             f"{'yes' if r['hacks'] else 'no'} |")
-    lines += ["", ("'time to target': training wall-clock (mean over seeds) at each seed's first evaluation at the target "
-                  "inside its guards (— : some seed never did within the budget); 'diversity at target': "
-                  f"{s.get('diversity_key') or 'per-prompt diversity'} at each seed's first evaluation at the target "
-                  "inside its guards ÷ that seed's start, mean over the seeds that reached it; 'stop + keep_best': "
-                  "what a user running train.on_hacking=stop with train.keep_best on the metric ends with: the best "
-                  "evaluation inside the guards before the run stops at "
-                  + ("its first evaluation out" if s.get("guard_patience", 1) == 1 else
-                     f"{s['guard_patience']} evaluations in a row out (train.guard_patience)") +
-                  " (each judged alone, the start included), seed mean, and how many runs the guards stopped; "
-                  "'hacks': some seed was at the target "
-                  "with a guard out of limits; 'guards at end': seed means at the last evaluation (FID and diversity "
-                  "as ratios to the start); 'first out of guards': seeds with a guard out at some evaluation, the guard "
-                  "out first in most of them, and the median fraction of the budget and reward there; intervals: "
-                  "percentile bootstrap over seeds (speed-up: seeds paired)."), "",
+    lines += ["", _legend(s), "",
               ("Where the speed-up comes from: a time speed-up is about the product of the iteration's speed-up (the "
               "reference's s / it ÷ the variant's) and the ratio of the iterations (rollouts) each needs to the "
               "target; and where each variant's training wall-clock goes (all seeds):"), "",
