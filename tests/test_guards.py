@@ -235,6 +235,12 @@ def test_on_hacking_stop_stops_a_run_whose_guard_falls(tmp_path, capsys):
     assert main(["train", "--resume", str(out)]) == 2
     assert "eval.guard_rewards=['tests.test_guards:falling']" in capsys.readouterr().err
 
+    # train.guard_patience=2: the first evaluation out warns, the second in a row stops the run
+    code, out, evals = _cli_run(tmp_path, "patience", "train.on_hacking=stop", "train.guard_patience=2")
+    printed = capsys.readouterr().out
+    assert code == 3 and [r["iteration"] for r in evals] == [0, 1, 2]
+    assert "evaluation 1 of 2 in a row" in printed and "at iteration 2" in printed and "2 evaluations in a row" in printed
+
     code, out, evals = _cli_run(tmp_path, "warn", "train.on_hacking=warn")
     assert code == 0 and [r["iteration"] for r in evals] == [0, 1, 2, 3]
     assert "warning: guard out of limits at iteration 1" in capsys.readouterr().out
