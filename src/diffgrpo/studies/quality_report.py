@@ -271,6 +271,7 @@ def plot_frontier(s: dict, path: Path) -> None:
         for r, x, y in zip(rows, fx, fy):
             right.annotate(r["variant"], (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
     left.set_yscale("log")
+    left.yaxis.set_major_locator(matplotlib.ticker.LogLocator(base=10, subs=(1.0, 2.0, 3.0, 5.0)))
     left.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}×"))
     left.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     left.axhline(1.0, color="k", lw=0.6)
