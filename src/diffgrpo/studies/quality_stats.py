@@ -94,8 +94,9 @@ def kept(curve: list[dict], check: GuardCheck, metric: str = METRIC, patience: i
     """What a user running ``train.on_hacking=stop`` with ``train.keep_best=<metric>`` ends with on one cell's curve:
     the run stops at its ``patience``-th evaluation in a row out of the start-anchored guards
     (``train.guard_patience``; each evaluation judged alone, as the trainer judges it), and ``best/`` holds the
-    evaluation with the highest ``metric`` among those inside the guards up to there (the start included). → the reward kept, the iteration and seconds it comes from, the seconds the run
-    took (to the stop or the end), whether it stopped, and the diversity ratios at the kept evaluation."""
+    evaluation with the highest ``metric`` among those inside the guards up to there (the start included).
+    → the reward kept, the iteration and seconds it comes from, the seconds the run took (to the stop or the end),
+    whether it stopped, and the diversity ratios at the kept evaluation."""
     start = curve[0]["metrics"]
     best, end, stopped, streak = curve[0], curve[-1], False, 0
     for p in curve[1:]:
@@ -106,8 +107,8 @@ def kept(curve: list[dict], check: GuardCheck, metric: str = METRIC, patience: i
                 break
             continue
         streak = 0
-        v = p["metrics"].get(metric, float("nan"))
-        if math.isfinite(v) and not v <= best["metrics"].get(metric, -math.inf):
+        v = p["metrics"].get(metric)
+        if _finite(v) and not v <= best["metrics"].get(metric, -math.inf):
             best = p
     return {"reward": best["metrics"].get(metric, float("nan")), "iteration": best["iteration"],
             "seconds": best["seconds"], "run_seconds": end["seconds"], "stopped": stopped,
@@ -120,15 +121,14 @@ def diversity_ratios(start: dict, metrics: dict) -> dict:
     out = {}
     for k in DIVERSITY_KEYS:
         v, v0 = metrics.get(k), start.get(k)
-        if isinstance(v, (int, float)) and isinstance(v0, (int, float)) and math.isfinite(v) and v0 > 0:
+        if _finite(v) and _finite(v0) and v0 > 0:
             out[k] = float(v) / float(v0)
     return out
 
 
 def diversity_key(metrics: dict) -> str | None:
     """The headline diversity metric of a run: the first of :data:`DIVERSITY_KEYS` it reports (finite)."""
-    return next((k for k in DIVERSITY_KEYS
-                 if isinstance(metrics.get(k), (int, float)) and math.isfinite(metrics[k])), None)
+    return next((k for k in DIVERSITY_KEYS if _finite(metrics.get(k))), None)
 
 
 def guard_means(curve: list[dict], width: int) -> list[dict]:
@@ -153,15 +153,19 @@ def speedup(m: np.ndarray) -> float:
 
 
 # ---------------------------------------------------------------------- over seeds
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
 def mean(xs) -> float:
     """Mean of the finite numbers in ``xs`` (NaN: none)."""
-    xs = [x for x in xs if isinstance(x, (int, float)) and math.isfinite(x)]
+    xs = [x for x in xs if _finite(x)]
     return statistics.mean(xs) if xs else float("nan")
 
 
 def std(xs) -> float:
     """Sample standard deviation of the finite numbers in ``xs`` (0: fewer than two)."""
-    xs = [x for x in xs if isinstance(x, (int, float)) and math.isfinite(x)]
+    xs = [x for x in xs if _finite(x)]
     return statistics.stdev(xs) if len(xs) > 1 else 0.0
 
 
