@@ -139,6 +139,18 @@ def test_the_budget_is_iterations_of_the_reference_even_when_its_first_iteration
     assert one[0].iterations == 1
 
 
+def test_a_variant_with_a_list_value_keeps_its_commas():
+    from diffgrpo import RunConfig
+    from diffgrpo.studies import engines as bench_engines
+
+    name, ov = bench_quality.parse_variant("both=engine.name=nft,diversity.method=[diversegrpo, drift],loss.beta=0.3")
+    assert (name, ov) == ("both", ["engine.name=nft", "diversity.method=[diversegrpo, drift]", "loss.beta=0.3"])
+    assert RunConfig.from_overrides(ov).diversity.method == "diversegrpo,drift"
+    assert bench_engines.parse_variant("nft:diversity.method=[gardo,drift],window=4")[1] == [
+        "engine.name=nft", "diversity.method=[gardo,drift]", "engine.window=4"]
+    assert bench_quality.parse_variant("plain=train.lr=1e-4,loss.beta=0")[1] == ["train.lr=1e-4", "loss.beta=0"]
+
+
 def test_a_failing_cell_is_reported_and_the_other_cells_go_on():
     cells = [_fake_cell("ref", 0, 10), _fake_cell("ref", 1, 10), _fake_cell("cheap", 0, 5),
              _fake_cell("cheap", 1, 5, fail=3)]

@@ -34,6 +34,21 @@ def yaml_problem(e: Exception) -> str:
     return where + one_line(problem)
 
 
+def split_overrides(text: str) -> list[str]:
+    """``key=value,key=value`` (a benchmark variant's overrides) → the overrides, split at the commas outside
+    brackets and braces, so a list value stays whole: ``diversity.method=[diversegrpo,drift],loss.beta=0.3`` → two."""
+    parts, depth, cur = [], 0, []
+    for ch in text:
+        depth += (ch in "[{") - (ch in "]}")
+        if ch == "," and depth <= 0:
+            parts.append("".join(cur))
+            cur = []
+        else:
+            cur.append(ch)
+    parts.append("".join(cur))
+    return [p.strip() for p in parts if p.strip()]
+
+
 def parse_value(key: str, raw: str):
     """An override's value as YAML (a scalar, list or mapping); a syntax error names the key."""
     try:

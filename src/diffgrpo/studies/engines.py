@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from ..config import MODEL_FAMILIES, RunConfig
+from ..configvalues import split_overrides
 from ..engines.recompute import RecomputeEngine
 from ..errors import ConfigError
 from ..fileio import atomic_write
@@ -33,11 +34,12 @@ from ..trainer import Trainer
 
 
 def parse_variant(spec: str) -> tuple[str, list[str]]:
-    """``name[:key=value,...]`` → (label, overrides); bare keys mean ``engine.<key>``."""
+    """``name[:key=value,...]`` → (label, overrides); bare keys mean ``engine.<key>``; a list value in brackets
+    keeps its commas."""
     spec = spec.strip()
     name, _, rest = spec.partition(":")
     overrides = [f"engine.name={name}"]
-    for kv in filter(None, (p.strip() for p in rest.split(","))):
+    for kv in split_overrides(rest):
         key, _, val = kv.partition("=")
         overrides.append(f"{key if '.' in key else 'engine.' + key}={val}")
     return spec, overrides

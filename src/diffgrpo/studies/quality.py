@@ -55,6 +55,7 @@ import torch
 
 from .. import guards
 from ..config import MODEL_FAMILIES, RunConfig
+from ..configvalues import split_overrides
 from ..console import emit, signal_note
 from ..errors import ConfigError, TrainingError
 from ..fileio import atomic_write, claim_folder, run_root
@@ -74,11 +75,12 @@ def guard_check(th: guards.Thresholds) -> GuardCheck:
 
 
 def parse_variant(spec: str) -> tuple[str, list[str]]:
-    """``NAME=key=value,key=value`` (or a bare ``NAME``: no overrides) → (name, overrides)."""
+    """``NAME=key=value,key=value`` (or a bare ``NAME``: no overrides; a list value in brackets keeps its commas)
+    → (name, overrides)."""
     name, _, ov = spec.partition("=")
     if not name.strip():
         raise ConfigError(f"--variant: {spec!r} must be NAME or NAME=key=value[,key=value...]")
-    return variant_name(name.strip()), [o.strip() for o in ov.split(",") if o.strip()]
+    return variant_name(name.strip()), split_overrides(ov)
 
 
 def variant_name(name: str) -> str:
