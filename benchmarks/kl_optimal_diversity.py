@@ -91,7 +91,7 @@ def plot(out: Path, curve: list[dict], curves: dict, base_reward: float, target:
     ax.set_xlabel("held-out reward")
     ax.set_ylabel("diversity ÷ start")
     ax.legend(fontsize=7, loc="lower left")
-    ax.set_title("reward vs per-prompt diversity: every evaluation, and the KL-optimal policy")
+    ax.set_title("every evaluation of the study, and the KL-optimal policy", fontsize=10)
     fig.tight_layout()
     fig.savefig(out / "frontier.png", dpi=120)
     plt.close(fig)

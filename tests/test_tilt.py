@@ -73,3 +73,28 @@ def test_a_reward_carried_by_one_mode_costs_diversity_and_an_independent_one_doe
     assert t_tied["diversity_ratio"] < 0.3  # nearly all weight in one cluster
     assert t_free["diversity_ratio"] == pytest.approx(1.0, abs=0.05)
     assert t_tied["ess_min"] > 50 and t_free["ess_min"] > 50
+
+
+def test_the_benchmark_reads_a_study_and_draws_its_evaluations_over_the_curve(tmp_path):
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "kl_optimal_diversity.py"
+    spec = importlib.util.spec_from_file_location("kl_optimal_diversity", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    ev = [{"metrics": {"eval/reward": r, "eval/guard/diversity": d}} for r, d in ((0.6, 10.0), (0.8, 9.0), (0.9, 8.0))]
+    summary = {"target": 0.75, "diversity_key": "eval/guard/diversity",
+               "rows": [{"variant": "a", "reached": 1, "diversity_at_target": {"eval/guard/diversity": 0.9}},
+                        {"variant": "b", "reached": 0, "diversity_at_target": {}}],
+               "cells": [{"variant": "a", "evaluations": ev}, {"variant": "b", "evaluations": ev[:1]}]}
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    curves, means, target = bench.study_points(tmp_path)
+    assert target == 0.75 and means == {"a": (0.9, 1)}
+    assert curves["a"] == [(0.6, 1.0), (0.8, 0.9), (0.9, 0.8)] and curves["b"] == [(0.6, 1.0)]
+    f = torch.randn(64, 3, generator=torch.Generator().manual_seed(3))
+    r = torch.linspace(0, 1, 64)
+    curve = [tilt.tilted_point(f, r, ["p"] * 64, t) for t in (0.5, 0.7, 2.0)]
+    bench.plot(tmp_path, curve, curves, 0.5, target)
+    assert (tmp_path / "frontier.png").stat().st_size > 0
