@@ -112,7 +112,7 @@ def main(argv=None):
     feats, rewards, prompts = base_samples(a.samples, a.overrides)
     curves, means, study_target = study_points(Path(a.study)) if a.study else ({}, {}, None)
     base_reward = float(rewards.mean())
-    grid = sorted({*a.targets, *([study_target] if study_target else []),
+    grid = sorted({*a.targets, *([study_target] if study_target is not None else []),
                    *(round(base_reward + k * 0.02, 4) for k in range(16))})
     curve = [tilt.tilted_point(feats, rewards, prompts, t) for t in grid]
     summary = {"samples_per_prompt": a.samples, "prompts": len(set(prompts)), "base_reward": base_reward,

@@ -75,15 +75,20 @@ def mean_pairwise_distance(f: torch.Tensor) -> float:
     return float(torch.cdist(f, f).sum() / (n * (n - 1)))  # the diagonal is 0
 
 
+def prompt_groups(prompts: list[str]) -> list[list[int]]:
+    """The sample indices of each prompt with ≥ 2 samples, in order of first appearance."""
+    groups: dict[str, list[int]] = {}
+    for i, p in enumerate(prompts):
+        groups.setdefault(p, []).append(i)
+    return [idx for idx in groups.values() if len(idx) >= 2]
+
+
 def per_prompt_diversity(feats: torch.Tensor, prompts: list[str]) -> float:
     """Mean over prompts (with ≥ 2 samples) of the mean pairwise L2 distance among that prompt's features.
 
     feats (N, D); prompts length N. NaN when no prompt has two samples.
     """
-    groups: dict[str, list[int]] = {}
-    for i, p in enumerate(prompts):
-        groups.setdefault(p, []).append(i)
-    per = [mean_pairwise_distance(feats[idx]) for idx in groups.values() if len(idx) >= 2]
+    per = [mean_pairwise_distance(feats[idx]) for idx in prompt_groups(prompts)]
     return sum(per) / len(per) if per else float("nan")
 
 
@@ -120,4 +125,4 @@ class Moments:
 
 
 __all__ = ["gaussian_stats", "gaussian_from_sums", "frechet_distance", "kid", "mean_pairwise_distance",
-           "per_prompt_diversity", "Moments"]
+           "per_prompt_diversity", "prompt_groups", "Moments"]

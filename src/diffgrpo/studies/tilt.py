@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from ..feature_stats import per_prompt_diversity
+from ..feature_stats import per_prompt_diversity, prompt_groups
 
 
 def tilt_weights(r: torch.Tensor, inv_beta: float) -> torch.Tensor:
@@ -33,13 +33,6 @@ def weighted_spread(f: torch.Tensor, w: torch.Tensor) -> float:
     f, w = f.double(), w.double()
     d = torch.cdist(f, f)  # (n, n), 0 on the diagonal
     return float(w @ d @ w / (1 - (w * w).sum()))
-
-
-def _groups(prompts: list[str]) -> list[torch.Tensor]:
-    index: dict[str, list[int]] = {}
-    for i, p in enumerate(prompts):
-        index.setdefault(p, []).append(i)
-    return [torch.tensor(v) for v in index.values() if len(v) >= 2]
 
 
 def tilted_reward(rewards: torch.Tensor, groups: list[torch.Tensor], inv_beta: float) -> float:
@@ -68,7 +61,7 @@ def tilted_point(feats: torch.Tensor, rewards: torch.Tensor, prompts: list[str],
     """The KL-optimal policy at mean reward ``target`` on these base samples: feats (N, D), rewards (N,), prompts (N,)
     → {target, inv_beta, reward, diversity, diversity_ratio (÷ the base's), kl (nats, mean over prompts),
     ess_min, ess_mean}; ``inv_beta`` None (and the rest NaN) when the target is out of the samples' reach."""
-    groups = _groups(prompts)
+    groups = [torch.tensor(idx) for idx in prompt_groups(prompts)]
     base = per_prompt_diversity(feats, prompts)
     inv_beta = solve_inv_beta(rewards, groups, target)
     if inv_beta is None:
